@@ -1,0 +1,147 @@
+"""``minitrain train`` (also ``python -m minitrain train``): the command-line face of ``train.run_rank``.
+
+Contract every strategy keeps (``--json``): one JSON object per line, ``{"step": i, "loss": x}`` per
+step, then ``{"summary": {...}}`` with at least ``final_loss``, ``step_time_s`` (median), ``params``,
+per-rank ``comm`` and per-rank ``memory``.  Without ``--json``: a progress bar and a readable summary.
+
+Started by ``torchrun`` the command joins the env:// process group and runs as one rank; otherwise it
+starts ``--world-size`` ranks itself.  Bad configurations are refused before any process starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import replace
+
+from .launch import Cluster, init_from_env, launched_by_torchrun
+from .model import PRESETS
+from .strategies import ConfigError, TrainConfig, get_strategy, strategy_names
+from .train import check_config, run_rank
+
+__all__ = ["main", "build_parser", "config_from_args"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minitrain", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train the tiny GPT with a strategy",
+                       description="Train the tiny GPT with one strategy; see 'minitrain strategies'.")
+    t.add_argument("--strategy", default="single", help="a name from 'minitrain strategies'")
+    t.add_argument("--world-size", type=int, default=None,
+                   help="number of ranks to start (default 1; under torchrun: its WORLD_SIZE)")
+    t.add_argument("--steps", type=int, default=20)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--batch-size", type=int, default=16,
+                   help="global batch, split across data-parallel ranks")
+    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--model", choices=sorted(PRESETS), default="tiny", help="model size preset")
+    for name in ("n_layer", "n_head", "d_model", "seq_len"):
+        t.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                       help=f"override the preset's {name}")
+    t.add_argument("--backend", choices=["gloo", "nccl"], default=None,
+                   help="default: nccl with enough GPUs, else gloo")
+    t.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds a collective may wait before the run fails")
+    t.add_argument("--json", action="store_true", help="JSON lines on stdout")
+    for name in strategy_names():
+        get_strategy(name).add_arguments(t.add_argument_group(f"strategy {name}"))
+    sub.add_parser("strategies", help="list the strategies")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    get_strategy(args.strategy)  # ConfigError naming the choices
+    shape = {k: getattr(args, k) for k in ("n_layer", "n_head", "d_model", "seq_len")
+             if getattr(args, k) is not None}
+    try:
+        model = replace(PRESETS[args.model], **shape)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    base = {"strategy", "world_size", "steps", "seed", "batch_size", "lr", "model", "backend",
+            "timeout", "json", "command", "n_layer", "n_head", "d_model", "seq_len"}
+    options = {k: v for k, v in vars(args).items() if k not in base}
+    world = args.world_size
+    if launched_by_torchrun():
+        env_world = int(os.environ["WORLD_SIZE"])
+        if world not in (None, env_world):
+            raise ConfigError(f"--world-size {world} disagrees with torchrun's WORLD_SIZE={env_world}; "
+                              "leave --world-size out under torchrun")
+        world = env_world
+    return TrainConfig(strategy=args.strategy, world_size=world or 1, steps=args.steps,
+                       seed=args.seed, batch_size=args.batch_size, lr=args.lr, model=model,
+                       backend=args.backend, timeout=args.timeout, options=options)
+
+
+class _Reporter:
+    """Runs on rank 0: JSON lines, or a tqdm bar."""
+
+    def __init__(self, as_json: bool, steps: int):
+        self.as_json, self.steps, self.bar = as_json, steps, None
+
+    def __call__(self, step: int, loss: float) -> None:
+        if self.as_json:
+            print(json.dumps({"step": step, "loss": loss}), flush=True)
+            return
+        if self.bar is None:
+            from tqdm.auto import tqdm
+            self.bar = tqdm(total=self.steps, desc="train", unit="step", file=sys.stderr)
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{loss:.4f}")
+        if step + 1 == self.steps:
+            self.bar.close()
+
+
+def _kb(n: float) -> str:
+    return f"{n / 1024:,.1f} KiB" if n < 1024 ** 2 else f"{n / 1024 ** 2:,.1f} MiB"
+
+
+def format_summary(result: dict) -> str:
+    s, losses = result["summary"], result["losses"]
+    lines = [f"strategy {s['strategy']} on {s['world_size']} rank(s) ({s['backend']}), "
+             f"{s['steps']} steps, global batch {s['batch_size']}, {s['params']:,} parameters",
+             f"loss {losses[0]:.4f} -> {s['final_loss']:.4f}; median step {s['step_time_s'] * 1e3:.1f} ms"]
+    for rank, (comm, mem) in enumerate(zip(s["comm"], s["memory"])):
+        b = mem["bytes"]
+        sent = comm.get("total", {}).get("sent_bytes", 0)
+        lines.append(f"rank {rank}: params {_kb(b['parameters'])}, grads {_kb(b['gradients'])}, "
+                     f"optimizer {_kb(b['optimizer_states'])}, activations peak "
+                     f"{_kb(b['activations_peak'])}; sent {_kb(sent)} in "
+                     f"{comm.get('total', {}).get('calls', 0)} calls")
+    return "\n".join(lines)
+
+
+def _train(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    check_config(cfg)  # everything that can be refused is refused here, before any process starts
+    report = _Reporter(args.json, cfg.steps)
+    if launched_by_torchrun():
+        init_from_env(cfg.backend, cfg.timeout)
+        result = run_rank(cfg, report)
+        if "summary" not in result:
+            return 0
+    else:
+        with Cluster(cfg.world_size, cfg.backend, timeout=cfg.timeout, prefix=False) as cluster:
+            result = cluster.run(run_rank, cfg, report)[0]
+    if args.json:
+        print(json.dumps({"summary": result["summary"]}), flush=True)
+    else:
+        print(format_summary(result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "strategies":
+        from .strategies import get_strategy as get
+        for name in strategy_names():
+            print(f"{name:14s} {get(name).help}")
+        return 0
+    try:
+        return _train(args)
+    except ConfigError as exc:
+        parser.exit(2, f"minitrain train: error: {exc}\n")
+    return 0

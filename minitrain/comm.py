@@ -1,0 +1,281 @@
+"""Traced collectives and a ring all-reduce built from send/recv (lesson 01; seed 002 §3.1).
+
+A :class:`Comm` is a communicator in the MPI sense: one process group plus a :class:`Tracer`.  Every
+strategy in ``minitrain.parallel`` is handed a ``Comm`` (never a global), talks through it, and so the
+tracer sees every byte the strategy moves.  Ranks passed to a ``Comm`` (``dst``, ``src``, ``peer``) are
+ranks *inside its group*, as in MPI; ``comm.sub(group)`` makes a communicator for a sub-group that
+shares the tracer (used by the 3D mesh).
+
+What the tracer records per call: the op, the payload bytes handed to it, ``sent_bytes`` — what this
+rank puts on the wire under the ring algorithms of the cost model (lesson 01) — start/end times and
+the group's name.  The ring model, for a payload of B bytes on N ranks:
+
+====================  ===================  ====================================================
+op                    payload (``bytes``)  sent by each rank (``sent_bytes``)
+====================  ===================  ====================================================
+all_reduce            B                    2(N-1)/N · B   (reduce-scatter, then all-gather)
+reduce_scatter        B (the full input)   (N-1)/N · B
+all_gather            B (the full output)  (N-1)/N · B
+broadcast / reduce    B                    B on every rank but the last of the chain / the root
+send / recv           B                    B / 0
+====================  ===================  ====================================================
+
+``ring_all_reduce`` is the same ring written out with point-to-point sends, so the learner can watch
+the 2(N-1) steps happen and check it equals ``dist.all_reduce``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Event", "Tracer", "Comm", "ring_all_reduce", "ring_sent_bytes"]
+
+# torch 2.13 renamed the single-tensor collectives; older releases only have the first names.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def ring_sent_bytes(op: str, nbytes: int, n: int, rank: int = 0, root: int = 0) -> float:
+    """Bytes one rank sends for ``op`` on ``n`` ranks under the ring model (see module docstring).
+
+    ``broadcast`` and ``reduce`` are modelled as a chain around the ring: a broadcast starts at the
+    root and stops at the rank before it; a reduce starts after the root and ends at it.
+    """
+    if op == "send":
+        return float(nbytes)
+    if n == 1 or op in ("recv", "barrier"):
+        return 0.0
+    if op == "all_reduce":
+        return 2 * (n - 1) / n * nbytes
+    if op in ("reduce_scatter", "all_gather"):
+        return (n - 1) / n * nbytes
+    if op == "broadcast":
+        return 0.0 if rank == (root - 1) % n else float(nbytes)
+    if op == "reduce":
+        return 0.0 if rank == root else float(nbytes)
+    raise ValueError(f"unknown op {op!r}")
+
+
+@dataclass
+class Event:
+    """One traced call on one rank."""
+
+    op: str
+    bytes: int
+    sent_bytes: float
+    start: float
+    end: float
+    group: str
+    peer: int | None = None
+    tag: str = ""
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class Tracer:
+    """Records every call a :class:`Comm` makes on this rank.  ``enabled=False`` pauses recording."""
+
+    events: list[Event] = field(default_factory=list)
+    enabled: bool = True
+    t0: float = field(default_factory=time.perf_counter)
+
+    def record(self, event: Event) -> None:
+        if self.enabled:
+            self.events.append(event)
+
+    def clear(self) -> None:
+        self.events.clear()
+        self.t0 = time.perf_counter()
+
+    @contextmanager
+    def paused(self):
+        """Calls inside this block are not recorded (e.g. reporting a metric)."""
+        was, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = was
+
+    def summary(self) -> dict:
+        """``{op: {"calls", "bytes", "sent_bytes", "seconds"}}`` plus a ``"total"`` row."""
+        rows: dict = defaultdict(lambda: {"calls": 0, "bytes": 0, "sent_bytes": 0.0, "seconds": 0.0})
+        for e in self.events:
+            for key in (e.op, "total"):
+                row = rows[key]
+                row["calls"] += 1
+                row["bytes"] += e.bytes
+                row["sent_bytes"] += e.sent_bytes
+                row["seconds"] += e.seconds
+        return {k: dict(v) for k, v in rows.items()}
+
+    def timeline(self) -> list[dict]:
+        """Events as dicts with times relative to the tracer's start (for plots)."""
+        return [dict(op=e.op, bytes=e.bytes, start=e.start - self.t0, end=e.end - self.t0,
+                     group=e.group, peer=e.peer, tag=e.tag) for e in self.events]
+
+
+class _TracedWork:
+    """Wraps an async ``Work`` handle so the event is recorded when it is waited on."""
+
+    def __init__(self, work, on_done):
+        self._work, self._on_done, self._done = work, on_done, False
+
+    def wait(self):
+        if self._work is not None:
+            self._work.wait()
+        if not self._done:
+            self._done = True
+            self._on_done()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done or self._work is None or self._work.is_completed()
+
+
+class Comm:
+    """A process group and a tracer: the only way strategies in minitrain communicate.
+
+    Arguments:
+        group: a ``torch.distributed`` process group (``None``: the default, whole-world group).
+        tracer: where calls are recorded (a new one if not given).
+        name: label for the group in the trace (``"world"``, ``"dp"``, ``"tp"``...).
+    """
+
+    def __init__(self, group=None, tracer: Tracer | None = None, name: str = "world"):
+        self.group = group
+        self.tracer = tracer if tracer is not None else Tracer()
+        self.name = name
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+
+    def sub(self, group, name: str) -> "Comm":
+        """A communicator over ``group`` that records into the same tracer."""
+        return Comm(group, self.tracer, name)
+
+    def global_rank(self, group_rank: int) -> int:
+        """The world rank of this group's rank ``group_rank``."""
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+    def __repr__(self) -> str:
+        return f"Comm({self.name!r}, rank={self.rank}, size={self.size})"
+
+    # -- recording ----------------------------------------------------------------------------------
+
+    def _traced(self, op, nbytes, call, *, peer=None, root=0, async_op=False, tag=""):
+        start = time.perf_counter()
+        sent = ring_sent_bytes(op, nbytes, self.size, self.rank, root)
+
+        def done():
+            self.tracer.record(Event(op, nbytes, sent, start, time.perf_counter(), self.name,
+                                     peer, tag))
+
+        work = call()
+        if async_op:
+            return _TracedWork(work, done)
+        done()
+        return None
+
+    # -- point to point -----------------------------------------------------------------------------
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: str = "") -> None:
+        self._traced("send", _nbytes(tensor), lambda: dist.send(
+            tensor, self.global_rank(dst), group=self.group), peer=dst, tag=tag)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: str = "") -> None:
+        self._traced("recv", _nbytes(tensor), lambda: dist.recv(
+            tensor, self.global_rank(src), group=self.group), peer=src, tag=tag)
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: str = ""):
+        return self._traced("send", _nbytes(tensor), lambda: dist.isend(
+            tensor, self.global_rank(dst), group=self.group), peer=dst, async_op=True, tag=tag)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: str = ""):
+        return self._traced("recv", _nbytes(tensor), lambda: dist.irecv(
+            tensor, self.global_rank(src), group=self.group), peer=src, async_op=True, tag=tag)
+
+    # -- collectives --------------------------------------------------------------------------------
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False, tag: str = ""):
+        return self._traced("broadcast", _nbytes(tensor), lambda: dist.broadcast(
+            tensor, self.global_rank(src), group=self.group, async_op=async_op),
+            root=src, async_op=async_op, tag=tag)
+
+    def reduce(self, tensor: torch.Tensor, dst: int = 0, op=dist.ReduceOp.SUM, tag: str = ""):
+        return self._traced("reduce", _nbytes(tensor), lambda: dist.reduce(
+            tensor, self.global_rank(dst), op=op, group=self.group),
+            root=dst, tag=tag)
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False,
+                   tag: str = ""):
+        return self._traced("all_reduce", _nbytes(tensor), lambda: dist.all_reduce(
+            tensor, op=op, group=self.group, async_op=async_op), async_op=async_op, tag=tag)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
+                       async_op: bool = False, tag: str = ""):
+        """``output`` (numel n) gets this rank's 1/N slice of the sum of every rank's ``input``."""
+        if input.numel() != output.numel() * self.size:
+            raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected "
+                             f"output.numel() x world size = {output.numel() * self.size}; pad it")
+        return self._traced("reduce_scatter", _nbytes(input), lambda: _reduce_scatter_single(
+            output, input, op=op, group=self.group, async_op=async_op), async_op=async_op, tag=tag)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
+                   tag: str = ""):
+        """``output`` (numel N·n) gets every rank's ``input`` (numel n), concatenated by rank."""
+        if output.numel() != input.numel() * self.size:
+            raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
+                             f"input.numel() x world size = {input.numel() * self.size}")
+        return self._traced("all_gather", _nbytes(output), lambda: _all_gather_single(
+            output, input, group=self.group, async_op=async_op), async_op=async_op, tag=tag)
+
+    def barrier(self) -> None:
+        self._traced("barrier", 0, lambda: dist.barrier(group=self.group))
+
+
+def ring_all_reduce(tensor: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Sum ``tensor`` over ``comm``'s ranks in place, with a ring of sends and receives.
+
+    The flat tensor is cut into N chunks (``tensor_split``: sizes may differ by one element).
+    Reduce-scatter: in step s, rank r sends chunk (r - s) to its right neighbour and adds the chunk
+    (r - s - 1) it receives from its left one; after N-1 steps rank r holds the full sum of chunk
+    (r + 1).  All-gather: N-1 more steps pass the finished chunks around the ring.  Each rank sends
+    2(N-1)/N of the tensor in total, whatever N is: that is why the ring is bandwidth-optimal.
+    """
+    n, r = comm.size, comm.rank
+    if n == 1:
+        return tensor
+    flat = tensor.data.view(-1) if tensor.is_contiguous() else tensor.data.reshape(-1)
+    chunks = list(torch.tensor_split(flat, n))
+    right, left = (r + 1) % n, (r - 1) % n
+    for step in range(n - 1):  # reduce-scatter
+        send_i, recv_i = (r - step) % n, (r - step - 1) % n
+        incoming = torch.empty_like(chunks[recv_i])
+        work = comm.isend(chunks[send_i].contiguous(), right, tag="ring")
+        comm.recv(incoming, left, tag="ring")
+        work.wait()
+        chunks[recv_i].add_(incoming)
+    for step in range(n - 1):  # all-gather
+        send_i, recv_i = (r + 1 - step) % n, (r - step) % n
+        work = comm.isend(chunks[send_i].contiguous(), right, tag="ring")
+        incoming = torch.empty_like(chunks[recv_i])
+        comm.recv(incoming, left, tag="ring")
+        work.wait()
+        chunks[recv_i].copy_(incoming)
+    if not tensor.is_contiguous():
+        tensor.data.copy_(flat.view_as(tensor))
+    return tensor

@@ -1,0 +1,186 @@
+"""The memory ledger: bytes per rank by kind and dtype, read from real tensors, beside the formulas.
+
+Lessons 00, 04 and 07; seed 001 (16 bytes per parameter), the ZeRO paper (Rajbhandari et al., 2020,
+"ZeRO: Memory Optimizations Toward Training Trillion Parameter Models") and, for activations,
+Korthikanti et al., 2022, "Reducing Activation Recomputation in Large Transformer Models".
+
+Formulas (Ψ parameters, N data-parallel ranks, K bytes of optimizer state per parameter):
+
+* mixed-precision Adam: 2 (bf16 weights) + 2 (bf16 gradients) + 12 (fp32 master, momentum,
+  variance) = 16 bytes per parameter; plain fp32 Adam: 4 + 4 + 8 = 16 as well;
+* ZeRO-1: 4Ψ + 12Ψ/N; ZeRO-2: 2Ψ + 14Ψ/N; ZeRO-3: 16Ψ/N (mixed-precision Adam);
+* activations of one transformer layer, 16-bit, no recomputation: s·b·h·(34 + 5·a·s/h) bytes.
+
+The ledger (:func:`ledger`) reads what the tensors really hold, so a test can put the two side by
+side: for the tiny model in fp32 with Adam, measured bytes equal 16Ψ exactly.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+
+__all__ = [
+    "DTYPE_BYTES", "RECIPES", "bytes_per_param", "model_state_bytes", "activation_bytes_per_layer",
+    "ledger", "ActivationMeter", "rss_bytes", "GB",
+]
+
+GB = 1e9  # the ZeRO paper and the seeds use decimal gigabytes
+
+DTYPE_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
+
+#: bytes per parameter for (weights, gradients, optimizer states) under common training recipes
+RECIPES = {
+    "mixed-adam": (2, 2, 12),   # bf16/fp16 weights+grads; fp32 master weights, momentum, variance
+    "fp32-adam": (4, 4, 8),     # fp32 weights+grads; fp32 momentum, variance
+    "fp32-sgd": (4, 4, 0),
+    "fp32-momentum": (4, 4, 4),
+}
+
+
+def bytes_per_param(precision: str) -> float:
+    """Bytes one parameter takes when stored in ``precision`` ('fp32', 'bf16', 'fp8', ...)."""
+    try:
+        return DTYPE_BYTES[precision]
+    except KeyError:
+        raise ValueError(f"unknown precision {precision!r}; choose one of {sorted(DTYPE_BYTES)}") from None
+
+
+def model_state_bytes(psi: float, n: int = 1, zero_stage: int = 0,
+                      recipe: str = "mixed-adam") -> dict:
+    """Per-device bytes of weights, gradients and optimizer states under ZeRO stage 0–3.
+
+    Stage 1 shards the optimizer states over ``n`` ranks, stage 2 the gradients too, stage 3 the
+    weights too.  Returns ``{"parameters", "gradients", "optimizer_states", "total"}``.
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    if n < 1:
+        raise ValueError(f"the number of devices must be >= 1, got {n}")
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r}; choose one of {sorted(RECIPES)}")
+    p, g, k = RECIPES[recipe]
+    out = {
+        "parameters": psi * p / (n if zero_stage >= 3 else 1),
+        "gradients": psi * g / (n if zero_stage >= 2 else 1),
+        "optimizer_states": psi * k / (n if zero_stage >= 1 else 1),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int,
+                               recompute: bool = False) -> float:
+    """Activation bytes one transformer layer keeps for backward (16-bit, Korthikanti et al.).
+
+    Without recomputation: s·b·h·(34 + 5·a·s/h).  With full activation checkpointing only the
+    layer's input is kept: 2·s·b·h.
+    """
+    sbh = seq * batch * hidden
+    return 2 * sbh if recompute else sbh * (34 + 5 * heads * seq / hidden)
+
+
+# --------------------------------------------------------------------------------------------------
+# Measured: what the tensors really hold
+# --------------------------------------------------------------------------------------------------
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+class _Tally:
+    """Adds up tensor bytes by kind and dtype, counting each storage once (tied weights, views)."""
+
+    def __init__(self):
+        self.seen: set = set()
+        self.rows: dict = defaultdict(lambda: defaultdict(int))
+
+    def add(self, kind: str, t: torch.Tensor | None) -> None:
+        if t is None:
+            return
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t.device)
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        self.rows[kind][_dtype_name(t.dtype)] += storage.nbytes()
+
+
+def ledger(model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+           activations_peak: int = 0, params=None) -> dict:
+    """Bytes held on this rank, by kind, measured from the tensors.
+
+    Kinds: ``parameters``, ``gradients`` (``.grad`` of those parameters), ``optimizer_states``
+    (per-parameter optimizer tensors such as Adam's momentum and variance, and master weights),
+    ``optimizer_other`` (scalar bookkeeping such as Adam's step counters) and
+    ``activations_peak`` (from :class:`ActivationMeter`).  Returns
+    ``{"bytes": {kind: total}, "by_dtype": {kind: {dtype: bytes}}, "total": ...}``.
+    """
+    tally = _Tally()
+    params = list(params) if params is not None else (
+        list(model.parameters()) if model is not None else [])
+    for p in params:
+        tally.add("parameters", p)
+    for p in params:
+        tally.add("gradients", p.grad)
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if torch.is_tensor(value):
+                    tally.add("optimizer_states" if value.dim() > 0 else "optimizer_other", value)
+    kinds = ["parameters", "gradients", "optimizer_states", "optimizer_other"]
+    out = {k: sum(tally.rows[k].values()) for k in kinds}
+    out["activations_peak"] = int(activations_peak)
+    return {
+        "bytes": out,
+        "by_dtype": {k: dict(tally.rows[k]) for k in kinds if tally.rows[k]},
+        "total": sum(out.values()),
+    }
+
+
+class ActivationMeter:
+    """Measures the bytes autograd saves for backward during a forward pass.
+
+    Uses ``torch.autograd.graph.saved_tensors_hooks``: every tensor saved for backward passes through
+    the pack hook, and we add up the distinct storages that are not parameters.  ``peak`` is the most
+    seen in any one measured forward (the activations are all alive at the end of the forward).
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None):
+        self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()} if model else set()
+        self.peak = 0
+        self.last = 0
+
+    @contextmanager
+    def measure(self):
+        seen: set = set()
+        total = [0]
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in seen and ptr not in self._param_ptrs:
+                seen.add(ptr)
+                total[0] += t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield self
+        self.last = total[0]
+        self.peak = max(self.peak, self.last)
+
+
+def rss_bytes(peak: bool = False) -> int:
+    """Resident memory of this process (``peak=True``: the high-water mark), from /proc (Linux)."""
+    key = "VmHWM:" if peak else "VmRSS:"
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,188 @@
+"""A tiny decoder-only transformer (GPT-2 shaped) that every lesson trains (lessons 00, 02–08).
+
+Built so the parallel strategies can take it apart along the lines the seeds describe:
+
+* ``embed``  — token + position embeddings      (first pipeline stage; vocab-parallel in TP);
+* ``blocks`` — ``n_layer`` transformer blocks   (split across pipeline stages; Megatron-split in TP);
+* ``head``   — final LayerNorm + output layer   (last pipeline stage, where the loss is computed).
+
+Initialisation is deterministic from a seed (GPT-2's: normal(0, 0.02), residual projections scaled by
+1/sqrt(2·n_layer)), independent of the global RNG, so every rank and every strategy builds bit-equal
+weights without a broadcast.  Dropout is left out: it would make strategies differ by RNG draws.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["GPTConfig", "GPT", "Block", "PRESETS", "loss_fn"]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of the tiny GPT.  ``d_ff`` defaults to 4·d_model."""
+
+    vocab_size: int = 13  # the arithmetic language of minitrain.data
+    seq_len: int = 32
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 64
+    d_ff: int | None = None
+    tie_weights: bool = False
+
+    def __post_init__(self):
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}: "
+                             f"pick d_model as a multiple of n_head (e.g. {self.n_head * 16})")
+
+    @property
+    def ff(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    def num_params(self) -> int:
+        """Parameter count from the shapes alone (equals ``GPT(cfg).num_params()``)."""
+        d, ff, v = self.d_model, self.ff, self.vocab_size
+        block = 2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * d + (d * ff + ff) + (ff * d + d)
+        head = 2 * d + (0 if self.tie_weights else v * d)
+        return v * d + self.seq_len * d + self.n_layer * block + head
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+#: Named sizes used by the lessons and the CLI (``--model``).
+PRESETS = {
+    "nano": GPTConfig(n_layer=2, n_head=2, d_model=32, seq_len=16),
+    "tiny": GPTConfig(),
+    "small": GPTConfig(n_layer=6, n_head=6, d_model=192, seq_len=64),
+}
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention: Q, K, V projections, softmax(QKᵀ/√d)V, output projection."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class MLP(nn.Module):
+    """GeLU(XA)B — the product tensor parallelism splits by columns of A and rows of B (seed 003)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.ff)
+        self.proj = nn.Linear(cfg.ff, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(cfg.d_model), Attention(cfg)
+        self.ln2, self.mlp = nn.LayerNorm(cfg.d_model), MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Embedding(nn.Module):
+    """Token embedding plus learned position embedding."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        return self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the projection to vocabulary logits."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.d_model)
+        self.out = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ln(x))
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position of the batch."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class GPT(nn.Module):
+    """The tiny GPT.  ``GPT(cfg, seed)`` gives the same weights on every rank and every run."""
+
+    def __init__(self, cfg: GPTConfig = GPTConfig(), seed: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embedding(cfg)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.head = Head(cfg)
+        if cfg.tie_weights:
+            self.head.out.weight = self.embed.tok.weight
+        self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        resid_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif ".ln" in name:  # LayerNorm gains
+                p.fill_(1.0)
+            else:
+                std = resid_std if name.endswith("proj.weight") else 0.02
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+    def num_params(self) -> int:
+        """Parameters counted once (a tied weight is one parameter)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of shape (batch, seq, vocab), or the mean loss when ``targets`` are given."""
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        return logits if targets is None else loss_fn(logits, targets)
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, new_tokens: int, stop: int | None = None) -> torch.Tensor:
+        """Greedy continuation of ``idx`` (batch, t) by ``new_tokens`` tokens."""
+        for _ in range(new_tokens):
+            logits = self(idx[:, -self.cfg.seq_len:])
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            idx = torch.cat([idx, nxt], dim=1)
+            if stop is not None and bool((nxt == stop).all()):
+                break
+        return idx

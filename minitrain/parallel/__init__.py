@@ -1,0 +1,1 @@
+"""One file per parallel technique; each registers its strategies with ``minitrain.strategies``."""

@@ -35,6 +35,7 @@ import io
 import multiprocessing as mp
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -71,10 +72,16 @@ class RankError(RuntimeError):
         self.rank = rank
         self.exc_type = exc_type
         self.remote_traceback = remote_traceback
+        self.secondary = False  # True when it only reports that another rank went away
         text = f"rank {rank} failed: {message}"
         if remote_traceback:
             text += f"\n\n--- traceback from rank {rank} ---\n{remote_traceback.rstrip()}"
         super().__init__(text)
+
+
+#: seconds the other ranks get to report after the first failure, before the group is stopped
+GRACE_S = 0.3
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
 
 class CollectiveTimeout(RankError):
@@ -122,10 +129,11 @@ def init_from_env(backend: str | None = None, timeout: float = 300.0) -> tuple[i
 
 
 class _Forward(io.TextIOBase):
-    """Stands in for sys.stdout/sys.stderr in a rank: text goes to the parent, which prints it."""
+    """Stands in for sys.stdout/sys.stderr in a rank: whole lines go to the parent, which prints them."""
 
     def __init__(self, send, stream: str, tty: bool = False):
         self._send, self._stream, self._tty = send, stream, tty
+        self._buf = ""
 
     def writable(self):
         return True
@@ -134,9 +142,16 @@ class _Forward(io.TextIOBase):
         return self._tty
 
     def write(self, text):
-        if text:
-            self._send(("print", self._stream, text))
+        self._buf += text
+        if "\n" in self._buf:
+            head, _, self._buf = self._buf.rpartition("\n")
+            self._send(("print", self._stream, head + "\n"))
         return len(text)
+
+    def flush(self):
+        if self._buf:
+            text, self._buf = self._buf, ""
+            self._send(("print", self._stream, text))
 
 
 def _die_with_parent() -> None:
@@ -181,6 +196,14 @@ def _worker_main(rank: int, world_size: int, conn, opts: dict) -> None:
         send(("error", type(exc).__name__, str(exc), traceback.format_exc(), False))
         os._exit(1)
     send(("ready", os.getpid()))
+
+    def _flush():
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+
     while True:
         try:
             payload = conn.recv_bytes()
@@ -191,9 +214,10 @@ def _worker_main(rank: int, world_size: int, conn, opts: dict) -> None:
         try:
             fn, args, kwargs = cloudpickle.loads(payload)
             result = fn(*args, **kwargs)
-            sys.stdout.flush()
+            _flush()
             send(("ok", result))
         except BaseException as exc:  # noqa: BLE001
+            _flush()
             send(("error", type(exc).__name__, str(exc), traceback.format_exc(), _is_timeout(exc)))
     try:
         dist.destroy_process_group()
@@ -204,6 +228,18 @@ def _worker_main(rank: int, world_size: int, conn, opts: dict) -> None:
 # --------------------------------------------------------------------------------------------------
 # The parent side
 # --------------------------------------------------------------------------------------------------
+
+def _listen(host: str) -> socket.socket:
+    """A listening socket on ``host`` and a free port picked by the OS, for the rendezvous store.
+
+    TCPStore on its own listens on every interface; handing it this socket keeps it on ``host``.
+    """
+    family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.bind(addr)
+    sock.listen(128)
+    return sock
+
 
 def _isatty(stream) -> bool:
     try:
@@ -259,6 +295,7 @@ class Cluster:
         self._procs: list = []
         self._conns: list = []
         self._store = None
+        self.port: int | None = None
         self.pids: list[int] = []
         self.started_in_s: float | None = None
 
@@ -275,10 +312,12 @@ class Cluster:
         self.close()
         t0 = time.perf_counter()
         ctx = mp.get_context(self.start_method)
-        self._store = dist.TCPStore(self.host, 0, self.world_size + 1, is_master=True,
-                                    wait_for_workers=False,
+        sock = _listen(self.host)
+        self.port = port = sock.getsockname()[1]
+        self._store = dist.TCPStore(self.host, port, self.world_size + 1, is_master=True,
+                                    wait_for_workers=False, master_listen_fd=sock.detach(),
                                     timeout=datetime.timedelta(seconds=self.timeout))
-        opts = dict(host=self.host, port=self._store.port, backend=self.backend,
+        opts = dict(host=self.host, port=port, backend=self.backend,
                     timeout=self.timeout, threads=self.threads, forward_output=self.forward_output,
                     tty=(_isatty(sys.stdout), _isatty(sys.stderr)))
         for rank in range(self.world_size):
@@ -317,7 +356,7 @@ class Cluster:
         for conn in self._conns:
             conn.close()
         self._procs, self._conns, self.pids = [], [], []
-        self._store = None
+        self._store = None  # the store owns the listening socket and closes it
         _LIVE.discard(self)
 
     def __enter__(self) -> "Cluster":
@@ -367,62 +406,81 @@ class Cluster:
         out.flush()
 
     def _collect(self, deadline: float | None) -> list:
-        """Wait for one final reply per rank, printing forwarded output as it arrives."""
+        """Wait for one final reply per rank, printing forwarded output as it arrives.
+
+        When a rank fails, the others get :data:`GRACE_S` to report too (a rank blocked in a
+        collective with the failed one usually errors a moment later); then the most likely root
+        cause — a rank that died or raised an ordinary exception, before one whose peer vanished —
+        is raised, and the caller stops the group.
+        """
         replies: list = [None] * self.world_size
-        failure = None
+        failures: list[RankError] = []
+        grace_end = None
         conn_rank = {id(c): r for r, c in enumerate(self._conns)}
         sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
         while any(r is None for r in replies):
+            until = grace_end if grace_end is not None else deadline
+            wait_s = 0.5 if until is None else min(0.5, max(0.0, until - time.monotonic()))
             pending = [c for r, c in enumerate(self._conns) if replies[r] is None]
-            if failure is not None:
-                pending_deadline = failure[1]
-            else:
-                pending_deadline = deadline
-            wait_s = 0.5 if pending_deadline is None else max(0.0, pending_deadline - time.monotonic())
-            ready = wait(pending + list(sentinels), timeout=min(wait_s, 0.5))
-            for obj in ready:
-                if obj in sentinels:
-                    rank = sentinels[obj]
-                    proc = self._procs[rank]
-                    if replies[rank] is None and not self._conns[rank].poll():
-                        code = proc.exitcode
-                        how = (f"was killed by signal {-code}" if code is not None and code < 0
-                               else f"exited with code {code}")
-                        err = RankError(rank, f"the process {how} (pid {proc.pid})")
-                        failure = failure or (err, time.monotonic() + 0.2)
+            for obj in wait(pending + list(sentinels), timeout=wait_s):
+                if obj in sentinels:  # a process ended: read what it sent last, then judge
+                    rank = sentinels.pop(obj)
+                    while replies[rank] is None and self._receive(rank, replies, failures):
+                        pass
+                    if replies[rank] is None:
                         replies[rank] = ("dead",)
-                    continue
-                rank = conn_rank[id(obj)]
-                try:
-                    msg = cloudpickle.loads(obj.recv_bytes())
-                except (EOFError, OSError):
-                    continue  # the sentinel will tell us how it died
-                if msg[0] == "print":
-                    self._print(rank, msg[1], msg[2])
-                    continue
-                replies[rank] = msg
-                if msg[0] == "error" and failure is None:
-                    _, name, text, tb, timed_out = msg
-                    cls = CollectiveTimeout if timed_out else RankError
-                    if timed_out:
-                        text = (f"{name}: {text}\n(a collective did not complete within the group's "
-                                f"timeout of {self.timeout:g} s: probably another rank never called "
-                                "it, or called a different one; raise Cluster(timeout=...) if the "
-                                "work is just slow)")
-                    else:
-                        text = f"{name}: {text}"
-                    # give the other ranks a moment to report, then stop them all
-                    failure = (cls(rank, text, tb, name), time.monotonic() + 0.2)
+                        failures.append(self._death(rank))
+                else:
+                    self._receive(conn_rank[id(obj)], replies, failures)
             now = time.monotonic()
-            if failure is not None and now >= failure[1]:
-                raise failure[0]
-            if failure is None and deadline is not None and now >= deadline:
+            if failures and grace_end is None:
+                grace_end = now + GRACE_S
+            if grace_end is not None and now >= grace_end:
+                break
+            if not failures and deadline is not None and now >= deadline:
                 waiting = [r for r, rep in enumerate(replies) if rep is None]
                 raise TimeoutError(f"ranks {waiting} did not finish within the call's timeout; "
                                    "the group was stopped (pass a larger timeout= to run())")
-        if failure is not None:
-            raise failure[0]
+        if failures:
+            raise min(failures, key=lambda e: e.secondary)
         return replies
+
+    def _receive(self, rank: int, replies: list, failures: list) -> bool:
+        """Handle one message from ``rank``; False when there is nothing (more) to read."""
+        conn = self._conns[rank]
+        try:
+            if not conn.poll():
+                return False
+            msg = cloudpickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return False  # the sentinel will tell how it ended
+        if msg[0] == "print":
+            self._print(rank, msg[1], msg[2])
+        else:
+            replies[rank] = msg
+            if msg[0] == "error":
+                failures.append(self._error(rank, *msg[1:]))
+        return True
+
+    def _death(self, rank: int) -> RankError:
+        proc = self._procs[rank]
+        proc.join(1.0)  # reap it, so the exit code is known
+        code = proc.exitcode
+        how = (f"was killed by signal {-code}" if code is not None and code < 0
+               else f"exited with code {code}")
+        return RankError(rank, f"the process {how} (pid {proc.pid})")
+
+    def _error(self, rank: int, name: str, text: str, tb: str, timed_out: bool) -> RankError:
+        if timed_out:
+            err = CollectiveTimeout(
+                rank, f"{name}: {text}\n(a collective did not complete within the group's timeout "
+                f"of {self.timeout:g} s: probably another rank never called it, or called a "
+                "different one; raise Cluster(timeout=...) if the work is just slow)", tb, name)
+        else:
+            err = RankError(rank, f"{name}: {text}", tb, name)
+        # a rank whose peer vanished is a symptom, not the cause
+        err.secondary = timed_out or any(k in text for k in _PEER_LOST)
+        return err
 
 
 def launch(fn, world_size: int, *args, backend: str | None = None, timeout: float = 60.0,

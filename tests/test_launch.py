@@ -1,0 +1,203 @@
+"""The launcher: results from every rank, failures named and cleaned up, timeouts, torchrun."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import pid_alive
+from minitrain import Cluster, CollectiveTimeout, RankError, launch
+from minitrain.launch import choose_backend
+
+
+def rank_and_sum():
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return dist.get_rank(), dist.get_world_size(), t.item()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_results_come_back_from_every_rank(clusters, n):
+    results = clusters(n).run(rank_and_sum)
+    assert results == [(r, n, n * (n + 1) / 2) for r in range(n)]
+
+
+def test_arguments_and_large_results_round_trip(clusters):
+    big = torch.arange(100_000, dtype=torch.float32)
+    out = clusters(2).run(lambda t, scale=1: t * scale + dist.get_rank(), big, scale=2)
+    assert torch.equal(out[0], big * 2) and torch.equal(out[1], big * 2 + 1)
+
+
+def test_closures_and_lambdas_defined_here_run_on_the_ranks(clusters):
+    offset = 41  # captured by value: cloudpickle ships the closure
+    assert clusters(3).run(lambda: dist.get_rank() + offset) == [41, 42, 43]
+
+
+def test_a_cell_on_a_live_group_is_fast(clusters):
+    c = clusters(4)
+    c.run(rank_and_sum)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        c.run(rank_and_sum)
+    per_call = (time.perf_counter() - t0) / 5
+    assert per_call < 0.5, f"a call on a running cluster took {per_call:.3f} s"
+
+
+def test_output_of_ranks_is_forwarded_with_their_rank(clusters, capsys):
+    clusters(2).run(lambda: print("hello from", dist.get_rank()))
+    out = capsys.readouterr().out
+    assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out
+
+
+def fail_on_rank_one():
+    t = torch.ones(1)
+    if dist.get_rank() == 1:
+        raise ValueError("bad shape on purpose")
+    dist.all_reduce(t)  # rank 0 now waits for rank 1, which will never come
+    return t.item()
+
+
+def test_a_rank_that_raises_is_named_quickly_and_cleaned_up():
+    c = Cluster(3, timeout=60)
+    c.start()
+    pids = list(c.pids)
+    t0 = time.perf_counter()
+    with pytest.raises(RankError) as info:
+        c.run(fail_on_rank_one)
+    elapsed = time.perf_counter() - t0
+    err = info.value
+    assert err.rank == 1 and err.exc_type == "ValueError"
+    assert "rank 1 failed" in str(err) and "bad shape on purpose" in str(err)
+    assert "fail_on_rank_one" in err.remote_traceback  # the rank's own traceback
+    assert elapsed < 5, f"the failure took {elapsed:.1f} s to surface (timeout was 60 s)"
+    time.sleep(0.1)
+    assert not any(pid_alive(p) for p in pids), "ranks were left behind"
+    # the same object starts fresh ranks, on a new port, and works
+    assert [r[2] for r in c.run(rank_and_sum)] == [6.0] * 3
+    assert set(c.pids).isdisjoint(pids)
+    c.close()
+    assert not any(pid_alive(p) for p in c.pids)
+
+
+def test_a_killed_rank_is_reported_and_the_rest_stopped():
+    with Cluster(2, timeout=60) as c:
+        pids = list(c.pids)
+        t0 = time.perf_counter()
+        with pytest.raises(RankError, match=r"rank 1 failed: .*killed by signal 9"):
+            c.run(lambda: os.kill(os.getpid(), signal.SIGKILL) if dist.get_rank() == 1
+                  else dist.barrier())
+        assert time.perf_counter() - t0 < 5
+        time.sleep(0.1)
+        assert not any(pid_alive(p) for p in pids)
+
+
+def test_a_collective_that_never_completes_times_out_clearly():
+    def only_rank_zero_reduces():
+        if dist.get_rank() == 0:
+            dist.all_reduce(torch.ones(1))
+        else:
+            time.sleep(30)
+
+    with Cluster(2, timeout=1.5) as c:
+        t0 = time.perf_counter()
+        with pytest.raises(CollectiveTimeout) as info:
+            c.run(only_rank_zero_reduces)
+        elapsed = time.perf_counter() - t0
+    assert info.value.rank == 0
+    assert "timeout of 1.5 s" in str(info.value) and "Cluster(timeout=" in str(info.value)
+    assert 1.0 < elapsed < 6
+
+
+def test_a_call_that_runs_too_long_is_stopped():
+    with Cluster(2, timeout=30) as c:
+        with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not finish"):
+            c.run(time.sleep, 30, timeout=1)
+        assert c.run(lambda: 7) == [7, 7]
+
+
+def test_launch_is_a_one_shot_cluster():
+    assert launch(rank_and_sum, 2) == [(0, 2, 3.0), (1, 2, 3.0)]
+
+
+def test_bad_arguments_are_refused_before_spawning():
+    with pytest.raises(ValueError, match="world_size must be a positive int"):
+        Cluster(0)
+    with pytest.raises(ValueError, match="timeout must be > 0"):
+        Cluster(2, timeout=0)
+    with pytest.raises(ValueError, match="backend must be 'gloo' or 'nccl'"):
+        Cluster(2, backend="mpi")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="machine has GPUs")
+def test_backend_is_gloo_without_gpus_and_nccl_is_refused():
+    assert choose_backend(2) == "gloo"
+    with pytest.raises(ValueError, match="needs 2 GPUs"):
+        choose_backend(2, "nccl")
+
+
+def listening_addresses(port: int) -> list[str]:
+    found = []
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(path) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state == "0A" and int(local.split(":")[1], 16) == port:
+                    found.append(local.split(":")[0])
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs Linux /proc")
+def test_rendezvous_listens_on_loopback_only(clusters):
+    c = clusters(2)
+    port = c.port
+    assert listening_addresses(port) == ["0100007F"]  # 127.0.0.1, not 0.0.0.0 or ::
+
+
+def test_functions_defined_in_a_notebook_run_on_the_ranks(tmp_path):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("import torch, torch.distributed as dist\n"
+                                  "from minitrain import Cluster\n"
+                                  "cluster = Cluster(2, timeout=20).start()"),
+        nbformat.v4.new_code_cell("def defined_in_the_notebook(x):\n"
+                                  "    t = torch.tensor([x * (dist.get_rank() + 1.0)])\n"
+                                  "    dist.all_reduce(t)\n"
+                                  "    return t.item()\n"
+                                  "print(cluster.run(defined_in_the_notebook, 2))"),
+        nbformat.v4.new_code_cell("cluster.close()"),
+    ]
+    nbclient.NotebookClient(nb, timeout=60, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = "".join(o.get("text", "") for o in nb.cells[1].outputs)
+    assert "[6.0, 6.0]" in outputs
+
+
+TORCHRUN_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    from minitrain import Comm, ring_all_reduce
+    from minitrain.launch import init_from_env
+    rank, world = init_from_env()
+    t = torch.arange(5.0) * (rank + 1)
+    ring_all_reduce(t, Comm())
+    with open(f"{sys.argv[1]}/rank{rank}.txt", "w") as f:
+        f.write(f"{rank} {world} {t.tolist()}")
+""")
+
+
+def test_the_same_code_runs_under_torchrun(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script), str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}.txt").read_text() == f"{rank} 2 [0.0, 3.0, 6.0, 9.0, 12.0]"

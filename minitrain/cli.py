@@ -16,6 +16,8 @@ import os
 import sys
 from dataclasses import replace
 
+import torch.distributed as dist
+
 from .launch import Cluster, init_from_env, launched_by_torchrun
 from .model import PRESETS
 from .strategies import ConfigError, TrainConfig, get_strategy, strategy_names
@@ -119,7 +121,10 @@ def _train(args: argparse.Namespace) -> int:
     report = _Reporter(args.json, cfg.steps)
     if launched_by_torchrun():
         init_from_env(cfg.backend, cfg.timeout)
-        result = run_rank(cfg, report)
+        try:
+            result = run_rank(cfg, report)
+        finally:
+            dist.destroy_process_group()
         if "summary" not in result:
             return 0
     else:

@@ -1,0 +1,103 @@
+"""``minitrain train``: the JSON contract, loss falling, refusals before spawning, torchrun."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from minitrain import Cluster, TrainConfig, train
+from minitrain.cli import main
+from minitrain.strategies import ConfigError, strategy_names
+
+CONTRACT = ["--strategy", "single", "--world-size", "1", "--steps", "20", "--seed", "0",
+            "--batch-size", "16", "--json"]
+
+
+def run_cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "minitrain", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def parse(stdout: str):
+    lines = [json.loads(line) for line in stdout.splitlines() if line.strip()]
+    return [l for l in lines if "step" in l], lines[-1]["summary"]
+
+
+@pytest.fixture(scope="module")
+def contract_run():
+    out = run_cli("train", *CONTRACT)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+def test_json_contract(contract_run):
+    steps, summary = parse(contract_run.stdout)
+    assert [s["step"] for s in steps] == list(range(20))
+    assert all(set(s) == {"step", "loss"} for s in steps)
+    for key in ("final_loss", "step_time_s", "params", "comm", "memory"):
+        assert key in summary
+    assert summary["final_loss"] == steps[-1]["loss"]
+    assert summary["params"] == TrainConfig().model.num_params()
+    assert len(summary["comm"]) == len(summary["memory"]) == 1
+    assert summary["memory"][0]["bytes"]["parameters"] == 4 * summary["params"]
+    assert summary["step_time_s"] > 0
+
+
+def test_loss_falls(contract_run):
+    steps, _ = parse(contract_run.stdout)
+    first, last = steps[0]["loss"], sum(s["loss"] for s in steps[-5:]) / 5
+    assert last < first - 0.3, (first, last)
+
+
+def test_the_python_api_gives_the_cli_numbers(contract_run, clusters):
+    steps, _ = parse(contract_run.stdout)
+    result = train(TrainConfig(steps=20, seed=0, batch_size=16), cluster=clusters(1))
+    # same numbers up to float rounding (the CLI's ranks may use more threads than the fixture's)
+    assert result["losses"] == pytest.approx([s["loss"] for s in steps], rel=1e-5)
+
+
+def test_loss_falls_far_in_a_few_hundred_steps(clusters):
+    result = train(TrainConfig(steps=300, batch_size=16), cluster=clusters(1))
+    # from ln(13) ~ 2.56 towards the ~1.0 floor set by the random operands
+    assert result["losses"][0] > 2.4 and sum(result["losses"][-20:]) / 20 < 1.7
+
+
+def test_readable_output_without_json():
+    out = run_cli("train", "--steps", "3", "--model", "nano")
+    assert out.returncode == 0, out.stderr
+    assert "strategy single on 1 rank(s)" in out.stdout and "rank 0: params" in out.stdout
+    assert "3/3" in out.stderr  # the progress bar
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--strategy", "nope"], "unknown strategy 'nope'; choose one of: single"),
+    (["--world-size", "2"], "strategy 'single' runs on one rank"),
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--n-head", "3"], "not divisible by n_head=3"),
+])
+def test_bad_configurations_are_refused_before_any_process_starts(monkeypatch, capsys, args, message):
+    def no_spawn(self):
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(Cluster, "start", no_spawn)
+    with pytest.raises(SystemExit) as info:
+        main(["train", *args])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_strategy_registry_lists_single():
+    assert "single" in strategy_names()
+    with pytest.raises(ConfigError, match="choose one of"):
+        train(strategy="missing")
+
+
+def test_the_train_command_runs_under_torchrun():
+    direct = run_cli("train", *CONTRACT[:4], "--steps", "3", "--json")
+    under = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            "--nproc-per-node", "1", "-m", "minitrain", "train", "--strategy",
+                            "single", "--steps", "3", "--json"],
+                           capture_output=True, text=True, timeout=120)
+    assert under.returncode == 0, under.stderr[-3000:]
+    assert parse(under.stdout)[0] == parse(direct.stdout)[0]

@@ -21,7 +21,8 @@ Failure rules (the reliability promise in COURSE.md):
 * a rank that dies (e.g. SIGKILL) → :class:`RankError` within the poll interval;
 * a collective that never completes → the process group's ``timeout`` fires inside the rank and comes
   back as :class:`CollectiveTimeout`; a ``run(..., timeout=s)`` wall-clock limit is a second guard;
-* the ranks die with the parent (``PR_SET_PDEATHSIG``), so no orphan is left behind;
+* the ranks die with the parent (``PR_SET_PDEATHSIG`` on Linux), so no orphan is left behind —
+  strictly, with the parent *thread* that started them, so start a Cluster from the main thread;
 * the rendezvous store is created by the parent on a free port chosen by the OS, on loopback
   unless another ``host`` is given, so the next launch never sees "address already in use".
 """

@@ -121,6 +121,13 @@ def test_a_call_that_runs_too_long_is_stopped():
         assert c.run(lambda: 7) == [7, 7]
 
 
+def test_spawned_ranks_work_too():
+    """spawn is what macOS, Windows and CUDA runs use; cloudpickle makes lambdas work there too."""
+    with Cluster(2, start_method="spawn", timeout=30) as c:
+        base = 10
+        assert c.run(lambda: dist.get_rank() + base) == [10, 11]
+
+
 def test_launch_is_a_one_shot_cluster():
     assert launch(rank_and_sum, 2) == [(0, 2, 3.0), (1, 2, 3.0)]
 

@@ -247,7 +247,7 @@ class Comm:
         self._traced("barrier", 0, lambda: dist.barrier(group=self.group))
 
 
-def ring_all_reduce(tensor: torch.Tensor, comm: Comm) -> torch.Tensor:
+def ring_all_reduce(tensor: torch.Tensor, comm: Comm, record: list | None = None) -> torch.Tensor:
     """Sum ``tensor`` over ``comm``'s ranks in place, with a ring of sends and receives.
 
     The flat tensor is cut into N chunks (``tensor_split``: sizes may differ by one element).
@@ -255,6 +255,9 @@ def ring_all_reduce(tensor: torch.Tensor, comm: Comm) -> torch.Tensor:
     (r - s - 1) it receives from its left one; after N-1 steps rank r holds the full sum of chunk
     (r + 1).  All-gather: N-1 more steps pass the finished chunks around the ring.  Each rank sends
     2(N-1)/N of the tensor in total, whatever N is: that is why the ring is bandwidth-optimal.
+
+    ``record``, if given, receives this rank's chunks after every step (the ring widget of
+    lesson 01 draws them).
     """
     n, r = comm.size, comm.rank
     if n == 1:
@@ -262,20 +265,27 @@ def ring_all_reduce(tensor: torch.Tensor, comm: Comm) -> torch.Tensor:
     flat = tensor.data.view(-1) if tensor.is_contiguous() else tensor.data.reshape(-1)
     chunks = list(torch.tensor_split(flat, n))
     right, left = (r + 1) % n, (r - 1) % n
-    for step in range(n - 1):  # reduce-scatter
-        send_i, recv_i = (r - step) % n, (r - step - 1) % n
-        incoming = torch.empty_like(chunks[recv_i])
-        work = comm.isend(chunks[send_i].contiguous(), right, tag="ring")
-        comm.recv(incoming, left, tag="ring")
-        work.wait()
-        chunks[recv_i].add_(incoming)
-    for step in range(n - 1):  # all-gather
-        send_i, recv_i = (r + 1 - step) % n, (r - step) % n
-        work = comm.isend(chunks[send_i].contiguous(), right, tag="ring")
-        incoming = torch.empty_like(chunks[recv_i])
-        comm.recv(incoming, left, tag="ring")
-        work.wait()
-        chunks[recv_i].copy_(incoming)
+    _snapshot(record, "start", 0, None, None, chunks)
+    for phase, steps in (("reduce-scatter", range(n - 1)), ("all-gather", range(n - 1))):
+        for step in steps:
+            # reduce-scatter passes partial sums starting at chunk r; all-gather finished ones at r+1
+            send_i = (r - step + (phase == "all-gather")) % n
+            recv_i = (send_i - 1) % n
+            incoming = torch.empty_like(chunks[recv_i])
+            work = comm.isend(chunks[send_i].contiguous(), right, tag="ring")
+            comm.recv(incoming, left, tag="ring")
+            work.wait()
+            if phase == "reduce-scatter":
+                chunks[recv_i].add_(incoming)
+            else:
+                chunks[recv_i].copy_(incoming)
+            _snapshot(record, phase, step, send_i, recv_i, chunks)
     if not tensor.is_contiguous():
         tensor.data.copy_(flat.view_as(tensor))
     return tensor
+
+
+def _snapshot(record, phase, step, sent, received, chunks) -> None:
+    if record is not None:
+        record.append(dict(phase=phase, step=step, sent=sent, received=received,
+                           chunks=[c.tolist() for c in chunks]))

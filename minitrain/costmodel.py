@@ -1,0 +1,99 @@
+"""The α-β cost model of communication, fitted to measured all-reduce times (lesson 01; seed 002 §3.1).
+
+Sending n bytes costs α + n·β: a latency α paid per message and a time β per byte (1/β is the
+bandwidth).  A ring all-reduce on N ranks takes 2(N-1) steps, each moving n/N bytes:
+
+    T(n) = 2(N-1)·α + 2(N-1)/N · n · β
+
+Small messages are latency-bound (the α term dominates), large ones bandwidth-bound; the two terms
+are equal at n* = N·α/β.  "Bus bandwidth" — what nccl-tests reports — normalises the measured time
+by the bytes each rank must move: busbw = 2(N-1)/N · n / T, so it is comparable across N.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .comm import Comm
+
+__all__ = ["time_all_reduce", "fit_alpha_beta", "predict", "bus_bandwidth", "crossover_bytes",
+           "plot_alpha_beta"]
+
+
+def time_all_reduce(sizes_bytes: list[int], repeats: int = 5) -> list[float]:
+    """On each rank: the fastest of ``repeats`` float32 all-reduces of each size (after a warm-up).
+
+    The minimum, not the mean: noise from other processes only ever adds time.
+
+    A barrier before each call starts the ranks together; the caller takes the maximum over ranks.
+    """
+    comm = Comm()
+    times = []
+    for size in sizes_bytes:
+        x = torch.ones(max(1, size // 4))
+        comm.all_reduce(x)  # warm-up: connections, allocation
+        samples = []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            comm.all_reduce(x)
+            samples.append(time.perf_counter() - t0)
+        times.append(min(samples))
+    return times
+
+
+def fit_alpha_beta(sizes_bytes, seconds, n: int) -> tuple[float, float]:
+    """Least-squares α (s) and β (s/byte) of the ring model, in relative error (every size counts)."""
+    if n < 2:
+        raise ValueError("the ring model needs at least 2 ranks")
+    sizes, t = np.asarray(sizes_bytes, float), np.asarray(seconds, float)
+    design = np.stack([np.full_like(sizes, 2 * (n - 1)), 2 * (n - 1) / n * sizes], axis=1)
+    weights = 1 / t
+    (alpha, beta), *_ = np.linalg.lstsq(design * weights[:, None], t * weights, rcond=None)
+    return float(max(alpha, 0.0)), float(max(beta, 1e-15))
+
+
+def predict(sizes_bytes, n: int, alpha: float, beta: float) -> np.ndarray:
+    sizes = np.asarray(sizes_bytes, float)
+    return 2 * (n - 1) * alpha + 2 * (n - 1) / n * sizes * beta
+
+
+def bus_bandwidth(sizes_bytes, seconds, n: int) -> np.ndarray:
+    """Bytes per second each rank effectively moved: 2(N-1)/N · n / T."""
+    return 2 * (n - 1) / n * np.asarray(sizes_bytes, float) / np.asarray(seconds, float)
+
+
+def crossover_bytes(n: int, alpha: float, beta: float) -> float:
+    """The message size where latency and bandwidth terms are equal: N·α/β."""
+    return n * alpha / beta
+
+
+def plot_alpha_beta(sizes_bytes, seconds, n: int, alpha: float, beta: float):
+    """Measured times and the fitted model, log-log, with the two regimes shaded."""
+    import matplotlib.pyplot as plt
+
+    sizes = np.asarray(sizes_bytes, float)
+    star = crossover_bytes(n, alpha, beta)
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+    ax.loglog(sizes, seconds, "o", label="measured (max over ranks)")
+    ax.loglog(sizes, predict(sizes, n, alpha, beta), "-",
+              label=f"model: α={alpha * 1e6:.1f} µs, 1/β={1 / beta / 1e9:.2f} GB/s")
+    for a in (ax, bx):
+        a.axvspan(sizes.min(), star, color="tab:orange", alpha=0.1, label="latency-bound")
+        a.axvspan(star, sizes.max(), color="tab:blue", alpha=0.08, label="bandwidth-bound")
+        a.set_xlabel("message size (bytes)")
+    ax.set_ylabel("all-reduce time (s)")
+    ax.set_title(f"ring all-reduce on {n} ranks")
+    ax.legend(fontsize=8)
+    bx.semilogx(sizes, bus_bandwidth(sizes, seconds, n) / 1e9, "o-")
+    bx.axhline(1 / beta / 1e9, ls="--", color="gray", label="1/β (model's limit)")
+    bx.set_ylabel("bus bandwidth (GB/s)")
+    bx.set_title("busbw = 2(N-1)/N · n / T")
+    bx.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,225 @@
+"""Exercise checkers for the lessons, and the tool that writes the learners' notebooks from solutions.
+
+How an exercise works (lessons 00–08):
+
+* the learner writes a function in an exercise cell;
+* the next cell, marked ``# NBVAL_CHECK_OUTPUT``, calls ``check("name", their_function)``, which runs
+  the checker and prints one fixed line: the pass verdict, or a line starting with ``✗`` that says
+  what is wrong (it never raises, so "Run All" goes on through the rest of the lesson, which uses the
+  package's own implementation);
+* ``pytest --nbval-lax`` compares that cell's output with the stored pass verdict: a blank or wrong
+  exercise fails there, a correct one passes.
+
+One source of truth: the teacher's notebooks in ``solutions/`` hold the answers between
+``# BEGIN SOLUTION`` and ``# END SOLUTION`` lines.  ``python -m minitrain.exercises build`` writes
+``lessons/`` from them, replacing each answer by a placeholder, stripping outputs (no widget state,
+no images) and storing the pass verdict as the check cells' expected output.  ``--check`` only
+verifies that ``lessons/`` is up to date (a test runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+__all__ = ["check", "problem", "verdict", "CHECKS", "build_exercise", "normalise", "main"]
+
+BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
+PLACEHOLDER = "...  # YOUR CODE HERE"
+CHECK_MARK = "# NBVAL_CHECK_OUTPUT"
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkers: each returns None when the function is right, or a sentence saying what is wrong.
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_zero_bytes(fn) -> str | None:
+    from .memory import model_state_bytes
+
+    cases = [(7.5e9, 64, s) for s in range(4)] + [(1e6, n, s) for n in (1, 2, 3, 8) for s in range(4)]
+    for psi, n, stage in cases:
+        want = model_state_bytes(psi, n, stage, "mixed-adam")["total"]
+        try:
+            got = fn(psi, n, stage)
+        except Exception as exc:  # noqa: BLE001 - the learner's code may raise anything
+            return f"{fn.__name__}({psi:g}, {n}, {stage}) raised {type(exc).__name__}: {exc}"
+        if got is None:
+            return f"{fn.__name__}({psi:g}, {n}, {stage}) returned None: return the number of bytes"
+        if abs(got - want) > 1e-6 * want:
+            return (f"{fn.__name__}({psi:g}, {n}, {stage}) = {got:,.0f} bytes, expected {want:,.0f} "
+                    "(2 + 2 + 12 bytes per parameter; stage 1 shards the 12, stage 2 also the "
+                    "gradients' 2, stage 3 everything)")
+    return None
+
+
+def _ring_rank(fn, sizes):
+    """On each rank: the learner's ring vs dist.all_reduce, for every size."""
+    import torch.distributed as dist
+
+    from .comm import Comm
+
+    comm = Comm()
+    for size in sizes:
+        gen = torch.Generator().manual_seed(1000 * size + comm.rank)
+        x = torch.randn(size, generator=gen, dtype=torch.float64)
+        want = x.clone()
+        dist.all_reduce(want)
+        got = fn(x, comm)
+        if got is None:
+            got = x
+        if not torch.allclose(got, want, rtol=1e-10, atol=1e-10):
+            return f"size {size}: rank {comm.rank} got {got[:4].tolist()}..., expected {want[:4].tolist()}..."
+        if comm.tracer.summary().get("all_reduce"):
+            return "it called all_reduce: build it from send/recv (comm.isend, comm.recv) only"
+    if not comm.tracer.summary().get("send"):
+        return "no rank sent anything: use comm.isend / comm.recv to pass chunks around the ring"
+    return None
+
+
+def _check_ring_all_reduce(fn) -> str | None:
+    from .launch import Cluster, RankError
+
+    sizes = [1, 5, 12, 103]
+    for n in (2, 3, 4):
+        try:
+            with Cluster(n, timeout=5, threads=1, forward_output=False) as cluster:
+                problems = [p for p in cluster.run(_ring_rank, fn, sizes, timeout=60) if p]
+        except RankError as exc:
+            first = str(exc).splitlines()[0]
+            return f"with {n} ranks: {first}"
+        except TimeoutError:
+            return f"with {n} ranks it did not finish within 60 s (a rank waiting for a message?)"
+        if problems:
+            return f"with {n} ranks, {problems[0]}"
+    return None
+
+
+CHECKS = {
+    "zero_bytes_per_device": (_check_zero_bytes,
+                              "equals 4Ψ+12Ψ/N, 2Ψ+14Ψ/N and 16Ψ/N, and the ZeRO paper's numbers"),
+    "ring_all_reduce": (_check_ring_all_reduce,
+                        "equals dist.all_reduce at 2, 3 and 4 ranks, sizes 1, 5, 12 and 103, "
+                        "using send/recv only"),
+}
+
+
+def verdict(name: str) -> str:
+    """The fixed line a correct solution prints (stored as the check cell's expected output)."""
+    return f"✓ {name}: correct — {CHECKS[name][1]}"
+
+
+def check(name: str, fn) -> None:
+    """Check the learner's ``fn`` for exercise ``name`` and print one line: the verdict.
+
+    Returns nothing, so the check cell's only output is that line (nbval compares it).
+    Use :func:`problem` to get the reason as a value."""
+    found = problem(name, fn)
+    print(verdict(name) if found is None else f"✗ {name}: {found}")
+
+
+def problem(name: str, fn) -> str | None:
+    """What is wrong with ``fn`` for exercise ``name``, or None when it is correct."""
+    if name not in CHECKS:
+        raise KeyError(f"no exercise called {name!r}; known: {', '.join(CHECKS)}")
+    return CHECKS[name][0](fn)
+
+
+# --------------------------------------------------------------------------------------------------
+# solutions/ -> lessons/
+# --------------------------------------------------------------------------------------------------
+
+
+def _strip_solution(source: str) -> str:
+    out, inside = [], False
+    for line in source.splitlines(keepends=True):
+        stripped = line.strip()
+        if stripped == BEGIN:
+            if inside:
+                raise ValueError(f"nested {BEGIN!r}")
+            inside = True
+            indent = line[: len(line) - len(line.lstrip())]
+            out.append(f"{indent}{PLACEHOLDER}\n")
+        elif stripped == END:
+            if not inside:
+                raise ValueError(f"{END!r} without {BEGIN!r}")
+            inside = False
+        elif not inside:
+            out.append(line)
+    if inside:
+        raise ValueError(f"{BEGIN!r} without {END!r}")
+    return "".join(out).rstrip("\n")
+
+
+def _check_name(source: str) -> str | None:
+    if not source.lstrip().startswith(CHECK_MARK):
+        return None
+    for name in CHECKS:
+        if f'check("{name}"' in source:
+            return name
+    raise ValueError(f"a {CHECK_MARK} cell must call check(\"<exercise>\", ...):\n{source}")
+
+
+def normalise(nb: dict) -> dict:
+    """Outputs stripped, except the check cells, which hold the pass verdict; no widget state."""
+    nb = copy.deepcopy(nb)
+    nb.get("metadata", {}).pop("widgets", None)
+    for cell in nb["cells"]:
+        cell.get("metadata", {}).pop("execution", None)
+        if cell["cell_type"] != "code":
+            continue
+        source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        name = _check_name(source)
+        cell["execution_count"] = None if name is None else 1  # nbval skips "unrun" cells
+        cell["outputs"] = [] if name is None else [
+            {"name": "stdout", "output_type": "stream", "text": [verdict(name) + "\n"]}]
+    return nb
+
+
+def build_exercise(solution: dict) -> dict:
+    """The learner's notebook: every answer replaced by a placeholder."""
+    nb = normalise(solution)
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+            if BEGIN in source:
+                cell["source"] = _strip_solution(source)
+    return nb
+
+
+def _dump(nb: dict) -> str:
+    return json.dumps(nb, indent=1, ensure_ascii=False, sort_keys=True) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    root = Path(__file__).resolve().parents[1]
+    parser = argparse.ArgumentParser(prog="python -m minitrain.exercises",
+                                     description="write lessons/ from solutions/")
+    parser.add_argument("command", choices=["build"])
+    parser.add_argument("--check", action="store_true",
+                        help="change nothing; exit 1 if lessons/ or solutions/ are out of date")
+    parser.add_argument("--solutions", type=Path, default=root / "solutions")
+    parser.add_argument("--lessons", type=Path, default=root / "lessons")
+    args = parser.parse_args(argv)
+    stale = []
+    for src in sorted(args.solutions.glob("[0-9]*.ipynb")):
+        solution = json.loads(src.read_text())
+        targets = {src: _dump(normalise(solution)),
+                   args.lessons / src.name: _dump(build_exercise(solution))}
+        for path, text in targets.items():
+            if not path.exists() or path.read_text() != text:
+                stale.append(path)
+                if not args.check:
+                    path.write_text(text)
+    for path in stale:
+        print(("out of date: " if args.check else "wrote ") + str(path))
+    return 1 if (args.check and stale) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

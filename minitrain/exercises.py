@@ -78,7 +78,7 @@ def _ring_rank(fn, sizes):
         if comm.tracer.summary().get("all_reduce"):
             return "it called all_reduce: build it from send/recv (comm.isend, comm.recv) only"
     if not comm.tracer.summary().get("send"):
-        return "no rank sent anything: use comm.isend / comm.recv to pass chunks around the ring"
+        return "no send went through comm: build it from comm.isend and comm.recv"
     return None
 
 
@@ -187,7 +187,7 @@ def build_exercise(solution: dict) -> dict:
     for cell in nb["cells"]:
         if cell["cell_type"] == "code":
             source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
-            if BEGIN in source:
+            if BEGIN in source or END in source:
                 cell["source"] = _strip_solution(source)
     return nb
 

@@ -1,0 +1,115 @@
+"""The exercise workflow: checkers that can fail, and lessons/ generated from solutions/."""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from minitrain import exercises
+from minitrain.comm import ring_all_reduce
+from minitrain.exercises import PLACEHOLDER, build_exercise, check, normalise, problem, verdict
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_lessons_are_generated_from_the_solutions_and_up_to_date():
+    assert exercises.main(["build", "--check"]) == 0, "run: python -m minitrain.exercises build"
+    names = sorted(p.name for p in (ROOT / "solutions").glob("[0-9]*.ipynb"))
+    assert names == sorted(p.name for p in (ROOT / "lessons").glob("[0-9]*.ipynb"))
+    assert len(names) >= 2
+
+
+def test_no_answer_reaches_the_learners_notebooks():
+    for path in (ROOT / "lessons").glob("[0-9]*.ipynb"):
+        text = path.read_text()
+        assert "BEGIN SOLUTION" not in text and "END SOLUTION" not in text
+        assert PLACEHOLDER in text, f"{path.name} has no exercise"
+
+
+def test_stored_outputs_are_small_and_hold_only_verdicts():
+    for folder in ("lessons", "solutions"):
+        for path in (ROOT / folder).glob("[0-9]*.ipynb"):
+            nb = json.loads(path.read_text())
+            assert "widgets" not in nb["metadata"]
+            outputs = [o for c in nb["cells"] if c["cell_type"] == "code" for o in c["outputs"]]
+            assert outputs, f"{path.name}: no check cell"
+            for o in outputs:
+                assert o["output_type"] == "stream" and "".join(o["text"]).startswith("✓ ")
+            assert path.stat().st_size < 60_000
+
+
+def test_build_replaces_the_answer_and_keeps_the_rest():
+    solution = {"metadata": {"widgets": {"state": {}}}, "nbformat": 4, "nbformat_minor": 4, "cells": [
+        {"cell_type": "code", "metadata": {}, "execution_count": 3, "outputs": [{"output_type": "stream", "name": "stdout", "text": "x"}],
+         "source": "def f(x):\n    y = 1\n    # BEGIN SOLUTION\n    return x + y\n    # END SOLUTION\n"},
+        {"cell_type": "code", "metadata": {}, "execution_count": 4, "outputs": [],
+         "source": '# NBVAL_CHECK_OUTPUT\ncheck("ring_all_reduce", f)'},
+    ]}
+    nb = build_exercise(solution)
+    assert nb["cells"][0]["source"] == f"def f(x):\n    y = 1\n    {PLACEHOLDER}"
+    assert nb["cells"][0]["outputs"] == [] and "widgets" not in nb["metadata"]
+    assert nb["cells"][1]["outputs"][0]["text"] == [verdict("ring_all_reduce") + "\n"]
+    assert normalise(solution)["cells"][0]["source"] == solution["cells"][0]["source"]
+
+
+@pytest.mark.parametrize("source, message", [
+    ("# BEGIN SOLUTION\nx = 1\n", "without '# END SOLUTION'"),
+    ("x = 1\n# END SOLUTION\n", "without '# BEGIN SOLUTION'"),
+])
+def test_broken_markers_are_refused(source, message):
+    nb = {"metadata": {}, "cells": [{"cell_type": "code", "metadata": {}, "outputs": [], "source": source}]}
+    with pytest.raises(ValueError, match=message):
+        build_exercise(nb)
+
+
+def zero_right(psi, n, stage):
+    return 2 * psi / (n if stage >= 3 else 1) + 2 * psi / (n if stage >= 2 else 1) + 12 * psi / (n if stage >= 1 else 1)
+
+
+def test_zero_checker_passes_right_and_fails_wrong(capsys):
+    assert problem("zero_bytes_per_device", zero_right) is None
+    assert "returned None" in problem("zero_bytes_per_device", lambda psi, n, stage: None)
+    assert "expected" in problem("zero_bytes_per_device", lambda psi, n, stage: 16 * psi / n)
+    assert "raised ZeroDivisionError" in problem("zero_bytes_per_device", lambda psi, n, stage: 1 / 0)
+    check("zero_bytes_per_device", zero_right)
+    assert capsys.readouterr().out == verdict("zero_bytes_per_device") + "\n"
+
+
+def ring_with_all_reduce(tensor, comm):
+    comm.all_reduce(tensor)
+    return tensor
+
+
+def ring_behind_the_tracers_back(tensor, comm):
+    import torch.distributed as dist
+    dist.all_reduce(tensor)
+    return tensor
+
+
+def ring_that_only_receives(tensor, comm):
+    comm.recv(torch.empty(1), (comm.rank - 1) % comm.size)  # everyone waits: a deadlock
+    return tensor
+
+
+def ring_off_by_one(tensor, comm):
+    ring_all_reduce(tensor, comm)
+    tensor += 1
+    return tensor
+
+
+def test_ring_checker_passes_the_reference_and_catches_mistakes():
+    assert problem("ring_all_reduce", ring_all_reduce) is None
+    assert "send/recv" in problem("ring_all_reduce", ring_with_all_reduce)
+    assert "expected" in problem("ring_all_reduce", ring_off_by_one)
+    assert "expected" in problem("ring_all_reduce", lambda t, c: t)  # the blank exercise
+    assert "no send went through comm" in problem("ring_all_reduce", ring_behind_the_tracers_back)
+    t0 = time.perf_counter()
+    assert "with 2 ranks" in problem("ring_all_reduce", ring_that_only_receives)
+    assert time.perf_counter() - t0 < 15  # the deadlock is cut by the collective timeout
+
+
+def test_unknown_exercise_names_the_known_ones():
+    with pytest.raises(KeyError, match="ring_all_reduce"):
+        check("nope", print)

@@ -1,0 +1,98 @@
+"""The widgets' pure functions, the collectives demo and the alpha-beta cost model."""
+
+import numpy as np
+import pytest
+
+from minitrain.costmodel import bus_bandwidth, crossover_bytes, fit_alpha_beta, predict
+from minitrain.memory import GB
+from minitrain.viz.collectives import before_after_html, collective_demo
+from minitrain.viz.memory import MODELS, MemoryCalculator, bar_html, per_device
+from minitrain.viz.ring import RingWidget, contributors, frame_html, record_ring, ring_frames
+
+
+def test_per_device_follows_the_formulas():
+    llama = MODELS["LLaMA 7B"]
+    base = per_device(llama, devices=1, zero_stage=0)
+    assert base["parameters"] + base["gradients"] + base["optimizer_states"] == 16 * 7e9
+    z3 = per_device(llama, devices=8, zero_stage=3)
+    assert z3["parameters"] + z3["gradients"] + z3["optimizer_states"] == 16 * 7e9 / 8
+    assert z3["activations"] == base["activations"]  # ZeRO does not shard activations
+    assert per_device(llama, recompute=True)["activations"] < base["activations"] / 10
+
+
+def test_bar_html_says_whether_it_fits():
+    b = per_device(MODELS["LLaMA 7B"])
+    html = bar_html(b, 80)
+    assert f'{b["total"] / GB:,.1f} GB per device' in html and "does not fit" in html
+    small = per_device(MODELS["GPT-2 XL (1.5B)"], devices=8, zero_stage=3)
+    assert ">fits<" in bar_html(small, 80)
+    assert html.count("mt-seg-") == 4
+
+
+def test_memory_calculator_reacts_to_its_controls():
+    calc = MemoryCalculator()
+    before = calc.out.value
+    calc.devices.value, calc.zero.value = 8, "3"
+    assert calc.out.value != before
+    assert "44.6 GB per device" in calc.out.value
+
+
+def test_ring_frames_from_a_real_run(clusters):
+    n = 4
+    frames = ring_frames(record_ring(clusters(n)))
+    assert len(frames) == 1 + 2 * (n - 1)
+    assert frames[0]["chunks"][2] == [[4.0]] * n  # rank 2 starts with 2**2 everywhere
+    after_rs = frames[n - 1]  # end of reduce-scatter: rank r owns the full chunk r+1
+    for r in range(n):
+        assert after_rs["chunks"][r][(r + 1) % n] == [2.0 ** n - 1]
+    assert all(c == [[15.0]] * n for c in frames[-1]["chunks"])
+    assert frames[1]["moves"] == [(r, (r + 1) % n, r) for r in range(n)]
+    html = frame_html(frames[1], 1, len(frames))
+    assert "reduce-scatter, step 1 of 3" in html and html.count("mt-ring-cell") == n * n
+    widget = RingWidget(frames)
+    widget.slider.value = len(frames) - 1
+    assert "all-gather, step 3 of 3" in widget.out.value
+
+
+def test_contributors_decode_partial_sums():
+    assert contributors(5, 4) == [0, 2]
+    assert contributors(15, 4) == [0, 1, 2, 3]
+
+
+def test_ring_frames_refuse_ragged_records():
+    with pytest.raises(ValueError, match="same number of steps"):
+        ring_frames([[{}], []])
+
+
+@pytest.mark.parametrize("op, expect", [
+    ("broadcast", lambda r, n: [float(i) for i in range(n)]),
+    ("all_reduce", lambda r, n: [float(i * n + 10 * sum(range(n))) for i in range(n)]),
+    ("reduce_scatter", lambda r, n: [float(r * n + 10 * sum(range(n)))]),
+    ("all_gather", lambda r, n: [float(10 * q + i) for q in range(n) for i in range(n)]),
+])
+def test_collective_demo_before_and_after(clusters, op, expect):
+    n = 3
+    results = clusters(n).run(collective_demo, op)
+    for r, (before, after, _sent) in enumerate(results):
+        assert before == [10.0 * r + i for i in range(n)]
+        assert after == expect(r, n)
+    assert f"<b>{op}</b>" in before_after_html(op, results)
+
+
+def test_send_recv_demo_moves_rank_zeros_tensor_to_rank_one(clusters):
+    results = clusters(3).run(collective_demo, "send/recv")
+    assert results[1][1] == results[0][0] and results[2][1] == results[2][0]
+    assert results[0][2] == 12 and results[1][2] == 0  # bytes sent
+
+
+def test_alpha_beta_fit_recovers_known_parameters():
+    n, alpha, beta = 4, 50e-6, 1 / 2e9
+    sizes = np.array([2 ** k for k in range(4, 25)], float)
+    rng = np.random.default_rng(0)
+    times = predict(sizes, n, alpha, beta) * rng.uniform(0.97, 1.03, sizes.size)
+    a, b = fit_alpha_beta(sizes, times, n)
+    assert a == pytest.approx(alpha, rel=0.1) and b == pytest.approx(beta, rel=0.1)
+    assert crossover_bytes(n, alpha, beta) == pytest.approx(n * alpha / beta)
+    assert bus_bandwidth([1e9], [1.0], 4)[0] == pytest.approx(1.5e9)
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        fit_alpha_beta(sizes, times, 1)

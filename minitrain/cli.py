@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--batch-size", type=int, default=16,
                    help="global batch, split across data-parallel ranks")
-    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--model", choices=sorted(PRESETS), default="tiny", help="model size preset")
     for name in ("n_layer", "n_head", "d_model", "seq_len"):
         t.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,

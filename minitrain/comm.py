@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["Event", "Tracer", "Comm", "ring_all_reduce", "ring_sent_bytes"]
+__all__ = ["Event", "Tracer", "Comm", "ring_all_reduce", "ring_sent_bytes", "loopback_tx_bytes"]
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the first names.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -43,6 +43,24 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def loopback_tx_bytes() -> int | None:
+    """Bytes sent so far on this machine's loopback interface, from the kernel's counters (Linux).
+
+    All ranks of a CPU run talk over loopback, so the difference across some collectives is what
+    the backend really put on the wire (plus a little TCP overhead and any other local traffic).
+    ``None`` where there is no /proc/net/dev.
+    """
+    try:
+        with open("/proc/net/dev") as f:
+            for line in f:
+                name, _, counters = line.partition(":")
+                if name.strip() == "lo":
+                    return int(counters.split()[8])
+    except OSError:
+        pass
+    return None
 
 
 def ring_sent_bytes(op: str, nbytes: int, n: int, rank: int = 0, root: int = 0) -> float:
@@ -128,17 +146,30 @@ class Tracer:
 
 
 class _TracedWork:
-    """Wraps an async ``Work`` handle so the event is recorded when it is waited on."""
+    """Wraps an async ``Work`` handle; the event is recorded once, when it is waited on.
+
+    Its end time is when the op really completed where the backend tells (collectives: the work's
+    future), else when it was waited on (gloo's point-to-point) — so timelines show true overlap.
+    """
 
     def __init__(self, work, on_done):
-        self._work, self._on_done, self._done = work, on_done, False
+        self._work, self._on_done, self._done, self._end = work, on_done, False, None
+        self.end: float | None = None  # when the op completed, once waited on
+        try:
+            work.get_future().add_done_callback(self._completed)
+        except (AttributeError, RuntimeError):
+            pass
+
+    def _completed(self, _fut) -> None:
+        self._end = time.perf_counter()
 
     def wait(self):
         if self._work is not None:
             self._work.wait()
         if not self._done:
             self._done = True
-            self._on_done()
+            self.end = self._end if self._end is not None else time.perf_counter()
+            self._on_done(self.end)
         return True
 
     def is_completed(self) -> bool:
@@ -180,14 +211,13 @@ class Comm:
         start = time.perf_counter()
         sent = ring_sent_bytes(op, nbytes, self.size, self.rank, root)
 
-        def done():
-            self.tracer.record(Event(op, nbytes, sent, start, time.perf_counter(), self.name,
-                                     peer, tag))
+        def done(end):
+            self.tracer.record(Event(op, nbytes, sent, start, end, self.name, peer, tag))
 
         work = call()
         if async_op:
             return _TracedWork(work, done)
-        done()
+        done(time.perf_counter())
         return None
 
     # -- point to point -----------------------------------------------------------------------------

@@ -50,7 +50,7 @@ class GPTConfig:
     def num_params(self) -> int:
         """Parameter count from the shapes alone (equals ``GPT(cfg).num_params()``)."""
         d, ff, v = self.d_model, self.ff, self.vocab_size
-        block = 2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * d + (d * ff + ff) + (ff * d + d)
+        block = 2 * d + 3 * d * d + (d * d + d) + 2 * d + (d * ff + ff) + (ff * d + d)
         head = 2 * d + (0 if self.tie_weights else v * d)
         return v * d + self.seq_len * d + self.n_layer * block + head
 
@@ -67,12 +67,17 @@ PRESETS = {
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention: Q, K, V projections, softmax(QKᵀ/√d)V, output projection."""
+    """Causal multi-head self-attention: Q, K, V projections, softmax(QKᵀ/√d)V, output projection.
+
+    The Q/K/V projection has no bias (as in LLaMA): a key bias gets an exactly-zero gradient in exact
+    arithmetic (softmax ignores a constant shift), so in floats its "gradient" is pure rounding noise
+    that Adam would amplify into different weights for runs that should be equal.
+    """
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,7 @@ class TrainConfig:
     steps: int = 20
     seed: int = 0
     batch_size: int = 16
-    lr: float = 3e-3
+    lr: float = 1e-3
     model: GPTConfig = field(default_factory=lambda: PRESETS["tiny"])
     backend: str | None = None
     timeout: float = 120.0
@@ -128,6 +128,14 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One optimizer step on the global batch; returns the global mean loss."""
+
+    def state_dict(self) -> dict:
+        """The full model's weights as a plain single-process state_dict (on every rank that has it)."""
+        return self.model.state_dict()
+
+    def report(self) -> dict:
+        """Strategy-specific facts for the summary (bucket sizes, timelines, bubbles...)."""
+        return {}
 
     def memory(self) -> dict:
         out = ledger(self.model, self.optimizer, self.meter.peak)

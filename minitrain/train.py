@@ -26,11 +26,12 @@ def check_config(cfg: TrainConfig) -> None:
     get_strategy(cfg.strategy).check(cfg)
 
 
-def run_rank(cfg: TrainConfig, on_step=None) -> dict:
+def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False) -> dict:
     """Train on this rank (the process group must exist); rank 0 returns the run's summary.
 
     ``on_step(step, loss)`` is called on rank 0 after every step.  Returns, on rank 0,
-    ``{"losses": [...], "summary": {...}}``; on the other ranks ``{"rank": r}``.
+    ``{"losses": [...], "summary": {...}}`` (plus ``"state"``, the trained weights as a plain
+    state_dict, with ``return_state``); on the other ranks ``{"rank": r}``.
     """
     comm = Comm(None, Tracer(), "world")
     strategy = get_strategy(cfg.strategy)(cfg, comm)
@@ -45,7 +46,7 @@ def run_rank(cfg: TrainConfig, on_step=None) -> dict:
         losses.append(loss)
         if on_step is not None and comm.rank == 0:
             on_step(step, loss)
-    mine = {"comm": comm.tracer.summary(), "memory": strategy.memory()}
+    mine = {"comm": comm.tracer.summary(), "memory": strategy.memory(), "report": strategy.report()}
     gathered = [None] * comm.size if comm.rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     if comm.rank != 0:
@@ -63,11 +64,16 @@ def run_rank(cfg: TrainConfig, on_step=None) -> dict:
         "comm": [g["comm"] for g in gathered],
         "memory": [g["memory"] for g in gathered],
     }
-    return {"losses": losses, "summary": summary}
+    if any(g["report"] for g in gathered):
+        summary["report"] = [g["report"] for g in gathered]
+    out = {"losses": losses, "summary": summary}
+    if return_state:
+        out["state"] = {k: v.detach().cpu().clone() for k, v in strategy.state_dict().items()}
+    return out
 
 
 def train(cfg: TrainConfig | None = None, *, cluster: Cluster | None = None, on_step=None,
-          **overrides) -> dict:
+          return_state: bool = False, **overrides) -> dict:
     """Train from Python (a notebook, a test) and return rank 0's ``{"losses", "summary"}``.
 
     ``train(strategy="single", steps=50)`` builds a :class:`TrainConfig` from keywords.  Pass a
@@ -80,6 +86,6 @@ def train(cfg: TrainConfig | None = None, *, cluster: Cluster | None = None, on_
         if cluster.world_size != cfg.world_size:
             raise ValueError(f"the cluster has {cluster.world_size} ranks but the config asks for "
                              f"world_size={cfg.world_size}; use a matching Cluster or world_size")
-        return cluster.run(run_rank, cfg, on_step)[0]
+        return cluster.run(run_rank, cfg, on_step, return_state)[0]
     with Cluster(cfg.world_size, cfg.backend, timeout=cfg.timeout) as c:
-        return c.run(run_rank, cfg, on_step)[0]
+        return c.run(run_rank, cfg, on_step, return_state)[0]

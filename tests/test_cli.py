@@ -71,8 +71,9 @@ def test_readable_output_without_json():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--strategy", "nope"], "unknown strategy 'nope'; choose one of: single"),
+    (["--strategy", "nope"], "unknown strategy 'nope'; choose one of: ddp, ddp-naive, single"),
     (["--world-size", "2"], "strategy 'single' runs on one rank"),
+    (["--strategy", "ddp", "--world-size", "3"], "use a multiple of 3 (e.g. 15)"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--n-head", "3"], "not divisible by n_head=3"),
 ])

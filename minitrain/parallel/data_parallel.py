@@ -1,0 +1,365 @@
+"""Data parallelism from scratch: naive DP, and DDP with gradient buckets overlapped with backward.
+
+Lesson 02; seeds 002 §2.1 and 003 (DP vs DDP).  Paper: Li et al., 2020, "PyTorch Distributed:
+Experiences on Accelerating Data Parallel Training" (VLDB) — buckets, overlap, ``no_sync``.
+
+Every rank holds a full replica of the model and a slice of the global batch.  After backward, the
+gradients are averaged over the ranks, so every replica takes the same optimizer step — the same
+step a single process would take on the whole batch.
+
+* :class:`NaiveDataParallel` — broadcast the weights once; after backward, all-reduce every gradient,
+  one call per parameter, and divide by N.  Correct, but every call pays the latency α (lesson 01) and
+  nothing overlaps with compute.
+* :class:`DistributedDataParallel` — gradients are packed into buckets of about ``bucket_cap_mb``,
+  filled in reverse parameter order (the order backward produces them).  A hook on each parameter
+  fires when its gradient is accumulated; when a bucket is full its all-reduce starts *asynchronously*,
+  while backward goes on computing earlier layers.  At the end of backward we wait for the buckets and
+  copy the averaged gradients back.  ``no_sync()`` accumulates gradients locally without any traffic.
+
+Both have PyTorch's shape: they wrap a module, expose it as ``.module`` and forward calls to it, so
+``torch.nn.parallel.DistributedDataParallel`` can be swapped in.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..comm import Comm
+from ..data import shard
+from ..memory import ActivationMeter
+from ..strategies import ConfigError, Strategy, TrainConfig, register
+
+__all__ = ["NaiveDataParallel", "DistributedDataParallel", "Bucket", "make_buckets",
+           "broadcast_module", "overlap_fraction"]
+
+
+def broadcast_module(module: nn.Module, comm: Comm, src: int = 0) -> None:
+    """Copy rank ``src``'s parameters and buffers to every rank (replicas start identical)."""
+    with torch.no_grad():
+        for t in list(module.parameters()) + list(module.buffers()):
+            comm.broadcast(t.data, src=src, tag="init")
+
+
+def _comm_for(comm: Comm | None, process_group) -> Comm:
+    if comm is not None and process_group is not None:
+        raise ValueError("pass either comm= or process_group=, not both")
+    return comm if comm is not None else Comm(process_group)
+
+
+class NaiveDataParallel(nn.Module):
+    """Replicas kept equal by one all-reduce per gradient, after backward (call ``sync_gradients``)."""
+
+    def __init__(self, module: nn.Module, comm: Comm | None = None, process_group=None):
+        super().__init__()
+        self.module = module
+        self.comm = _comm_for(comm, process_group)
+        broadcast_module(module, self.comm)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @torch.no_grad()
+    def sync_gradients(self) -> None:
+        """Average every gradient over the ranks: all-reduce the sum, divide by N.
+
+        A parameter without a gradient on this rank contributes zeros, so that every rank makes
+        the same sequence of calls (a missing call would leave the others waiting).
+        """
+        n = self.comm.size
+        for p in self.module.parameters():
+            if not p.requires_grad:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.div_(n)
+            self.comm.all_reduce(p.grad, tag="grad")
+
+
+@dataclass
+class Bucket:
+    """A flat buffer holding the gradients of some parameters, all-reduced as one message."""
+
+    index: int
+    params: list
+    offsets: list
+    numel: int
+    buffer: torch.Tensor | None = None
+    ready: set = field(default_factory=set)
+    work: object = None
+    launched_at: float | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.params[0].element_size()
+
+    def view(self, i: int) -> torch.Tensor:
+        p = self.params[i]
+        return self.buffer[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+
+
+def make_buckets(params: list, cap_bytes: float) -> list[Bucket]:
+    """Group ``params`` into buckets of at most ``cap_bytes`` (at least one parameter each), in
+    reverse order: backward produces the last layers' gradients first."""
+    buckets: list[Bucket] = []
+    current: list = []
+    size = 0
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        if current and (size + nbytes > cap_bytes or p.dtype != current[0].dtype):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    out = []
+    for i, ps in enumerate(buckets):
+        offsets, total = [], 0
+        for p in ps:
+            offsets.append(total)
+            total += p.numel()
+        out.append(Bucket(i, ps, offsets, total))
+    return out
+
+
+class DistributedDataParallel(nn.Module):
+    """DDP from scratch: bucketed gradient all-reduce, launched from autograd hooks during backward.
+
+    Arguments:
+        module: the model (the same initial weights are broadcast from rank 0).
+        comm: the data-parallel communicator (default: the whole world); or ``process_group=``.
+        bucket_cap_mb: bucket size in MB (10^6 bytes), as PyTorch's ``bucket_cap_mb``.
+        find_unused_parameters: allow parameters that get no gradient in a step.  Costs one small
+            extra all-reduce per step (who used what); a parameter unused on *every* rank keeps
+            ``grad = None``, exactly as in a single process.  Without it such a step is an error.
+        record_timeline: keep, per step, when backward ran and when each bucket's all-reduce
+            started and ended (``.timeline``) — lesson 02 plots it.
+    """
+
+    def __init__(self, module: nn.Module, comm: Comm | None = None, bucket_cap_mb: float = 25.0,
+                 find_unused_parameters: bool = False, record_timeline: bool = False,
+                 process_group=None):
+        super().__init__()
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        self.module = module
+        self.comm = _comm_for(comm, process_group)
+        self.find_unused_parameters = find_unused_parameters
+        self.record_timeline = record_timeline
+        self.require_sync = True
+        self.timeline: list[dict] = []
+        broadcast_module(module, self.comm)
+        names = {id(p): n for n, p in module.named_parameters()}
+        self._params = [p for p in module.parameters() if p.requires_grad]  # tied: listed once
+        self._pos = {id(p): k for k, p in enumerate(self._params)}
+        self._names = [names[id(p)] for p in self._params]
+        self.buckets = make_buckets(self._params, bucket_cap_mb * 1e6)
+        self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self._in_backward = False
+        self._step: dict = {}
+        self._next = 0
+        for p in self._params:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def forward(self, *args, **kwargs):
+        self._forward_end = None
+        out = self.module(*args, **kwargs)
+        self._forward_end = time.perf_counter()
+        return out
+
+    @contextmanager
+    def no_sync(self):
+        """Backward passes inside this block accumulate gradients locally, with no communication;
+        the first backward after it all-reduces the accumulated sum."""
+        was, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = was
+
+    # -- backward hooks -----------------------------------------------------------------------------
+
+    def _begin_backward(self) -> None:
+        self._in_backward = True
+        self._next = 0
+        for b in self.buckets:
+            b.ready.clear()
+            b.work, b.launched_at = None, None
+            if b.buffer is None:
+                b.buffer = torch.empty(b.numel, dtype=b.params[0].dtype, device=b.params[0].device)
+        self._step = dict(backward_start=self._forward_end or time.perf_counter(), ready={},
+                          buckets=[])
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    @torch.no_grad()
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        if not self.require_sync:
+            return
+        if not self._in_backward:
+            self._begin_backward()
+        bucket, i = self._where[id(p)]
+        bucket.view(i).copy_(p.grad)
+        bucket.ready.add(i)
+        if self.record_timeline:
+            self._step["ready"][self._names[self._pos[id(p)]]] = time.perf_counter()
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Start every full bucket, strictly in bucket order: all ranks must issue the same
+        collectives in the same order, whatever order their hooks fired in."""
+        while self._next < len(self.buckets) and \
+                len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
+            b = self.buckets[self._next]
+            b.buffer.div_(self.comm.size)
+            b.launched_at = time.perf_counter()
+            b.work = self.comm.all_reduce(b.buffer, async_op=True, tag=f"bucket{b.index}")
+            self._next += 1
+
+    @torch.no_grad()
+    def _end_backward(self) -> None:
+        """Runs once at the end of backward: handle unused parameters, wait, copy gradients back."""
+        self._in_backward = False
+        self._step["backward_end"] = time.perf_counter()
+        used_everywhere = self._agree_on_unused()
+        self._launch_ready()
+        for b in self.buckets:
+            b.work.wait()
+            self._step["buckets"].append(dict(index=b.index, bytes=b.nbytes,
+                                              start=b.launched_at, end=b.work.end))
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                if not used_everywhere.get(id(p), True):
+                    continue  # unused on every rank: leave grad None, as a single process would
+                if p.grad is None:
+                    p.grad = b.view(i).clone()
+                else:
+                    p.grad.copy_(b.view(i))
+        self._step["synced"] = time.perf_counter()
+        if self.record_timeline:
+            self.timeline.append(self._step)
+
+    def _agree_on_unused(self) -> dict:
+        missing = [(b, i) for b in self.buckets for i in range(len(b.params)) if i not in b.ready]
+        if not self.find_unused_parameters:
+            if missing:
+                names = [self._names[self._pos[id(b.params[i])]] for b, i in missing]
+                raise RuntimeError(
+                    f"parameters got no gradient in this step: {', '.join(names[:5])}"
+                    f"{' ...' if len(names) > 5 else ''}; pass find_unused_parameters=True to "
+                    "DistributedDataParallel, or freeze them (requires_grad=False)")
+            return {}
+        used = torch.ones(len(self._params))
+        for b, i in missing:
+            used[self._pos[id(b.params[i])]] = 0
+            b.view(i).zero_()
+            b.ready.add(i)
+        self.comm.all_reduce(used, tag="unused-map")
+        return {id(p): bool(used[k] > 0) for k, p in enumerate(self._params)}
+
+
+def overlap_fraction(step: dict) -> float:
+    """Share of a step's all-reduce time that ran while backward was still computing."""
+    start, end = step["backward_start"], step["backward_end"]
+    total = sum(b["end"] - b["start"] for b in step["buckets"])
+    hidden = sum(max(0.0, min(b["end"], end) - max(b["start"], start)) for b in step["buckets"])
+    return hidden / total if total > 0 else 0.0
+
+
+# --------------------------------------------------------------------------------------------------
+# Strategies for `minitrain train`
+# --------------------------------------------------------------------------------------------------
+
+
+class _DataParallelStrategy(Strategy):
+    """Shared by ddp-naive and ddp: split the global batch, train the replica, report the mean loss."""
+
+    @classmethod
+    def check(cls, cfg: TrainConfig) -> None:
+        super().check(cfg)
+        if cfg.batch_size % cfg.world_size:
+            fix = cfg.world_size * max(1, round(cfg.batch_size / cfg.world_size))
+            raise ConfigError(f"--batch-size {cfg.batch_size} does not split over {cfg.world_size} "
+                              f"ranks; use a multiple of {cfg.world_size} (e.g. {fix})")
+
+    def local(self, x, y):
+        r, n = self.comm.rank, self.comm.size
+        return shard(x, r, n).to(self.device), shard(y, r, n).to(self.device)
+
+    def global_mean(self, loss: torch.Tensor) -> float:
+        """Mean of the ranks' losses (untraced: a metric, not training traffic)."""
+        t = loss.detach().clone()
+        dist.all_reduce(t, group=self.comm.group)
+        return t.item() / self.comm.size
+
+
+
+@register
+class NaiveDDP(_DataParallelStrategy):
+    name = "ddp-naive"
+    help = "data parallel: one all-reduce per gradient after backward"
+
+    def __init__(self, cfg: TrainConfig, comm: Comm):
+        super().__init__(cfg, comm)
+        self.model = self.build_model()
+        self.wrapper = NaiveDataParallel(self.model, comm)
+        self.meter = ActivationMeter(self.model)
+        self.optimizer = self.make_optimizer(self.model.parameters())
+
+    def train_step(self, x, y) -> float:
+        x, y = self.local(x, y)
+        self.optimizer.zero_grad(set_to_none=True)
+        with self.meter.measure():
+            loss = self.wrapper(x, y)
+        loss.backward()
+        self.wrapper.sync_gradients()
+        self.optimizer.step()
+        return self.global_mean(loss)
+
+
+@register
+class DDP(_DataParallelStrategy):
+    name = "ddp"
+    help = "distributed data parallel: bucketed all-reduce overlapped with backward (--bucket-mb)"
+
+    @classmethod
+    def add_arguments(cls, parser) -> None:
+        parser.add_argument("--bucket-mb", type=float, default=25.0,
+                            help="ddp: gradient bucket size in MB (default 25, as PyTorch)")
+
+    @classmethod
+    def check(cls, cfg: TrainConfig) -> None:
+        super().check(cfg)
+        if cfg.options.get("bucket_mb", 25.0) <= 0:
+            raise ConfigError(f"--bucket-mb must be > 0, got {cfg.options['bucket_mb']}")
+
+    def __init__(self, cfg: TrainConfig, comm: Comm):
+        super().__init__(cfg, comm)
+        self.model = self.build_model()
+        self.wrapper = DistributedDataParallel(self.model, comm,
+                                               bucket_cap_mb=cfg.options.get("bucket_mb", 25.0),
+                                               record_timeline=cfg.options.get("timeline", False))
+        self.meter = ActivationMeter(self.model)
+        self.optimizer = self.make_optimizer(self.model.parameters())
+
+    def train_step(self, x, y) -> float:
+        x, y = self.local(x, y)
+        self.optimizer.zero_grad(set_to_none=True)
+        with self.meter.measure():
+            loss = self.wrapper(x, y)
+        loss.backward()
+        self.optimizer.step()
+        return self.global_mean(loss)
+
+    def report(self) -> dict:
+        """Bucket sizes, and (with the ``timeline`` option) each step's backward/all-reduce times."""
+        out = {"bucket_bytes": [b.nbytes for b in self.wrapper.buckets]}
+        if self.wrapper.timeline:
+            out["timeline"] = self.wrapper.timeline
+            out["overlap"] = [overlap_fraction(s) for s in self.wrapper.timeline]
+        return out

@@ -83,16 +83,49 @@ def _ring_rank(fn, sizes):
 
 
 def _check_ring_all_reduce(fn) -> str | None:
+    return _on_clusters(_ring_rank, fn, (2, 3, 4), [1, 5, 12, 103])
+
+
+def _sync_rank(fn):
+    """On each rank: the learner's gradient sync vs the full batch's gradients in one process."""
+    from .comm import Comm
+    from .data import ArithmeticData, shard
+    from .model import GPT, PRESETS
+
+    comm = Comm()
+    r, n = comm.rank, comm.size
+    x, y = ArithmeticData(16, 0).batch(0, 4 * n)
+    reference = GPT(PRESETS["nano"], seed=7)
+    reference(x, y).backward()
+    model = GPT(PRESETS["nano"], seed=7)
+    model(shard(x, r, n), shard(y, r, n)).backward()
+    fn(model, comm)
+    if not comm.tracer.summary().get("all_reduce"):
+        return "no all_reduce went through comm: call comm.all_reduce(p.grad) for each parameter"
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if p.grad is None:
+            return f"rank {r}: {name}.grad is None after your sync"
+        if torch.allclose(p.grad, q.grad * n, rtol=1e-4, atol=1e-7) and n > 1:
+            return f"rank {r}: {name}.grad is the sum over ranks: divide by comm.size to average"
+        if not torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-7):
+            return f"rank {r}: {name}.grad differs from the full batch's gradient"
+    return None
+
+
+def _check_sync_gradients(fn) -> str | None:
+    return _on_clusters(_sync_rank, fn, sizes=(2, 3))
+
+
+def _on_clusters(rank_fn, fn, sizes=(2, 3, 4), *args) -> str | None:
+    """Run ``rank_fn(fn, *args)`` on fresh clusters of each size; the first problem found, or None."""
     from .launch import Cluster, RankError
 
-    sizes = [1, 5, 12, 103]
-    for n in (2, 3, 4):
+    for n in sizes:
         try:
             with Cluster(n, timeout=5, threads=1, forward_output=False) as cluster:
-                problems = [p for p in cluster.run(_ring_rank, fn, sizes, timeout=60) if p]
+                problems = [p for p in cluster.run(rank_fn, fn, *args, timeout=60) if p]
         except RankError as exc:
-            first = str(exc).splitlines()[0]
-            return f"with {n} ranks: {first}"
+            return f"with {n} ranks: {str(exc).splitlines()[0]}"
         except TimeoutError:
             return f"with {n} ranks it did not finish within 60 s (a rank waiting for a message?)"
         if problems:
@@ -106,6 +139,8 @@ CHECKS = {
     "ring_all_reduce": (_check_ring_all_reduce,
                         "equals dist.all_reduce at 2, 3 and 4 ranks, sizes 1, 5, 12 and 103, "
                         "using send/recv only"),
+    "sync_gradients": (_check_sync_gradients,
+                       "every rank holds the full batch's gradients at 2 and 3 ranks"),
 }
 
 

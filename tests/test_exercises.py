@@ -113,3 +113,27 @@ def test_ring_checker_passes_the_reference_and_catches_mistakes():
 def test_unknown_exercise_names_the_known_ones():
     with pytest.raises(KeyError, match="ring_all_reduce"):
         check("nope", print)
+
+
+def sync_right(model, comm):
+    for p in model.parameters():
+        comm.all_reduce(p.grad)
+        p.grad /= comm.size
+
+
+def sync_summed(model, comm):
+    for p in model.parameters():
+        comm.all_reduce(p.grad)
+
+
+def sync_first_only(model, comm):
+    p = next(model.parameters())
+    comm.all_reduce(p.grad)
+    p.grad /= comm.size
+
+
+def test_sync_gradients_checker():
+    assert problem("sync_gradients", sync_right) is None
+    assert "divide by comm.size" in problem("sync_gradients", sync_summed)
+    assert "differs from the full batch" in problem("sync_gradients", sync_first_only)
+    assert "no all_reduce went through comm" in problem("sync_gradients", lambda m, c: None)

@@ -96,3 +96,19 @@ def test_alpha_beta_fit_recovers_known_parameters():
     assert bus_bandwidth([1e9], [1.0], 4)[0] == pytest.approx(1.5e9)
     with pytest.raises(ValueError, match="at least 2 ranks"):
         fit_alpha_beta(sizes, times, 1)
+
+
+def test_timeline_rows_and_plot_from_a_real_ddp_run(clusters):
+    from minitrain import TrainConfig, train
+    from minitrain.viz.timeline import plot_ddp_timeline, timeline_rows
+    cfg = TrainConfig(strategy="ddp", world_size=2, steps=2, batch_size=8,
+                      options={"bucket_mb": 0.2, "timeline": True})
+    reports = train(cfg, cluster=clusters(2))["summary"]["report"]
+    rows = timeline_rows(reports)
+    assert [r["rank"] for r in rows] == [0, 1]
+    assert min(r["backward"][0] for r in rows) == 0.0
+    for r in rows:
+        assert len(r["buckets"]) == len(reports[0]["bucket_bytes"]) > 1
+        assert all(start <= end for _, start, end, _ in r["buckets"])
+    fig = plot_ddp_timeline(reports)
+    assert len(fig.axes[0].patches) == 2 * (1 + len(rows[0]["buckets"]))

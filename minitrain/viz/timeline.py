@@ -1,0 +1,47 @@
+"""Lesson 02: DDP's overlap, drawn from a real run's timeline.
+
+Each rank's DDP wrapper records, per step, when backward started and ended and when each bucket's
+all-reduce started and completed (``DistributedDataParallel(record_timeline=True)``).
+``timeline_rows`` (pure) turns that into bars relative to the step's start; ``plot_ddp_timeline``
+draws compute and communication per rank, so you see the buckets leave while backward still runs.
+"""
+
+from __future__ import annotations
+
+__all__ = ["timeline_rows", "plot_ddp_timeline"]
+
+
+def timeline_rows(reports: list[dict], step: int = -1) -> list[dict]:
+    """Per rank: the backward bar and the bucket bars of one step, in ms from the earliest start."""
+    steps = [r["timeline"][step] for r in reports]
+    t0 = min(s["backward_start"] for s in steps)
+    ms = lambda t: (t - t0) * 1e3  # noqa: E731
+    return [dict(rank=rank,
+                 backward=(ms(s["backward_start"]), ms(s["backward_end"])),
+                 buckets=[(b["index"], ms(b["start"]), ms(b["end"]), b["bytes"]) for b in s["buckets"]])
+            for rank, s in enumerate(steps)]
+
+
+def plot_ddp_timeline(reports: list[dict], step: int = -1):
+    """Backward compute and each bucket's all-reduce, per rank, for one step of a real run."""
+    import matplotlib.pyplot as plt
+
+    rows = timeline_rows(reports, step)
+    fig, ax = plt.subplots(figsize=(10, 1.4 + 0.9 * len(rows)))
+    colors = plt.get_cmap("tab10")
+    for row in rows:
+        y = row["rank"]
+        start, end = row["backward"]
+        ax.barh(y + 0.18, end - start, left=start, height=0.32, color="#999999",
+                label="backward (compute)" if y == 0 else None)
+        for index, b0, b1, nbytes in row["buckets"]:
+            first = y == 0 and index == 0
+            ax.barh(y - 0.18, max(b1 - b0, 0.05), left=b0, height=0.32, color=colors(index % 10),
+                    label="all-reduce of a bucket (one colour each)" if first else None)
+    ax.set_yticks(range(len(rows)), [f"rank {r['rank']}" for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since backward started")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title("DDP: buckets are all-reduced while backward is still running")
+    fig.tight_layout()
+    return fig

@@ -2,8 +2,8 @@
 
     python benchmarks/ddp_bench.py [--model small] [--bucket-mb 1] [--steps 20] [--rounds 3]
 
-For 2 and 4 ranks, both wrappers train the same GPT on the same batches in one cluster, in
-alternating rounds (so drifting machine load hits both alike).  Prints the median step time of each
+For 2 and 4 ranks, both wrappers train the same GPT on the same batches in one cluster, two
+replicas side by side, alternating step by step (so drifting machine load hits both alike).  Prints the median step time of each
 (a step ends when its slowest rank ends), their ratio (target: minitrain / PyTorch <= 1.05), and the
 share of minitrain's all-reduce time hidden behind backward.
 """
@@ -23,26 +23,28 @@ from minitrain.data import ArithmeticData, shard
 from minitrain.parallel.data_parallel import DistributedDataParallel, overlap_fraction
 
 
-def step_times(kind: str, model_name: str, bucket_mb: float, steps: int, batch: int):
+def step_times(model_name: str, bucket_mb: float, steps: int, batch: int):
+    """Train two identical replicas side by side, one under each wrapper, alternating step by step
+    (so drifting machine load hits both alike); return each one's step times and our overlap."""
     cfg = PRESETS[model_name]
-    model = GPT(cfg, seed=0)
-    if kind == "minitrain":
-        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb, record_timeline=True)
-    else:
-        ddp = TorchDDP(model, bucket_cap_mb=bucket_mb)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    wrappers = {"minitrain": DistributedDataParallel(GPT(cfg, seed=0), bucket_cap_mb=bucket_mb,
+                                                     record_timeline=True),
+                "torch": TorchDDP(GPT(cfg, seed=0), bucket_cap_mb=bucket_mb)}
+    optims = {k: torch.optim.Adam(w.module.parameters(), lr=1e-3) for k, w in wrappers.items()}
     data, r, n = ArithmeticData(cfg.seq_len, 0), dist.get_rank(), dist.get_world_size()
-    times = []
+    times: dict = {k: [] for k in wrappers}
     for step in range(steps + 2):  # two warm-up steps
         x, y = data.batch(step, batch)
-        dist.barrier()
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        ddp(shard(x, r, n), shard(y, r, n)).backward()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-    overlap = [overlap_fraction(s) for s in ddp.timeline[2:]] if kind == "minitrain" else []
-    return times[2:], overlap
+        order = list(wrappers) if step % 2 == 0 else list(reversed(list(wrappers)))
+        for kind in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            optims[kind].zero_grad()
+            wrappers[kind](shard(x, r, n), shard(y, r, n)).backward()
+            optims[kind].step()
+            times[kind].append(time.perf_counter() - t0)
+    overlap = [overlap_fraction(s) for s in wrappers["minitrain"].timeline[2:]]
+    return {k: v[2:] for k, v in times.items()}, overlap
 
 
 def main() -> None:
@@ -61,11 +63,11 @@ def main() -> None:
             per = {"minitrain": [], "torch": []}
             overlap = []
             for _ in range(args.rounds):
-                for kind in ("minitrain", "torch"):
-                    res = cluster.run(step_times, kind, args.model, args.bucket_mb, args.steps,
-                                      args.batch_size)
-                    per[kind] += [max(ts) for ts in zip(*(r[0] for r in res))]
-                    overlap += [o for r in res for o in r[1]]
+                res = cluster.run(step_times, args.model, args.bucket_mb, args.steps,
+                                  args.batch_size)
+                for kind in per:
+                    per[kind] += [max(ts) for ts in zip(*(r[0][kind] for r in res))]
+                overlap += [o for r in res for o in r[1]]
         ours, theirs = statistics.median(per["minitrain"]), statistics.median(per["torch"])
         print(f"{n:5d} {ours * 1e3:13.1f} {theirs * 1e3:11.1f} {ours / theirs:6.3f} "
               f"{statistics.median(overlap):8.0%}")

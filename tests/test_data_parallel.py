@@ -10,7 +10,8 @@ from minitrain import GPT, ArithmeticData, Cluster, Comm, GPTConfig, PRESETS, Tr
 from minitrain.comm import loopback_tx_bytes
 from minitrain.data import shard
 from minitrain.parallel.data_parallel import (DistributedDataParallel, NaiveDataParallel,
-                                              make_buckets, overlap_fraction)
+                                              make_buckets, overlap_fraction, MIB,
+                                              FIRST_BUCKET_BYTES)
 
 CFG = TrainConfig(steps=20, batch_size=12, seed=0)
 
@@ -181,12 +182,28 @@ def test_buckets_overlap_backward(clusters):
         assert 0 < overlap_fraction(step) <= 1
 
 
-def test_buckets_are_filled_in_reverse_and_capped():
+def test_buckets_are_filled_in_reverse_and_closed_at_the_cap():
     params = [nn.Parameter(torch.zeros(n)) for n in (100, 200, 300, 50, 1000)]
     buckets = make_buckets(params, cap_bytes=1500)
-    assert [[p.numel() for p in b.params] for b in buckets] == [[1000], [50, 300], [200, 100]]
-    assert [b.nbytes for b in buckets] == [4000, 1400, 1200]
+    assert [[p.numel() for p in b.params] for b in buckets] == [[1000], [50, 300, 200], [100]]
+    assert [b.nbytes for b in buckets] == [4000, 2200, 400]
     assert make_buckets(params, cap_bytes=1e9)[0].params == params[::-1]
+    first_small = make_buckets(params, cap_bytes=1e9, first_cap_bytes=100)
+    assert [[p.numel() for p in b.params] for b in first_small] == [[1000], [50, 300, 200, 100]]
+
+
+@pytest.mark.parametrize("cap_mb, first", [(0.01, None), (0.25, None), (1, None), (0.01, 20_000),
+                                           (25, FIRST_BUCKET_BYTES)])
+def test_buckets_match_pytorch_ddp(cap_mb, first):
+    """Same model, same caps: our bucket layout is the one torch's DDP computes."""
+    params = [p for p in GPT(PRESETS["small"], seed=0).parameters()]
+    params.append(nn.Parameter(torch.zeros(7, dtype=torch.float64)))  # a dtype of its own
+    ours = make_buckets(params, cap_mb * MIB, first)
+    limits = [int(cap_mb * MIB)] if first is None else [first, int(cap_mb * MIB)]
+    theirs, _ = dist._compute_bucket_assignment_by_size(params[::-1], limits, [False] * len(params))
+    reverse = params[::-1]
+    assert [[id(p) for p in b.params] for b in ours] == \
+        [[id(reverse[i]) for i in b] for b in sorted(theirs, key=min)]
 
 
 def test_naive_dp_broadcasts_the_start_and_averages_gradients(clusters):

@@ -10,7 +10,7 @@ step a single process would take on the whole batch.
 * :class:`NaiveDataParallel` — broadcast the weights once; after backward, all-reduce every gradient,
   one call per parameter, and divide by N.  Correct, but every call pays the latency α (lesson 01) and
   nothing overlaps with compute.
-* :class:`DistributedDataParallel` — gradients are packed into buckets of about ``bucket_cap_mb``,
+* :class:`DistributedDataParallel` — gradients are packed into buckets of about ``bucket_cap_mb`` MiB,
   filled in reverse parameter order (the order backward produces them).  A hook on each parameter
   fires when its gradient is accumulated; when a bucket is full its all-reduce starts *asynchronously*,
   while backward goes on computing earlier layers.  At the end of backward we wait for the buckets and
@@ -35,7 +35,8 @@ from ..data import shard
 from ..memory import ActivationMeter
 from ..strategies import ConfigError, Strategy, TrainConfig, register
 
-__all__ = ["NaiveDataParallel", "DistributedDataParallel", "Bucket", "make_buckets",
+__all__ = ["NaiveDataParallel", "DistributedDataParallel", "Bucket", "make_buckets", "MIB",
+           "FIRST_BUCKET_BYTES",
            "broadcast_module", "overlap_fraction"]
 
 
@@ -93,33 +94,57 @@ class Bucket:
     ready: set = field(default_factory=set)
     work: object = None
     launched_at: float | None = None
+    views: list = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
         return self.numel * self.params[0].element_size()
 
+    def allocate(self) -> None:
+        """Create the flat buffer, and each parameter's view into it (made once: hooks are hot)."""
+        p0 = self.params[0]
+        self.buffer = torch.empty(self.numel, dtype=p0.dtype, device=p0.device)
+        self.views = self.split(self.buffer)
+
+    def split(self, flat: torch.Tensor) -> list:
+        """Views of a flat tensor laid out as this bucket, one per parameter, shaped like it."""
+        parts = flat.split([p.numel() for p in self.params])
+        return [part.view_as(p) for part, p in zip(parts, self.params)]
+
     def view(self, i: int) -> torch.Tensor:
-        p = self.params[i]
-        return self.buffer[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+        return self.views[i]
 
 
-def make_buckets(params: list, cap_bytes: float) -> list[Bucket]:
-    """Group ``params`` into buckets of at most ``cap_bytes`` (at least one parameter each), in
-    reverse order: backward produces the last layers' gradients first."""
-    buckets: list[Bucket] = []
-    current: list = []
-    size = 0
+MIB = 1024 * 1024
+DEFAULT_BUCKET_MB = 25
+FIRST_BUCKET_BYTES = 1 * MIB  # PyTorch's dist._DEFAULT_FIRST_BUCKET_BYTES
+
+
+def make_buckets(params: list, cap_bytes: float, first_cap_bytes: float | None = None) -> list[Bucket]:
+    """Group ``params`` into buckets, in reverse order: backward produces the last layers'
+    gradients first.
+
+    As PyTorch does: parameters are added to the open bucket until it holds at least ``cap_bytes``
+    (so a bucket may overshoot by its last parameter; fewer, fuller messages), then it is closed.
+    The first bucket closes at ``first_cap_bytes`` instead, if given — PyTorch's DDP makes it 1 MiB
+    when the cap is left at its default, so the first all-reduce starts early in backward.
+    Parameters of different dtypes never share a bucket (each dtype is bucketed on its own).
+    """
+    groups: list[list] = []
+    open_: dict = {}  # dtype -> [params, bytes, buckets closed so far]
     for p in reversed(params):
-        nbytes = p.numel() * p.element_size()
-        if current and (size + nbytes > cap_bytes or p.dtype != current[0].dtype):
-            buckets.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += nbytes
-    if current:
-        buckets.append(current)
+        entry = open_.setdefault(p.dtype, [[], 0, 0])
+        entry[0].append(p)
+        entry[1] += p.numel() * p.element_size()
+        first = entry[2] == 0 and first_cap_bytes is not None
+        if entry[1] >= (first_cap_bytes if first else cap_bytes):
+            groups.append(entry[0])
+            open_[p.dtype] = [[], 0, entry[2] + 1]
+    groups += [entry[0] for entry in open_.values() if entry[0]]
+    position = {id(p): k for k, p in enumerate(reversed(params))}
+    groups.sort(key=lambda ps: position[id(ps[0])])  # launch order: first gradient ready first
     out = []
-    for i, ps in enumerate(buckets):
+    for i, ps in enumerate(groups):
         offsets, total = [], 0
         for p in ps:
             offsets.append(total)
@@ -134,7 +159,9 @@ class DistributedDataParallel(nn.Module):
     Arguments:
         module: the model (the same initial weights are broadcast from rank 0).
         comm: the data-parallel communicator (default: the whole world); or ``process_group=``.
-        bucket_cap_mb: bucket size in MB (10^6 bytes), as PyTorch's ``bucket_cap_mb``.
+        bucket_cap_mb: bucket size in MiB, as PyTorch's ``bucket_cap_mb``.  Left at its default
+            (25 MiB), the first bucket is 1 MiB, as in PyTorch, so that communication starts
+            early (see :func:`make_buckets`).
         find_unused_parameters: allow parameters that get no gradient in a step.  Costs one small
             extra all-reduce per step (who used what); a parameter unused on *every* rank keeps
             ``grad = None``, exactly as in a single process.  Without it such a step is an error.
@@ -142,11 +169,11 @@ class DistributedDataParallel(nn.Module):
             started and ended (``.timeline``) — lesson 02 plots it.
     """
 
-    def __init__(self, module: nn.Module, comm: Comm | None = None, bucket_cap_mb: float = 25.0,
+    def __init__(self, module: nn.Module, comm: Comm | None = None, bucket_cap_mb: float | None = None,
                  find_unused_parameters: bool = False, record_timeline: bool = False,
                  process_group=None):
         super().__init__()
-        if bucket_cap_mb <= 0:
+        if bucket_cap_mb is not None and bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         self.module = module
         self.comm = _comm_for(comm, process_group)
@@ -159,7 +186,10 @@ class DistributedDataParallel(nn.Module):
         self._params = [p for p in module.parameters() if p.requires_grad]  # tied: listed once
         self._pos = {id(p): k for k, p in enumerate(self._params)}
         self._names = [names[id(p)] for p in self._params]
-        self.buckets = make_buckets(self._params, bucket_cap_mb * 1e6)
+        if bucket_cap_mb is None:  # PyTorch's default: 25 MiB, and a 1 MiB first bucket
+            self.buckets = make_buckets(self._params, DEFAULT_BUCKET_MB * MIB, FIRST_BUCKET_BYTES)
+        else:
+            self.buckets = make_buckets(self._params, bucket_cap_mb * MIB)
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._in_backward = False
         self._step: dict = {}
@@ -192,7 +222,7 @@ class DistributedDataParallel(nn.Module):
             b.ready.clear()
             b.work, b.launched_at = None, None
             if b.buffer is None:
-                b.buffer = torch.empty(b.numel, dtype=b.params[0].dtype, device=b.params[0].device)
+                b.allocate()
         self._step = dict(backward_start=self._forward_end or time.perf_counter(), ready={},
                           buckets=[])
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -204,11 +234,12 @@ class DistributedDataParallel(nn.Module):
         if not self._in_backward:
             self._begin_backward()
         bucket, i = self._where[id(p)]
-        bucket.view(i).copy_(p.grad)
+        torch.mul(p.grad, 1.0 / self.comm.size, out=bucket.views[i])  # copy in and pre-divide, fused
         bucket.ready.add(i)
         if self.record_timeline:
             self._step["ready"][self._names[self._pos[id(p)]]] = time.perf_counter()
-        self._launch_ready()
+        if len(bucket.ready) == len(bucket.params):
+            self._launch_ready()
 
     def _launch_ready(self) -> None:
         """Start every full bucket, strictly in bucket order: all ranks must issue the same
@@ -216,7 +247,6 @@ class DistributedDataParallel(nn.Module):
         while self._next < len(self.buckets) and \
                 len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
             b = self.buckets[self._next]
-            b.buffer.div_(self.comm.size)
             b.launched_at = time.perf_counter()
             b.work = self.comm.all_reduce(b.buffer, async_op=True, tag=f"bucket{b.index}")
             self._next += 1
@@ -233,13 +263,16 @@ class DistributedDataParallel(nn.Module):
             self._step["buckets"].append(dict(index=b.index, bytes=b.nbytes,
                                               start=b.launched_at, end=b.work.end))
         for b in self.buckets:
+            fresh = None  # one allocation per bucket for parameters whose .grad is None
             for i, p in enumerate(b.params):
-                if not used_everywhere.get(id(p), True):
+                if used_everywhere and not used_everywhere[id(p)]:
                     continue  # unused on every rank: leave grad None, as a single process would
                 if p.grad is None:
-                    p.grad = b.view(i).clone()
+                    if fresh is None:
+                        fresh = b.split(b.buffer.clone())
+                    p.grad = fresh[i]
                 else:
-                    p.grad.copy_(b.view(i))
+                    p.grad.copy_(b.views[i])
         self._step["synced"] = time.perf_counter()
         if self.record_timeline:
             self.timeline.append(self._step)
@@ -329,20 +362,20 @@ class DDP(_DataParallelStrategy):
 
     @classmethod
     def add_arguments(cls, parser) -> None:
-        parser.add_argument("--bucket-mb", type=float, default=25.0,
-                            help="ddp: gradient bucket size in MB (default 25, as PyTorch)")
+        parser.add_argument("--bucket-mb", type=float, default=None,
+                            help="ddp: gradient bucket size in MiB (default 25, as PyTorch)")
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:
         super().check(cfg)
-        if cfg.options.get("bucket_mb", 25.0) <= 0:
+        if cfg.options.get("bucket_mb") is not None and cfg.options["bucket_mb"] <= 0:
             raise ConfigError(f"--bucket-mb must be > 0, got {cfg.options['bucket_mb']}")
 
     def __init__(self, cfg: TrainConfig, comm: Comm):
         super().__init__(cfg, comm)
         self.model = self.build_model()
         self.wrapper = DistributedDataParallel(self.model, comm,
-                                               bucket_cap_mb=cfg.options.get("bucket_mb", 25.0),
+                                               bucket_cap_mb=cfg.options.get("bucket_mb"),
                                                record_timeline=cfg.options.get("timeline", False))
         self.meter = ActivationMeter(self.model)
         self.optimizer = self.make_optimizer(self.model.parameters())

@@ -222,21 +222,35 @@ class Comm:
 
     # -- point to point -----------------------------------------------------------------------------
 
-    def send(self, tensor: torch.Tensor, dst: int, tag: str = "") -> None:
+    def send(self, tensor: torch.Tensor, dst: int, tag: str = "", channel: int = 0) -> None:
+        """Blocking send to group rank ``dst``.  ``channel`` is the wire tag: a receive on one
+        channel never matches a message sent on another (``tag`` is only the trace's label)."""
         self._traced("send", _nbytes(tensor), lambda: dist.send(
-            tensor, self.global_rank(dst), group=self.group), peer=dst, tag=tag)
+            tensor, self.global_rank(dst), group=self.group, tag=channel), peer=dst, tag=tag)
 
-    def recv(self, tensor: torch.Tensor, src: int, tag: str = "") -> None:
-        self._traced("recv", _nbytes(tensor), lambda: dist.recv(
-            tensor, self.global_rank(src), group=self.group), peer=src, tag=tag)
+    def recv(self, tensor: torch.Tensor, src: int | None, tag: str = "", channel: int = 0) -> int:
+        """Blocking receive from group rank ``src`` — or, with ``src=None``, from whichever rank's
+        message on ``channel`` comes first (a parameter server's inbox).  Returns the sender."""
+        sender = []
+        self._traced("recv", _nbytes(tensor), lambda: sender.append(dist.recv(
+            tensor, None if src is None else self.global_rank(src), group=self.group,
+            tag=channel)), peer=src, tag=tag)
+        got = sender[0] if sender and sender[0] is not None and sender[0] >= 0 else src
+        if src is None and self.group is not None:
+            got = dist.get_group_rank(self.group, got)
+        if src is None and self.tracer.enabled and self.tracer.events:
+            self.tracer.events[-1].peer = got
+        return got
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: str = ""):
+    def isend(self, tensor: torch.Tensor, dst: int, tag: str = "", channel: int = 0):
         return self._traced("send", _nbytes(tensor), lambda: dist.isend(
-            tensor, self.global_rank(dst), group=self.group), peer=dst, async_op=True, tag=tag)
+            tensor, self.global_rank(dst), group=self.group, tag=channel), peer=dst,
+            async_op=True, tag=tag)
 
-    def irecv(self, tensor: torch.Tensor, src: int, tag: str = ""):
+    def irecv(self, tensor: torch.Tensor, src: int, tag: str = "", channel: int = 0):
         return self._traced("recv", _nbytes(tensor), lambda: dist.irecv(
-            tensor, self.global_rank(src), group=self.group), peer=src, async_op=True, tag=tag)
+            tensor, self.global_rank(src), group=self.group, tag=channel), peer=src,
+            async_op=True, tag=tag)
 
     # -- collectives --------------------------------------------------------------------------------
 

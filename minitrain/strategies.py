@@ -9,6 +9,7 @@ A strategy is a class with
 * ``__init__(cfg, comm)`` — builds the model, wrappers and optimizer on one rank;
 * ``train_step(x, y)`` — one optimizer step on the *global* batch ``(x, y)`` (each strategy takes the
   slice its rank needs) returning the global mean loss as a float;
+* ``fit(data, on_step)`` — the loop over steps (shared; overridden where ranks do not step together);
 * ``memory()`` — this rank's memory ledger.
 
 ``Single`` here is the baseline every other strategy is proven equal to.  Parallel strategies live in
@@ -21,6 +22,7 @@ import abc
 import argparse
 import importlib
 import pkgutil
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -128,6 +130,23 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One optimizer step on the global batch; returns the global mean loss."""
+
+    def fit(self, data, on_step=None) -> tuple[list[float], list[float]]:
+        """Run ``cfg.steps`` steps on batches from ``data``; return (losses, seconds per step).
+
+        The lockstep loop every strategy shares.  A strategy whose ranks do not step together (the
+        asynchronous parameter server) overrides it.  ``on_step(step, loss)`` follows each step.
+        """
+        losses, times = [], []
+        for step in range(self.cfg.steps):
+            x, y = data.batch(step, self.cfg.batch_size)
+            t0 = time.perf_counter()
+            loss = self.train_step(x, y)
+            times.append(time.perf_counter() - t0)
+            losses.append(loss)
+            if on_step is not None:
+                on_step(step, loss)
+        return losses, times
 
     def state_dict(self) -> dict:
         """The full model's weights as a plain single-process state_dict (on every rank that has it)."""

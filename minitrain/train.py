@@ -9,7 +9,6 @@ memory ledger are gathered to rank 0 (outside the tracer, so they do not count a
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch.distributed as dist
 
@@ -36,16 +35,8 @@ def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False) -> dict
     comm = Comm(None, Tracer(), "world")
     strategy = get_strategy(cfg.strategy)(cfg, comm)
     data = ArithmeticData(cfg.model.seq_len, cfg.seed)
-    losses, times = [], []
     comm.tracer.clear()
-    for step in range(cfg.steps):
-        x, y = data.batch(step, cfg.batch_size)
-        t0 = time.perf_counter()
-        loss = strategy.train_step(x, y)
-        times.append(time.perf_counter() - t0)
-        losses.append(loss)
-        if on_step is not None and comm.rank == 0:
-            on_step(step, loss)
+    losses, times = strategy.fit(data, on_step if comm.rank == 0 else None)
     mine = {"comm": comm.tracer.summary(), "memory": strategy.memory(), "report": strategy.report()}
     gathered = [None] * comm.size if comm.rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)

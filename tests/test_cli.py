@@ -71,7 +71,7 @@ def test_readable_output_without_json():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--strategy", "nope"], "unknown strategy 'nope'; choose one of: ddp, ddp-naive, single"),
+    (["--strategy", "nope"], "unknown strategy 'nope'; choose one of: ddp, ddp-naive, ps-async, ps-sync, single"),
     (["--world-size", "2"], "strategy 'single' runs on one rank"),
     (["--strategy", "ddp", "--world-size", "3"], "use a multiple of 3 (e.g. 15)"),
     (["--steps", "0"], "--steps must be at least 1"),

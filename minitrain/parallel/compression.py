@@ -2,24 +2,36 @@
 
 Seed 002 §3.4: when the network is the bottleneck, send fewer bytes — sparsify or quantise the
 gradients.  What goes on the wire here is the compressed payload itself, so the tracer's byte counts
-are the real saving:
+are the real saving.  For n gradient entries:
 
-* ``topk:RATIO`` — the k = RATIO·n largest-magnitude entries, as int32 indices + fp32 values
-  (Lin et al., 2018, "Deep Gradient Compression");
-* ``int8`` — entries scaled by max|x|/127 and rounded to int8, plus one fp32 scale;
-* ``sign`` — one bit per entry, packed 8 to a byte, times one fp32 scale mean|x|
+* ``topk:RATIO`` — the k = ⌈RATIO·n⌉ largest-magnitude entries, as int32 indices + fp32 values,
+  8k bytes (Lin et al., 2018, "Deep Gradient Compression");
+* ``int8`` — entries scaled by max|x|/127 and rounded to int8, plus that fp32 scale: n + 4 bytes
+  (deterministic linear quantisation; QSGD, Alistarh et al., 2017, rounds stochastically instead);
+* ``sign`` — one bit per entry, packed 8 to a byte, times one fp32 scale mean|x|: ⌈n/8⌉ + 4 bytes
   (Seide et al., 2014, "1-bit SGD"; Bernstein et al., 2018, "signSGD");
-* ``powersgd:RANK`` — a rank-r factorisation M ≈ P Qᵀ by one step of power iteration, warm-started
-  from the previous step's Q (Vogels et al., 2019, "PowerSGD").
+* ``powersgd:RANK`` — the entries seen as a near-square rows × cols matrix M (padded with zeros),
+  approximated by P Qᵀ of rank r = min(RANK, cols) by one step of power iteration, warm-started
+  from the previous step's Q: (rows + cols)·r·4 bytes (Vogels et al., 2019, "PowerSGD").
 
-**Error feedback** (Karimireddy et al., 2019, "Error Feedback Fixes SignSGD"): what compression
-dropped is kept in a residual and added to the next gradient, so nothing is lost for good — the sum
-of everything sent plus the current residual equals the sum of the raw gradients.
+**Error feedback** (Seide et al., 2014; Karimireddy et al., 2019, "Error Feedback Fixes SignSGD"):
+what compression dropped is kept in a residual and added to the next gradient, so nothing is lost
+for good — the sum of everything sent plus the current residual equals the sum of the raw gradients.
 
-``Compressor.compress`` returns a list of tensors (the payload); ``decompress`` rebuilds a dense
-tensor.  ``ErrorFeedback`` wraps one compressor with per-tensor residuals.  ``compressed_all_reduce``
-averages a tensor over a communicator by all-gathering the payloads (sparse and quantised payloads
-cannot be summed on the wire), or, for PowerSGD, by all-reducing P and Q.
+``Compressor.compress`` returns the payload (a list of contiguous tensors, laid out as ``layout(n)``
+says, so a receiver can allocate it); ``decompress`` rebuilds a dense fp32 tensor.  Gradients of any
+floating dtype are compressed in fp32.  ``ErrorFeedback`` wraps a compressor with per-key residuals.
+
+``compressed_all_reduce`` averages a tensor over a communicator.  Sparse and quantised payloads
+cannot be summed on the wire (the ranks' indices and scales differ), so each rank's payload is
+packed into one byte buffer and all-gathered, then every rank decompresses all N and adds them up.
+PowerSGD's factors *can* be summed: P = Σ M_r Q is all-reduced and orthonormalised, then
+Q = Σ M_rᵀ P, so the mean is P Qᵀ / N = (1/N) Σ P Pᵀ M_r.  Rank r's share of it is P Pᵀ M_r, its
+local projection: that is what it "sent", and its residual is M_r − P Pᵀ M_r (Vogels et al.,
+Algorithm 2) — not M_r minus the mean, which would count the other ranks' gradients as its own.
+
+The command line takes ``--compress SPEC`` and ``--no-error-feedback``
+(:func:`add_compression_arguments`), checked before any process starts (:func:`check_compression`).
 """
 
 from __future__ import annotations
@@ -30,31 +42,48 @@ import math
 import torch
 
 from ..comm import Comm
+from ..strategies import ConfigError, TrainConfig
 
 __all__ = ["Compressor", "TopK", "Int8", "Sign", "PowerSGD", "ErrorFeedback", "parse_compressor",
-           "compressed_all_reduce", "payload_bytes"]
+           "as_error_feedback", "compressed_all_reduce", "payload_bytes",
+           "add_compression_arguments", "check_compression", "FORMS"]
+
+FORMS = "topk:RATIO (e.g. topk:0.01), int8, sign or powersgd:RANK (e.g. powersgd:4)"
 
 
 def payload_bytes(payload: list[torch.Tensor]) -> int:
+    """Bytes of a payload (what it costs on the wire)."""
     return sum(t.numel() * t.element_size() for t in payload)
 
 
+def _flat32(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().reshape(-1).to(torch.float32)
+
+
 class Compressor(abc.ABC):
-    """Turns a flat fp32 tensor into a payload (list of tensors) and back."""
+    """Turns a flat tensor of n ≥ 1 entries into a payload (list of tensors) and back."""
 
     name = ""
 
     @abc.abstractmethod
     def compress(self, x: torch.Tensor, key=None) -> list[torch.Tensor]:
-        """The payload for flat tensor ``x`` (``key`` names the tensor, for stateful compressors)."""
+        """The payload for flat tensor ``x`` (``key`` names the tensor for stateful ones)."""
 
     @abc.abstractmethod
     def decompress(self, payload: list[torch.Tensor], n: int) -> torch.Tensor:
-        """A dense flat tensor of ``n`` entries from a payload."""
+        """A dense flat fp32 tensor of ``n`` entries from a payload."""
 
     @abc.abstractmethod
     def layout(self, n: int) -> list[tuple[tuple, torch.dtype]]:
         """Shapes and dtypes of the payload for ``n`` entries (receivers allocate from this)."""
+
+    def add_to(self, out: torch.Tensor, payload: list[torch.Tensor]) -> None:
+        """``out += decompress(payload)`` (a receiver summing the ranks' payloads)."""
+        out += self.decompress(payload, out.numel())
+
+    def nbytes(self, n: int) -> int:
+        """Bytes of the payload for ``n`` entries."""
+        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.layout(n))
 
     def __repr__(self) -> str:
         return self.name
@@ -68,15 +97,21 @@ class TopK(Compressor):
         self.name = f"topk:{ratio:g}"
 
     def k(self, n: int) -> int:
-        return max(1, math.ceil(self.ratio * n))
+        return min(n, max(1, math.ceil(round(self.ratio * n, 6))))  # round: 0.07·100 is 7.000…01
 
     def compress(self, x, key=None):
+        x = _flat32(x)
         idx = x.abs().topk(self.k(x.numel()), sorted=False).indices
         return [idx.to(torch.int32), x[idx]]
 
     def decompress(self, payload, n):
+        out = torch.zeros(n, dtype=torch.float32, device=payload[1].device)
+        self.add_to(out, payload)
+        return out
+
+    def add_to(self, out, payload):
         idx, values = payload
-        return torch.zeros(n, dtype=values.dtype).index_put_((idx.long(),), values, accumulate=True)
+        out.index_put_((idx.long(),), values.float(), accumulate=True)  # O(k), not O(n)
 
     def layout(self, n):
         return [((self.k(n),), torch.int32), ((self.k(n),), torch.float32)]
@@ -86,42 +121,58 @@ class Int8(Compressor):
     name = "int8"
 
     def compress(self, x, key=None):
+        x = _flat32(x)
         scale = x.abs().max() / 127
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        return [torch.round(x / scale).clamp_(-127, 127).to(torch.int8), scale.reshape(1)]
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all zeros: any scale works
+        return [x.div(scale).round_().clamp_(-127, 127).to(torch.int8), scale.reshape(1)]
 
     def decompress(self, payload, n):
         q, scale = payload
-        return q.to(torch.float32) * scale
+        return q * scale.float()  # int8 × fp32 → fp32, in one pass
 
     def layout(self, n):
         return [((n,), torch.int8), ((1,), torch.float32)]
 
 
-_BITS = 2 ** torch.arange(8, dtype=torch.uint8)
+_BITS = 2 ** torch.arange(8, dtype=torch.uint8)  # bit i of byte j holds the sign of entry 8j + i
+_SIGNS = ((torch.arange(256).unsqueeze(1) & _BITS).ne(0).float() * 2 - 1)  # byte → its 8 signs ±1
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t if device.type == "cpu" else t.to(device)
 
 
 class Sign(Compressor):
     name = "sign"
 
     def compress(self, x, key=None):
+        x = _flat32(x)
         n = x.numel()
-        bits = torch.zeros(math.ceil(n / 8) * 8, dtype=torch.uint8)
-        bits[:n] = (x >= 0).to(torch.uint8)
-        packed = (bits.view(-1, 8) * _BITS).sum(1, dtype=torch.uint8)
+        bits = torch.zeros(math.ceil(n / 8) * 8, dtype=torch.uint8, device=x.device)
+        bits[:n] = x >= 0
+        packed = (bits.view(-1, 8) * _on(_BITS, x.device)).sum(1, dtype=torch.uint8)
         return [packed, x.abs().mean().reshape(1)]
 
     def decompress(self, payload, n):
         packed, scale = payload
-        bits = (packed.unsqueeze(1) & _BITS).ne(0).view(-1)[:n]
-        return (bits.to(torch.float32) * 2 - 1) * scale
+        signs = _on(_SIGNS, packed.device).index_select(0, packed.int())  # a table look-up per byte
+        return signs.reshape(-1)[:n] * scale.float()
 
     def layout(self, n):
         return [((math.ceil(n / 8),), torch.uint8), ((1,), torch.float32)]
 
 
+def _orthonormal(p: torch.Tensor) -> torch.Tensor:
+    """An orthonormal basis of P's columns (QR: stable; no NaN for a zero or rank-deficient P)."""
+    return torch.linalg.qr(p).Q.contiguous()
+
+
 class PowerSGD(Compressor):
-    """Rank-r approximation of the tensor seen as a near-square matrix (padded with zeros)."""
+    """Rank-r approximation of the tensor seen as a near-square matrix (padded with zeros).
+
+    r = min(rank, cols): a tensor smaller than the rank gets a full-rank, exact-in-one-rank
+    factorisation (which is no saving — such tensors are tiny).  Q is kept per key between steps.
+    """
 
     def __init__(self, rank: int, seed: int = 0):
         if rank < 1:
@@ -132,107 +183,186 @@ class PowerSGD(Compressor):
 
     @staticmethod
     def shape(n: int) -> tuple[int, int]:
-        rows = math.ceil(math.sqrt(n))
+        rows = math.isqrt(n - 1) + 1  # ⌈√n⌉, so cols = ⌈n/rows⌉ <= rows
         return rows, math.ceil(n / rows)
 
+    def r(self, n: int) -> int:
+        return min(self.rank, self.shape(n)[1])
+
     def matrix(self, x: torch.Tensor) -> torch.Tensor:
+        x = _flat32(x)
         rows, cols = self.shape(x.numel())
-        m = torch.zeros(rows * cols, dtype=x.dtype)
+        m = x.new_zeros(rows * cols)
         m[: x.numel()] = x
         return m.view(rows, cols)
 
-    def initial_q(self, key, cols: int) -> torch.Tensor:
-        if key not in self._q:
+    def initial_q(self, key, m: torch.Tensor) -> torch.Tensor:
+        """Last step's Q for ``key`` (the same on every rank), or a seeded random start."""
+        cols, r = m.shape[1], min(self.rank, m.shape[1])
+        q = self._q.get(key)
+        if q is None or q.shape != (cols, r):
             gen = torch.Generator().manual_seed(self.seed)
-            self._q[key] = torch.randn(cols, min(self.rank, cols), generator=gen)
-        return self._q[key]
+            q = self._q[key] = torch.randn(cols, r, generator=gen).to(m.device)
+        return q
 
     def compress(self, x, key=None):
         m = self.matrix(x)
-        p = m @ self.initial_q(key, m.shape[1])
-        p = torch.linalg.qr(p).Q
-        q = m.t() @ p
-        self._q[key] = q
+        p = _orthonormal(m @ self.initial_q(key, m))
+        q = self._q[key] = (m.t() @ p).contiguous()
         return [p, q]
 
     def decompress(self, payload, n):
         p, q = payload
-        return (p @ q.t()).reshape(-1)[:n]
+        return (p.float() @ q.float().t()).reshape(-1)[:n]
 
     def layout(self, n):
         rows, cols = self.shape(n)
-        r = min(self.rank, cols)
-        return [((rows, r), torch.float32), ((cols, r), torch.float32)]
+        return [((rows, self.r(n)), torch.float32), ((cols, self.r(n)), torch.float32)]
 
 
-def parse_compressor(spec: str | None) -> Compressor | None:
-    """``"topk:0.01"``, ``"int8"``, ``"sign"``, ``"powersgd:4"`` (or None/"none") → a Compressor."""
+def parse_compressor(spec) -> Compressor | None:
+    """``"topk:0.01"``, ``"int8"``, ``"sign"``, ``"powersgd:4"`` (or None/"none") → a Compressor.
+
+    A Compressor passes through unchanged.  A bad spec is a ValueError naming the accepted forms.
+    """
+    if isinstance(spec, Compressor):
+        return spec
     if spec in (None, "", "none"):
         return None
-    name, _, arg = spec.partition(":")
+    name, _, arg = str(spec).partition(":")
     try:
         if name == "topk":
-            return TopK(float(arg))
-        if name == "int8" and not arg:
-            return Int8()
-        if name == "sign" and not arg:
-            return Sign()
+            return TopK(_number(arg, float, "RATIO, a number in (0, 1]"))
         if name == "powersgd":
-            return PowerSGD(int(arg))
+            return PowerSGD(_number(arg, int, "RANK, an integer >= 1"))
+        if name in ("int8", "sign") and not arg:
+            return Int8() if name == "int8" else Sign()
+        problem = "unknown compressor"
     except ValueError as exc:
-        raise ValueError(f"bad --compress {spec!r}: {exc}") from None
-    raise ValueError(f"unknown --compress {spec!r}; use topk:RATIO (e.g. topk:0.01), int8, sign or "
-                     "powersgd:RANK (e.g. powersgd:4)")
+        problem = str(exc)
+    raise ValueError(f"bad --compress {spec!r} ({problem}); use {FORMS}")
+
+
+def _number(arg: str, cast, what: str):
+    try:
+        return cast(arg)
+    except ValueError:
+        raise ValueError(f"expected {what} after the colon") from None
 
 
 class ErrorFeedback:
-    """A compressor plus per-tensor residuals: send C(g + e), keep e ← (g + e) − D(C(g + e))."""
+    """A compressor plus per-key residuals: send C(g + e), keep e ← (g + e) − D(C(g + e))."""
 
     def __init__(self, compressor: Compressor, enabled: bool = True):
         self.compressor, self.enabled = compressor, enabled
         self.residual: dict = {}
 
-    def compress(self, x: torch.Tensor, key) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Payload for ``x`` and what the receiver will rebuild from it."""
-        corrected = x + self.residual[key] if self.enabled and key in self.residual else x
-        payload = self.compressor.compress(corrected, key)
-        sent = self.compressor.decompress(payload, x.numel())
+    def corrected(self, x: torch.Tensor, key) -> torch.Tensor:
+        """``x`` (flat) plus what was left unsent for ``key`` so far."""
+        x = x.reshape(-1)
+        return x + self.residual[key] if self.enabled and key in self.residual else x
+
+    def remember(self, key, corrected: torch.Tensor, sent: torch.Tensor) -> None:
         if self.enabled:
             self.residual[key] = corrected - sent
+
+    def compress(self, x: torch.Tensor, key) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Payload for ``x`` and what the receiver will rebuild from it (dense, fp32)."""
+        corrected = self.corrected(x, key)
+        payload = self.compressor.compress(corrected, key)
+        sent = self.compressor.decompress(payload, corrected.numel())
+        self.remember(key, corrected, sent)
         return payload, sent
 
 
-def compressed_all_reduce(x: torch.Tensor, comm: Comm, ef: ErrorFeedback, key) -> torch.Tensor:
-    """Average flat ``x`` over ``comm``'s ranks, sending only compressed payloads; in place."""
-    n = comm.size
+def as_error_feedback(compression, error_feedback: bool = True) -> ErrorFeedback | None:
+    """None, a spec, a Compressor or an ErrorFeedback (kept as is) → an ErrorFeedback or None."""
+    if compression is None or isinstance(compression, ErrorFeedback):
+        return compression
+    compressor = parse_compressor(compression)
+    return None if compressor is None else ErrorFeedback(compressor, error_feedback)
+
+
+def _pack(payload: list[torch.Tensor]) -> torch.Tensor:
+    """The payload's bytes, concatenated: one message instead of one per part."""
+    return torch.cat([t.reshape(-1).view(torch.uint8) for t in payload])
+
+
+def _unpack(buf: torch.Tensor, layout) -> list[torch.Tensor]:
+    """Inverse of :func:`_pack` for a payload laid out as ``layout``."""
+    parts, at = [], 0
+    for shape, dtype in layout:
+        size = math.prod(shape) * dtype.itemsize
+        chunk = buf[at: at + size]
+        if chunk.storage_offset() % dtype.itemsize:
+            chunk = chunk.clone()  # a view as a wider dtype must start aligned
+        parts.append(chunk.view(dtype).view(shape))
+        at += size
+    return parts
+
+
+def compressed_all_reduce(x: torch.Tensor, comm: Comm, ef: ErrorFeedback, key,
+                          average: bool = True) -> torch.Tensor:
+    """Average (or with ``average=False`` sum) ``x`` over ``comm``'s ranks, in place, sending only
+    compressed payloads; ``ef``'s residual for ``key`` takes what this rank's payload left out."""
     if isinstance(ef.compressor, PowerSGD):
-        return _powersgd_all_reduce(x, comm, ef, key)
+        return _powersgd_all_reduce(x, comm, ef, key, average)
+    n = x.numel()
     payload, _ = ef.compress(x, key)
-    total = torch.zeros_like(x)
-    gathered = []
-    for part in payload:
-        out = torch.empty((n,) + tuple(part.shape), dtype=part.dtype)
-        comm.all_gather(out, part.contiguous(), tag=f"compressed:{ef.compressor.name}")
-        gathered.append(out)
-    for r in range(n):
-        total += ef.compressor.decompress([g[r] for g in gathered], x.numel())
-    return x.copy_(total / n)
+    mine = _pack(payload)
+    out = mine.new_empty(comm.size * mine.numel())
+    comm.all_gather(out, mine, tag=f"compressed:{ef.compressor.name}")
+    layout = ef.compressor.layout(n)
+    total = torch.zeros(n, dtype=torch.float32, device=x.device)
+    for row in out.view(comm.size, -1):
+        ef.compressor.add_to(total, _unpack(row, layout))
+    if average:
+        total /= comm.size
+    return x.copy_(total.view(x.shape))
 
 
-def _powersgd_all_reduce(x, comm: Comm, ef: ErrorFeedback, key):
-    """PowerSGD's two all-reduces: P = mean(M Q), orthogonalised; Q = mean(Mᵀ P); M ≈ P Qᵀ."""
+def _powersgd_all_reduce(x, comm: Comm, ef: ErrorFeedback, key, average: bool):
+    """PowerSGD's two all-reduces: P = Σ M_r Q, orthonormalised; Q = Σ M_rᵀ P; Σ M_r ≈ P Qᵀ."""
     ps: PowerSGD = ef.compressor
-    corrected = x + ef.residual[key] if ef.enabled and key in ef.residual else x.clone()
+    n = x.numel()
+    corrected = ef.corrected(x, key)
     m = ps.matrix(corrected)
-    p = m @ ps.initial_q(key, m.shape[1])
+    p = m @ ps.initial_q(key, m)
     comm.all_reduce(p, tag="compressed:powersgd-P")
-    p = torch.linalg.qr(p / comm.size).Q
-    q = m.t() @ p
+    p = _orthonormal(p)  # the same on every rank (QR ignores the scale, so sum or mean alike)
+    q_mine = (m.t() @ p).contiguous()
+    q = q_mine.clone()
     comm.all_reduce(q, tag="compressed:powersgd-Q")
-    q /= comm.size
-    ps._q[key] = q
-    mean = (p @ q.t()).reshape(-1)[: x.numel()]
-    if ef.enabled:
-        # this rank's share of what was sent: its own projection onto the common P
-        ef.residual[key] = corrected - (p @ (m.t() @ p).t()).reshape(-1)[: x.numel()]
-    return x.copy_(mean)
+    if average:
+        q /= comm.size
+    ps._q[key] = q  # warm start for the next step, equal on every rank
+    ef.remember(key, corrected, (p @ q_mine.t()).reshape(-1)[:n])  # this rank's share: P Pᵀ M_r
+    return x.copy_((p @ q.t()).reshape(-1)[:n].view(x.shape))
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------------
+
+
+def add_compression_arguments(parser) -> None:
+    """Add ``--compress SPEC`` and ``--no-error-feedback`` to ``parser`` (a parser or an argument
+    group).  Several strategies call it on one command line: after the first, it does nothing."""
+    if "--compress" in parser._option_string_actions:  # shared with the groups' parent parser
+        return
+    parser.add_argument("--compress", metavar="SPEC", default=None,
+                        help=f"ddp, ps-*: compress gradients with {FORMS} (default: none)")
+    parser.add_argument("--no-error-feedback", dest="error_feedback", action="store_false",
+                        help="ddp, ps-*: drop what compression leaves out instead of adding it to "
+                             "the next gradient")
+
+
+def check_compression(cfg: TrainConfig) -> None:
+    """Raise :class:`ConfigError`, naming the fix, for a bad ``compress`` / ``error_feedback``."""
+    try:
+        compressor = parse_compressor(cfg.options.get("compress"))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if compressor is None and not cfg.options.get("error_feedback", True):
+        raise ConfigError("--no-error-feedback only applies to compressed gradients; add "
+                          "--compress SPEC (e.g. --compress topk:0.01) or leave it out")

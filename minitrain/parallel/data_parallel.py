@@ -15,6 +15,8 @@ step a single process would take on the whole batch.
   fires when its gradient is accumulated; when a bucket is full its all-reduce starts *asynchronously*,
   while backward goes on computing earlier layers.  At the end of backward we wait for the buckets and
   copy the averaged gradients back.  ``no_sync()`` accumulates gradients locally without any traffic.
+  With ``compression=`` (lesson 03) each full bucket is averaged from compressed payloads instead
+  (:func:`~minitrain.parallel.compression.compressed_all_reduce`, blocking, with error feedback).
 
 Both have PyTorch's shape: they wrap a module, expose it as ``.module`` and forward calls to it, so
 ``torch.nn.parallel.DistributedDataParallel`` can be swapped in.
@@ -34,6 +36,8 @@ from ..comm import Comm
 from ..data import shard
 from ..memory import ActivationMeter
 from ..strategies import ConfigError, Strategy, TrainConfig, register
+from .compression import (add_compression_arguments, as_error_feedback, check_compression,
+                          compressed_all_reduce)
 
 __all__ = ["NaiveDataParallel", "DistributedDataParallel", "Bucket", "make_buckets", "MIB",
            "FIRST_BUCKET_BYTES",
@@ -167,11 +171,16 @@ class DistributedDataParallel(nn.Module):
             ``grad = None``, exactly as in a single process.  Without it such a step is an error.
         record_timeline: keep, per step, when backward ran and when each bucket's all-reduce
             started and ended (``.timeline``) — lesson 02 plots it.
+        compression: average each bucket from compressed payloads: a spec (``"topk:0.01"``,
+            ``"int8"``, ``"sign"``, ``"powersgd:4"``), a ``Compressor`` or an ``ErrorFeedback``
+            (its residuals are keyed by bucket index).  Default None: the plain all-reduce.
+        error_feedback: keep what compression leaves out and add it to the next step's bucket
+            (ignored when ``compression`` is already an ``ErrorFeedback``).
     """
 
     def __init__(self, module: nn.Module, comm: Comm | None = None, bucket_cap_mb: float | None = None,
                  find_unused_parameters: bool = False, record_timeline: bool = False,
-                 process_group=None):
+                 process_group=None, compression=None, error_feedback: bool = True):
         super().__init__()
         if bucket_cap_mb is not None and bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
@@ -181,6 +190,7 @@ class DistributedDataParallel(nn.Module):
         self.record_timeline = record_timeline
         self.require_sync = True
         self.timeline: list[dict] = []
+        self.ef = as_error_feedback(compression, error_feedback)
         broadcast_module(module, self.comm)
         names = {id(p): n for n, p in module.named_parameters()}
         self._params = [p for p in module.parameters() if p.requires_grad]  # tied: listed once
@@ -248,8 +258,17 @@ class DistributedDataParallel(nn.Module):
                 len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
             b = self.buckets[self._next]
             b.launched_at = time.perf_counter()
-            b.work = self.comm.all_reduce(b.buffer, async_op=True, tag=f"bucket{b.index}")
+            if self.ef is None:
+                b.work = self.comm.all_reduce(b.buffer, async_op=True, tag=f"bucket{b.index}")
+            else:
+                b.work = self._compressed_all_reduce(b)
             self._next += 1
+
+    def _compressed_all_reduce(self, b: Bucket) -> "_Done":
+        """Average bucket ``b`` from compressed payloads, now (blocking).  The buffer already holds
+        g/N (pre-divided in ``_grad_ready``), so the *sum* of the ranks' payloads is the mean."""
+        compressed_all_reduce(b.buffer, self.comm, self.ef, key=b.index, average=False)
+        return _Done(time.perf_counter())
 
     @torch.no_grad()
     def _end_backward(self) -> None:
@@ -294,6 +313,16 @@ class DistributedDataParallel(nn.Module):
             b.ready.add(i)
         self.comm.all_reduce(used, tag="unused-map")
         return {id(p): bool(used[k] > 0) for k, p in enumerate(self._params)}
+
+
+class _Done:
+    """A finished work handle: what ``_end_backward`` waits on for a blocking, compressed bucket."""
+
+    def __init__(self, end: float):
+        self.end = end
+
+    def wait(self) -> bool:
+        return True
 
 
 def overlap_fraction(step: dict) -> float:
@@ -358,25 +387,30 @@ class NaiveDDP(_DataParallelStrategy):
 @register
 class DDP(_DataParallelStrategy):
     name = "ddp"
-    help = "distributed data parallel: bucketed all-reduce overlapped with backward (--bucket-mb)"
+    help = ("distributed data parallel: bucketed all-reduce overlapped with backward "
+            "(--bucket-mb, --compress)")
 
     @classmethod
     def add_arguments(cls, parser) -> None:
         parser.add_argument("--bucket-mb", type=float, default=None,
                             help="ddp: gradient bucket size in MiB (default 25, as PyTorch)")
+        add_compression_arguments(parser)
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:
         super().check(cfg)
         if cfg.options.get("bucket_mb") is not None and cfg.options["bucket_mb"] <= 0:
             raise ConfigError(f"--bucket-mb must be > 0, got {cfg.options['bucket_mb']}")
+        check_compression(cfg)
 
     def __init__(self, cfg: TrainConfig, comm: Comm):
         super().__init__(cfg, comm)
         self.model = self.build_model()
         self.wrapper = DistributedDataParallel(self.model, comm,
                                                bucket_cap_mb=cfg.options.get("bucket_mb"),
-                                               record_timeline=cfg.options.get("timeline", False))
+                                               record_timeline=cfg.options.get("timeline", False),
+                                               compression=cfg.options.get("compress"),
+                                               error_feedback=cfg.options.get("error_feedback", True))
         self.meter = ActivationMeter(self.model)
         self.optimizer = self.make_optimizer(self.model.parameters())
 
@@ -392,6 +426,8 @@ class DDP(_DataParallelStrategy):
     def report(self) -> dict:
         """Bucket sizes, and (with the ``timeline`` option) each step's backward/all-reduce times."""
         out = {"bucket_bytes": [b.nbytes for b in self.wrapper.buckets]}
+        if self.wrapper.ef is not None:
+            out["compression"] = self.wrapper.ef.compressor.name
         if self.wrapper.timeline:
             out["timeline"] = self.wrapper.timeline
             out["overlap"] = [overlap_fraction(s) for s in self.wrapper.timeline]

@@ -41,7 +41,8 @@ import torch.nn as nn
 from ..comm import Comm
 from ..data import shard
 from ..strategies import ConfigError, Strategy, TrainConfig, register
-from .compression import ErrorFeedback, parse_compressor
+from .compression import (ErrorFeedback, add_compression_arguments, check_compression,
+                          parse_compressor)
 
 __all__ = ["partition", "ParameterServer", "Worker", "delay_compensated", "parse_slow_workers",
            "HEADER", "GRAD", "PARAMS"]
@@ -312,11 +313,7 @@ class _ParameterServerStrategy(Strategy):
                             help="ps-async: DC-ASGD's lambda (default 0: off)")
         parser.add_argument("--slow-worker", default=None,
                             help="ps-*: WORKER:SECONDS[,...] sleep added to those workers' steps")
-        try:
-            from .compression import add_compression_arguments
-            add_compression_arguments(parser)
-        except ImportError:
-            pass
+        add_compression_arguments(parser)
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:
@@ -341,10 +338,7 @@ class _ParameterServerStrategy(Strategy):
         for w in parse_slow_workers(o.get("slow_worker")):
             if not 0 <= w < workers:
                 raise ConfigError(f"--slow-worker {w}: workers are numbered 0..{workers - 1}")
-        try:
-            parse_compressor(o.get("compress"))
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        check_compression(cfg)
 
     def __init__(self, cfg: TrainConfig, comm: Comm):
         super().__init__(cfg, comm)

@@ -32,6 +32,7 @@ correction towards the gradient at the current weights.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -40,6 +41,7 @@ import torch.nn as nn
 
 from ..comm import Comm
 from ..data import shard
+from ..memory import ActivationMeter
 from ..strategies import ConfigError, Strategy, TrainConfig, register
 from .compression import (ErrorFeedback, add_compression_arguments, check_compression,
                           parse_compressor)
@@ -123,6 +125,7 @@ class ParameterServer:
         self.numel = sum(p.numel() for p in self.params)
         self.version = 0
         self.log: list[dict] = []
+        self.on_round = None  # called with (round, mean loss) after every W applied gradients
         self.sent_to: dict[int, torch.Tensor] = {}  # worker -> the weights it last pulled (DC-ASGD)
         self.outbox: list = []  # replies in flight: (work, tensor kept alive until sent)
         self.t0 = time.perf_counter()
@@ -178,6 +181,9 @@ class ParameterServer:
         self.log.append(dict(version=applied_to, worker=worker, clock=clock, version_used=used,
                              staleness=applied_to - used, loss=loss,
                              time=time.perf_counter() - self.t0))
+        w = len(self.workers)
+        if self.on_round is not None and len(self.log) % w == 0:
+            self.on_round(len(self.log) // w - 1, sum(e["loss"] for e in self.log[-w:]) / w)
 
     # -- the loops ----------------------------------------------------------------------------------
 
@@ -281,9 +287,10 @@ class Worker:
                 self.comm.send(part.contiguous(), s, tag=f"push:{self.ef.compressor.name}",
                                channel=GRAD)
 
-    def step(self, clock: int, x: torch.Tensor, y: torch.Tensor) -> float:
+    def step(self, clock: int, x: torch.Tensor, y: torch.Tensor, meter=None) -> float:
         self.model.zero_grad(set_to_none=True)
-        loss = self.model(x, y)
+        with meter.measure() if meter is not None else contextlib.nullcontext():
+            loss = self.model(x, y)
         loss.backward()
         self.push(clock, loss.item())
         return loss.item()
@@ -363,6 +370,7 @@ class _ParameterServerStrategy(Strategy):
                                o.get("error_feedback", True),
                                parse_slow_workers(o.get("slow_worker")).get(self.index, 0.0))
             self.optimizer = None
+            self.meter = ActivationMeter(self.model)
         self.crash = o.get("crash_worker")  # (worker, clock): fault injection for tests/lesson
 
     def train_step(self, x, y) -> float:  # the loop lives in fit(); kept for the interface
@@ -371,15 +379,12 @@ class _ParameterServerStrategy(Strategy):
     def fit(self, data, on_step=None):
         t0 = time.perf_counter()
         if self.is_server:
-            log = self.role.serve(self.cfg.steps)
-            losses = self.losses_per_round(log)
+            self.role.on_round = on_step  # progress as rounds of W gradients are applied
+            losses = self.losses_per_round(self.role.serve(self.cfg.steps))
         else:
             losses = self.work(data)
         seconds = (time.perf_counter() - t0) / self.cfg.steps
         self.gather_final_weights()
-        if on_step is not None:
-            for step, loss in enumerate(losses):
-                on_step(step, loss)
         return losses, [seconds] * self.cfg.steps
 
     def work(self, data) -> list[float]:
@@ -390,7 +395,7 @@ class _ParameterServerStrategy(Strategy):
             if self.crash is not None and tuple(self.crash) == (w, clock):
                 os._exit(3)  # simulate a worker dying mid-run (the launcher must report it)
             x, y = data.batch(clock, self.cfg.batch_size)
-            losses.append(self.role.step(clock, shard(x, w, n), shard(y, w, n)))
+            losses.append(self.role.step(clock, shard(x, w, n), shard(y, w, n), self.meter))
             if clock + 1 < self.cfg.steps:
                 self.role.pull()
         return losses

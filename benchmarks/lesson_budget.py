@@ -22,26 +22,10 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
+from minitrain.launch import descendants
+
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET_S, BUDGET_BYTES = 60, 2 * 1024 ** 3
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def memory_of(pids: list[int]) -> tuple[int, int]:

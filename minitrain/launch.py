@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "descendants",
     "Cluster",
     "launch",
     "init_from_env",
@@ -153,6 +154,31 @@ class _Forward(io.TextIOBase):
         if self._buf:
             text, self._buf = self._buf, ""
             self._send(("print", self._stream, text))
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid``, from /proc (Linux; empty elsewhere).  Used to check that no
+    rank outlives its kernel, and to measure a lesson's memory (a kernel's ranks are its children)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in out:
+                out.append(child)
+                todo.append(child)
+    return out
 
 
 def _die_with_parent() -> None:

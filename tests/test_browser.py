@@ -31,6 +31,8 @@ from pathlib import Path
 
 import pytest
 
+from minitrain.launch import descendants
+
 ROOT = Path(__file__).resolve().parents[1]
 LESSONS = ROOT / "lessons"
 NOTEBOOK = "00_why_one_device_is_not_enough.ipynb"
@@ -79,26 +81,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (kernels start their own sessions, so killpg misses them)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
 
 
 def _alive(pid: int) -> bool:
@@ -178,7 +160,7 @@ class Lab:
     def note_processes(self) -> None:
         """Remember the server's descendants (kernel, its ranks) so that close() can reap them."""
         if self.proc.poll() is None:
-            self.pids |= _descendants(self.proc.pid)
+            self.pids |= set(descendants(self.proc.pid))
 
     def close(self) -> None:
         self.note_processes()

@@ -24,6 +24,7 @@ Both have PyTorch's shape: they wrap a module, expose it as ``.module`` and forw
 
 from __future__ import annotations
 
+import abc
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -359,17 +360,17 @@ class _DataParallelStrategy(Strategy):
         dist.all_reduce(t, group=self.comm.group)
         return t.item() / self.comm.size
 
+    @abc.abstractmethod
+    def wrap(self, model):
+        """The data-parallel wrapper around the replica."""
 
-
-@register
-class NaiveDDP(_DataParallelStrategy):
-    name = "ddp-naive"
-    help = "data parallel: one all-reduce per gradient after backward"
+    def after_backward(self) -> None:
+        """Anything left to do before the optimizer step (DDP: nothing, its hooks did it)."""
 
     def __init__(self, cfg: TrainConfig, comm: Comm):
         super().__init__(cfg, comm)
         self.model = self.build_model()
-        self.wrapper = NaiveDataParallel(self.model, comm)
+        self.wrapper = self.wrap(self.model)
         self.meter = ActivationMeter(self.model)
         self.optimizer = self.make_optimizer(self.model.parameters())
 
@@ -379,9 +380,22 @@ class NaiveDDP(_DataParallelStrategy):
         with self.meter.measure():
             loss = self.wrapper(x, y)
         loss.backward()
-        self.wrapper.sync_gradients()
+        self.after_backward()
         self.optimizer.step()
         return self.global_mean(loss)
+
+
+
+@register
+class NaiveDDP(_DataParallelStrategy):
+    name = "ddp-naive"
+    help = "data parallel: one all-reduce per gradient after backward"
+
+    def wrap(self, model):
+        return NaiveDataParallel(model, self.comm)
+
+    def after_backward(self) -> None:
+        self.wrapper.sync_gradients()
 
 
 @register
@@ -403,25 +417,12 @@ class DDP(_DataParallelStrategy):
             raise ConfigError(f"--bucket-mb must be > 0, got {cfg.options['bucket_mb']}")
         check_compression(cfg)
 
-    def __init__(self, cfg: TrainConfig, comm: Comm):
-        super().__init__(cfg, comm)
-        self.model = self.build_model()
-        self.wrapper = DistributedDataParallel(self.model, comm,
-                                               bucket_cap_mb=cfg.options.get("bucket_mb"),
-                                               record_timeline=cfg.options.get("timeline", False),
-                                               compression=cfg.options.get("compress"),
-                                               error_feedback=cfg.options.get("error_feedback", True))
-        self.meter = ActivationMeter(self.model)
-        self.optimizer = self.make_optimizer(self.model.parameters())
-
-    def train_step(self, x, y) -> float:
-        x, y = self.local(x, y)
-        self.optimizer.zero_grad(set_to_none=True)
-        with self.meter.measure():
-            loss = self.wrapper(x, y)
-        loss.backward()
-        self.optimizer.step()
-        return self.global_mean(loss)
+    def wrap(self, model):
+        o = self.cfg.options
+        return DistributedDataParallel(model, self.comm, bucket_cap_mb=o.get("bucket_mb"),
+                                       record_timeline=o.get("timeline", False),
+                                       compression=o.get("compress"),
+                                       error_feedback=o.get("error_feedback", True))
 
     def report(self) -> dict:
         """Bucket sizes, and (with the ``timeline`` option) each step's backward/all-reduce times."""

@@ -373,8 +373,10 @@ class _ParameterServerStrategy(Strategy):
             self.meter = ActivationMeter(self.model)
         self.crash = o.get("crash_worker")  # (worker, clock): fault injection for tests/lesson
 
-    def train_step(self, x, y) -> float:  # the loop lives in fit(); kept for the interface
-        raise NotImplementedError("parameter-server strategies run through fit()")
+    def train_step(self, x, y) -> float:
+        """Servers and workers do not step in lockstep (a server answers whoever pushes first),
+        so there is no single-step call: :meth:`fit` runs each rank's whole loop."""
+        raise TypeError(f"{self.name} ranks do not step in lockstep; call fit(data) instead")
 
     def fit(self, data, on_step=None):
         t0 = time.perf_counter()

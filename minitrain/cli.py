@@ -47,6 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: nccl with enough GPUs, else gloo")
     t.add_argument("--timeout", type=float, default=120.0,
                    help="seconds a collective may wait before the run fails")
+    t.add_argument("--precision", default="fp32",
+                   help="fp32 (default), bf16-mixed or fp16-mixed: 16-bit weights and gradients, "
+                        "fp32 master weights and Adam states (lesson 07)")
+    t.add_argument("--loss-scale", type=float, default=None,
+                   help="initial dynamic loss scale (default 65536 with fp16-mixed, off otherwise; "
+                        "0: off)")
+    t.add_argument("--checkpoint-activations", action="store_true",
+                   help="recompute each transformer block's activations in backward (lesson 07)")
     t.add_argument("--json", action="store_true", help="JSON lines on stdout")
     for name in strategy_names():
         get_strategy(name).add_arguments(t.add_argument_group(f"strategy {name}"))
@@ -63,7 +71,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     base = {"strategy", "world_size", "steps", "seed", "batch_size", "lr", "model", "backend",
-            "timeout", "json", "command", "n_layer", "n_head", "d_model", "seq_len"}
+            "timeout", "json", "command", "n_layer", "n_head", "d_model", "seq_len",
+            "precision", "loss_scale", "checkpoint_activations"}
     options = {k: v for k, v in vars(args).items() if k not in base}
     world = args.world_size
     if launched_by_torchrun():
@@ -74,7 +83,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         world = env_world
     return TrainConfig(strategy=args.strategy, world_size=world or 1, steps=args.steps,
                        seed=args.seed, batch_size=args.batch_size, lr=args.lr, model=model,
-                       backend=args.backend, timeout=args.timeout, options=options)
+                       backend=args.backend, timeout=args.timeout, options=options,
+                       precision=args.precision, loss_scale=args.loss_scale,
+                       checkpoint_activations=args.checkpoint_activations)
 
 
 class _Reporter:
@@ -105,6 +116,12 @@ def format_summary(result: dict) -> str:
     lines = [f"strategy {s['strategy']} on {s['world_size']} rank(s) ({s['backend']}), "
              f"{s['steps']} steps, global batch {s['batch_size']}, {s['params']:,} parameters",
              f"loss {losses[0]:.4f} -> {s['final_loss']:.4f}; median step {s['step_time_s'] * 1e3:.1f} ms"]
+    if s.get("precision", "fp32") != "fp32" or s.get("checkpoint_activations"):
+        scaler = s.get("loss_scaler")
+        lines.append(f"precision {s['precision']}"
+                     + (f", loss scale {scaler['scale']:g}, {scaler['skipped_steps']} step(s) skipped"
+                        if scaler else "")
+                     + (", activation checkpointing" if s.get("checkpoint_activations") else ""))
     for rank, (comm, mem) in enumerate(zip(s["comm"], s["memory"])):
         b = mem["bytes"]
         sent = comm.get("total", {}).get("sent_bytes", 0)

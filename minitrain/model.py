@@ -9,6 +9,12 @@ Built so the parallel strategies can take it apart along the lines the seeds des
 Initialisation is deterministic from a seed (GPT-2's: normal(0, 0.02), residual projections scaled by
 1/sqrt(2·n_layer)), independent of the global RNG, so every rank and every strategy builds bit-equal
 weights without a broadcast.  Dropout is left out: it would make strategies differ by RNG draws.
+
+**Activation checkpointing** (lesson 07; seed 001; Chen et al., 2016, "Training Deep Nets with
+Sublinear Memory Cost"): with ``GPT(..., checkpoint_activations=True)`` each block keeps only its
+input for backward and recomputes its inside during backward (one extra block forward per step):
+per layer s·b·h values instead of all the intermediates (see ``memory.activation_bytes_per_layer``).
+The loss is computed in fp32 even from 16-bit logits (mixed precision, ``minitrain.precision``).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 __all__ = ["GPTConfig", "GPT", "Block", "PRESETS", "loss_fn"]
 
@@ -139,16 +146,23 @@ class Head(nn.Module):
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over every position of the batch."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    """Mean next-token cross-entropy over every position of the batch, computed in fp32 (16-bit
+    logits are upcast: a softmax over the vocabulary and a mean over the batch need the precision)."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 class GPT(nn.Module):
-    """The tiny GPT.  ``GPT(cfg, seed)`` gives the same weights on every rank and every run."""
+    """The tiny GPT.  ``GPT(cfg, seed)`` gives the same weights on every rank and every run.
 
-    def __init__(self, cfg: GPTConfig = GPTConfig(), seed: int = 0):
+    ``checkpoint_activations=True`` (an attribute, can be switched at any time) runs each block
+    under non-reentrant ``torch.utils.checkpoint`` while gradients are being recorded.
+    """
+
+    def __init__(self, cfg: GPTConfig = GPTConfig(), seed: int = 0,
+                 checkpoint_activations: bool = False):
         super().__init__()
         self.cfg = cfg
+        self.checkpoint_activations = checkpoint_activations
         self.embed = Embedding(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.head = Head(cfg)
@@ -176,8 +190,9 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of shape (batch, seq, vocab), or the mean loss when ``targets`` are given."""
         x = self.embed(idx)
+        recompute = self.checkpoint_activations and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         logits = self.head(x)
         return logits if targets is None else loss_fn(logits, targets)
 

@@ -12,6 +12,15 @@ A strategy is a class with
 * ``fit(data, on_step)`` — the loop over steps (shared; overridden where ranks do not step together);
 * ``memory()`` — this rank's memory ledger.
 
+Precision and activation checkpointing (lesson 07) are trainer options every strategy sees in
+``cfg``: ``build_model()`` casts the model to 16 bits (``--precision bf16-mixed|fp16-mixed``) and
+turns on per-block checkpointing (``--checkpoint-activations``); ``make_optimizer()`` then returns a
+:class:`~minitrain.precision.MixedPrecisionOptimizer` holding the fp32 masters (and, for fp16, a
+:class:`~minitrain.precision.DynamicLossScaler`); ``backward(loss)`` scales the loss when there is a
+scaler.  A strategy lists the precisions it honours in ``precisions`` (fp32 only by default, so one
+that builds its own optimizer is not silently wrong) and sets ``checkpointing = False`` if it cannot
+honour checkpointing; ``check`` refuses the rest.
+
 ``Single`` here is the baseline every other strategy is proven equal to.  Parallel strategies live in
 ``minitrain/parallel/`` (one file each) and register themselves when imported.
 """
@@ -30,6 +39,7 @@ import torch
 from .comm import Comm
 from .memory import ActivationMeter, ledger, rss_bytes
 from .model import GPT, GPTConfig, PRESETS
+from .precision import PRECISIONS, DynamicLossScaler, MixedPrecisionOptimizer, cast_model_
 
 __all__ = ["ConfigError", "TrainConfig", "Strategy", "Single", "register", "get_strategy",
            "strategy_names"]
@@ -53,6 +63,9 @@ class TrainConfig:
     backend: str | None = None
     timeout: float = 120.0
     options: dict = field(default_factory=dict)  # strategy-specific options from add_arguments
+    precision: str = "fp32"  # "fp32", "bf16-mixed" or "fp16-mixed" (minitrain.precision)
+    checkpoint_activations: bool = False  # recompute each block's activations in backward
+    loss_scale: float | None = None  # initial dynamic loss scale; None: 2**16 for fp16, else off; 0: off
 
     def with_(self, **changes) -> "TrainConfig":
         return replace(self, **changes)
@@ -96,6 +109,11 @@ class Strategy(abc.ABC):
 
     name = ""
     help = ""
+    #: the ``--precision`` values this strategy honours (mixed ones need build_model/make_optimizer/
+    #: backward used as Single does); any other is refused by ``check``
+    precisions: tuple = ("fp32",)
+    #: whether ``--checkpoint-activations`` is honoured (it is, for a model from ``build_model()``)
+    checkpointing: bool = True
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -110,22 +128,81 @@ class Strategy(abc.ABC):
                                   f"got {getattr(cfg, name)}")
         if cfg.lr <= 0:
             raise ConfigError(f"--lr must be positive, got {cfg.lr}")
+        cls.check_precision(cfg)
         if cfg.backend == "nccl" and torch.cuda.device_count() < cfg.world_size:
             raise ConfigError(f"--backend nccl needs {cfg.world_size} GPUs, found "
                               f"{torch.cuda.device_count()}; use --backend gloo")
+
+    @classmethod
+    def check_precision(cls, cfg: TrainConfig) -> None:
+        """Refuse an unknown or unsupported ``--precision``, a bad ``--loss-scale``, and
+        ``--checkpoint-activations`` where the strategy cannot honour it."""
+        if cfg.precision not in PRECISIONS:
+            raise ConfigError(f"unknown --precision {cfg.precision!r}; choose one of: "
+                              f"{', '.join(PRECISIONS)}")
+        if cfg.precision not in cls.precisions:
+            able = [n for n in strategy_names() if cfg.precision in _REGISTRY[n].precisions]
+            raise ConfigError(f"strategy {cls.name!r} supports --precision "
+                              f"{' or '.join(cls.precisions)} only, got {cfg.precision}; use "
+                              f"--precision fp32, or a strategy that supports {cfg.precision} "
+                              f"({', '.join(able) or 'none'})")
+        if cfg.loss_scale is not None:
+            if cfg.loss_scale < 0:
+                raise ConfigError(f"--loss-scale must be >= 0 (0 turns loss scaling off), "
+                                  f"got {cfg.loss_scale}")
+            if cfg.loss_scale > 0 and cfg.precision == "fp32":
+                raise ConfigError("--loss-scale applies to mixed precision; add --precision "
+                                  "fp16-mixed (or bf16-mixed)")
+        if cfg.checkpoint_activations and not cls.checkpointing:
+            raise ConfigError(f"strategy {cls.name!r} cannot checkpoint activations; leave out "
+                              "--checkpoint-activations")
 
     def __init__(self, cfg: TrainConfig, comm: Comm):
         self.cfg, self.comm = cfg, comm
         self.device = torch.device("cuda", torch.cuda.current_device()) if (
             torch.distributed.get_backend() == "nccl") else torch.device("cpu")
         self.meter = ActivationMeter()
+        self.master_weights: dict = {}  # {16-bit parameter: fp32 copy}, filled by build_model
+        self.loss_scaler: DynamicLossScaler | None = None  # set by make_optimizer (fp16-mixed)
 
     def build_model(self) -> GPT:
-        """The tiny GPT, bit-equal on every rank (deterministic init from the seed)."""
-        return GPT(self.cfg.model, seed=self.cfg.seed).to(self.device)
+        """The tiny GPT, bit-equal on every rank (deterministic init from the seed).
+
+        With ``cfg.checkpoint_activations`` each block is recomputed in backward.  With a mixed
+        ``cfg.precision`` the model is cast to bf16/fp16 and the fp32 weights from *before* the cast
+        are kept in ``self.master_weights`` for :meth:`make_optimizer`.
+        """
+        model = GPT(self.cfg.model, seed=self.cfg.seed,
+                    checkpoint_activations=self.cfg.checkpoint_activations).to(self.device)
+        if self.cfg.precision != "fp32":
+            self.master_weights.update(cast_model_(model, PRECISIONS[self.cfg.precision]))
+        return model
 
     def make_optimizer(self, params) -> torch.optim.Optimizer:
-        return torch.optim.Adam(params, lr=self.cfg.lr)
+        """Adam; under mixed precision, Adam on fp32 masters (plus a loss scaler for fp16)."""
+        if self.cfg.precision == "fp32":
+            return torch.optim.Adam(params, lr=self.cfg.lr)
+        scale = self.cfg.loss_scale
+        if scale is None and self.cfg.precision == "fp16-mixed":
+            scale = 2.0 ** 16
+        self.loss_scaler = DynamicLossScaler(scale) if scale else None
+        params = list(params)
+        masters = {p: self.master_weights.pop(p) for p in params if p in self.master_weights}
+        return MixedPrecisionOptimizer(params, torch.optim.Adam, master_weights=masters,
+                                       loss_scaler=self.loss_scaler, lr=self.cfg.lr)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, with the loss multiplied by the loss scale when there is one."""
+        if self.loss_scaler is not None:
+            loss = self.loss_scaler.scale_loss(loss)
+        loss.backward()
+
+    def precision_report(self) -> dict:
+        """Precision facts for the summary: the loss scaler's state (None without scaling)."""
+        scaler = getattr(self, "loss_scaler", None)
+        return {"precision": self.cfg.precision,
+                "checkpoint_activations": self.cfg.checkpoint_activations,
+                "loss_scaler": scaler.state_dict() if scaler else None}
 
     @abc.abstractmethod
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -168,6 +245,7 @@ class Single(Strategy):
 
     name = "single"
     help = "one process: the baseline every parallel strategy is checked against"
+    precisions = tuple(PRECISIONS)
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:
@@ -188,6 +266,6 @@ class Single(Strategy):
         self.optimizer.zero_grad(set_to_none=True)
         with self.meter.measure():
             loss = self.model(x, y)
-        loss.backward()
+        self.backward(loss)
         self.optimizer.step()
         return loss.item()

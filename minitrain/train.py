@@ -37,7 +37,8 @@ def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False) -> dict
     data = ArithmeticData(cfg.model.seq_len, cfg.seed)
     comm.tracer.clear()
     losses, times = strategy.fit(data, on_step if comm.rank == 0 else None)
-    mine = {"comm": comm.tracer.summary(), "memory": strategy.memory(), "report": strategy.report()}
+    mine = {"comm": comm.tracer.summary(), "memory": strategy.memory(), "report": strategy.report(),
+            "precision": strategy.precision_report()}
     gathered = [None] * comm.size if comm.rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     if comm.rank != 0:
@@ -50,6 +51,10 @@ def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False) -> dict
         "batch_size": cfg.batch_size,
         "seed": cfg.seed,
         "params": cfg.model.num_params(),
+        "precision": cfg.precision,
+        "checkpoint_activations": cfg.checkpoint_activations,
+        # rank 0's dynamic loss scaler (every rank of a lockstep strategy holds the same one)
+        "loss_scaler": gathered[0]["precision"]["loss_scaler"],
         "final_loss": losses[-1],
         "step_time_s": statistics.median(times),
         "comm": [g["comm"] for g in gathered],

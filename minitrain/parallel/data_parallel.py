@@ -340,7 +340,17 @@ def overlap_fraction(step: dict) -> float:
 
 
 class _DataParallelStrategy(Strategy):
-    """Shared by ddp-naive and ddp: split the global batch, train the replica, report the mean loss."""
+    """Shared by ddp-naive and ddp: split the global batch, train the replica, report the mean loss.
+
+    Mixed precision (lesson 07): the replicas are bf16/fp16, so are the gradients and the buckets —
+    gloo all-reduces bf16 and fp16 on CPU (checked with torch 2.13), so the gradients travel in 16
+    bits, half the bytes, as with PyTorch's DDP.  Each rank's gradient is rounded to 16 bits, divided
+    by N and summed in 16 bits, so the averaged gradient differs from a single process's by a few
+    16-bit roundings (tests/test_precision.py bounds the effect on the losses).  With fp16 an
+    overflow becomes inf in the sum on every rank alike, so all ranks skip the same steps.
+    """
+
+    precisions = ("fp32", "bf16-mixed", "fp16-mixed")
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:
@@ -379,7 +389,7 @@ class _DataParallelStrategy(Strategy):
         self.optimizer.zero_grad(set_to_none=True)
         with self.meter.measure():
             loss = self.wrapper(x, y)
-        loss.backward()
+        self.backward(loss)
         self.after_backward()
         self.optimizer.step()
         return self.global_mean(loss)
@@ -416,6 +426,11 @@ class DDP(_DataParallelStrategy):
         if cfg.options.get("bucket_mb") is not None and cfg.options["bucket_mb"] <= 0:
             raise ConfigError(f"--bucket-mb must be > 0, got {cfg.options['bucket_mb']}")
         check_compression(cfg)
+        if cfg.options.get("compress") and cfg.precision == "fp16-mixed" and cfg.loss_scale != 0:
+            raise ConfigError("--compress cannot be combined with loss scaling (--precision "
+                              "fp16-mixed): the error-feedback residuals would hold gradients "
+                              "scaled by a changing loss scale, and an overflow's inf; use "
+                              "--precision bf16-mixed, or --loss-scale 0")
 
     def wrap(self, model):
         o = self.cfg.options

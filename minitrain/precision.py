@@ -1,0 +1,230 @@
+"""Mixed precision from scratch: 16-bit weights and gradients, fp32 master weights, loss scaling.
+
+Lesson 07; seed 001 (16 bytes per parameter).  Paper: Micikevicius et al., 2018, "Mixed Precision
+Training" (ICLR) — fp32 master weights, loss scaling, and fp32 where precision matters.
+
+What each byte of a parameter is for (Ψ parameters; the memory ledger reads these real tensors):
+
+=======================  =====  ==============================================================
+tensor                   bytes  why it is there
+=======================  =====  ==============================================================
+weight, bf16 or fp16       2    forward and backward run on it (half the traffic, fast units)
+gradient, bf16 or fp16     2    what backward produces, and what data parallel all-reduces
+master weight, fp32        4    the weight Adam updates: an update lr·m/√v of ~1e-3 of the
+                                weight is below half a bf16 ulp (2⁻⁹) and would round away
+Adam momentum, fp32        4    \\ the optimizer states
+Adam variance, fp32        4    /
+=======================  =====  ==============================================================
+
+2 + 2 + 12 = 16 bytes per parameter: as many as plain fp32 Adam (4 + 4 + 8), but the weights and
+gradients that forward, backward and the all-reduce touch are half the size.  The 12 are the
+optimizer's, and live in ``optimizer.state`` (so ZeRO can shard them).
+
+One step, as this module does it:
+
+1. :func:`cast_model_` — take fp32 copies of the weights *before* casting the model to 16 bits:
+   they become the masters, so the masters start at the exact fp32 initialisation, not at its
+   16-bit rounding;
+2. forward and backward in 16 bits (the model computes the loss in fp32 from 16-bit logits);
+3. :meth:`MixedPrecisionOptimizer.step` — copy the 16-bit gradients to fp32, (unscale them and
+   check for inf/NaN,) step Adam on the fp32 masters, and write the masters back into the 16-bit
+   weights, rounded to nearest.  The fp32 gradient copies exist only during the step.
+
+bf16 or fp16?  bf16 keeps fp32's 8 exponent bits (range 1e-38 … 3e38) and pays with precision (8
+significant bits); fp16 has 11 significant bits but 5 exponent bits: nothing above 65504, and
+nothing below 2⁻²⁴ ≈ 6e-8 — small gradients *underflow* to zero.  Hence **loss scaling** for fp16:
+multiply the loss by S before backward (by the chain rule every gradient is S times larger, lifted
+out of the underflow zone), divide the fp32 copies by S before the step.  A power of two S makes
+both exact.  :class:`DynamicLossScaler` picks S as ``torch.amp.GradScaler`` does: when a gradient
+overflows (inf/NaN), skip the step and halve S; after ``growth_interval`` good steps, double it.
+bf16 does not need it (same range as fp32), which is why it is the usual choice where supported.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+__all__ = ["PRECISIONS", "compute_dtype", "cast_model_", "DynamicLossScaler",
+           "MixedPrecisionOptimizer", "gradient_underflow"]
+
+#: ``--precision`` → the dtype weights and gradients are kept in (fp32: no mixed precision)
+PRECISIONS = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype of weights and gradients under ``precision`` ('fp32', 'bf16-mixed', 'fp16-mixed')."""
+    try:
+        return PRECISIONS[precision]
+    except KeyError:
+        raise ValueError(f"unknown precision {precision!r}; choose one of: "
+                         f"{', '.join(PRECISIONS)}") from None
+
+
+@torch.no_grad()
+def cast_model_(model: nn.Module, dtype: torch.dtype) -> dict:
+    """Cast ``model``'s parameters (and floating buffers) to ``dtype`` in place; return the masters.
+
+    The masters — ``{parameter: fp32 copy}`` — are taken *before* the cast, so they hold the exact
+    fp32 weights.  Pass them to :class:`MixedPrecisionOptimizer` (``master_weights=``), which keeps
+    them as they are (no second copy).  Parameters stay the same objects (``module.to`` replaces
+    their ``.data``), so wrappers and hooks built on them keep working.
+    """
+    masters = {p: p.detach().float().clone() for p in model.parameters()}
+    model.to(dtype)
+    return masters
+
+
+class DynamicLossScaler:
+    """Dynamic loss scaling (Micikevicius et al. §3.2; the rule of ``torch.amp.GradScaler``).
+
+    ``scale(loss)`` before backward; ``unscale_(grads)`` on the fp32 gradient copies returns whether
+    any is inf/NaN; ``update(found_inf)`` then halves the scale (the step is skipped) or, after
+    ``growth_interval`` consecutive good steps, doubles it.  Everything is inspectable: ``scale``,
+    ``skipped_steps``, ``good_steps`` (since the last change), ``steps`` and ``history`` (the scale
+    used at each step, and whether that step was skipped).
+    """
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000):
+        if init_scale <= 0 or growth_factor <= 1 or not 0 < backoff_factor < 1 or growth_interval < 1:
+            raise ValueError("need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and "
+                             "growth_interval >= 1")
+        self.scale = float(init_scale)
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval = growth_interval
+        self.steps = self.skipped_steps = self.good_steps = 0
+        self.history: list[tuple[float, bool]] = []  # (scale used, skipped?) per step
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss · S``: backward from it gives S times the gradients."""
+        return loss * self.scale
+
+    @torch.no_grad()
+    def unscale_(self, grads) -> bool:
+        """Divide the (fp32) gradients by S in place; True if any of them is inf or NaN."""
+        grads = [g for g in grads if g is not None]
+        if not grads:
+            return False
+        torch._foreach_mul_(grads, 1.0 / self.scale)
+        return not bool(torch.stack([g.isfinite().all() for g in grads]).all())
+
+    def update(self, found_inf: bool) -> None:
+        """After a step: on overflow skip it and back off; after enough good steps, grow."""
+        self.history.append((self.scale, bool(found_inf)))
+        self.steps += 1
+        if found_inf:
+            self.skipped_steps += 1
+            self.good_steps = 0
+            self.scale *= self.backoff_factor
+            return
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.good_steps = 0
+
+    def state_dict(self) -> dict:
+        """The scaler's state as plain numbers (what the training summary reports)."""
+        return {"scale": self.scale, "skipped_steps": self.skipped_steps, "steps": self.steps,
+                "good_steps": self.good_steps, "growth_interval": self.growth_interval,
+                "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                "history": [list(h) for h in self.history]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("scale", "skipped_steps", "steps", "good_steps", "growth_interval",
+                    "growth_factor", "backoff_factor"):
+            setattr(self, key, state[key])
+        self.history = [tuple(h) for h in state.get("history", [])]
+
+
+class MixedPrecisionOptimizer(torch.optim.Optimizer):
+    """Steps ``optimizer_class`` on fp32 master copies of 16-bit parameters.
+
+    ``MixedPrecisionOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)`` — shaped like
+    PyTorch's ``ZeroRedundancyOptimizer(params, optimizer_class, **defaults)``.
+
+    Arguments:
+        params: the model's (bf16/fp16) parameters, or parameter groups.
+        optimizer_class: the optimizer run on the masters (``torch.optim.Adam``).
+        master_weights: ``{parameter: fp32 tensor}`` from :func:`cast_model_` (used as they are);
+            a parameter missing from it gets ``p.float()`` — its 16-bit value, upcast.
+        loss_scaler: a :class:`DynamicLossScaler` (fp16); None: no scaling (bf16).
+        **defaults: the inner optimizer's hyperparameters (``lr``, ``betas``, ...).
+
+    ``self.state[p]`` holds ``"master"`` and, after the first step, the inner optimizer's state
+    for that parameter (``exp_avg``, ``exp_avg_sq``, ``step``: the same tensors, not copies), so the
+    memory ledger counts 4 + 4 + 4 = 12 bytes of optimizer state per parameter.
+    """
+
+    def __init__(self, params, optimizer_class=torch.optim.Adam, master_weights: dict | None = None,
+                 loss_scaler: DynamicLossScaler | None = None, **defaults):
+        super().__init__(params, defaults)
+        master_weights = master_weights or {}
+        self.loss_scaler = loss_scaler
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (16-bit weight, fp32 master)
+        groups = []
+        for group in self.param_groups:
+            masters = []
+            for p in group["params"]:
+                m = master_weights.get(p)
+                m = p.detach().float().clone() if m is None else m.detach()
+                self.state[p]["master"] = m
+                self.pairs.append((p, m))
+                masters.append(m)
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": masters})
+        self.optimizer = optimizer_class(groups, **defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """fp32 gradient copies → (unscale, skip on overflow) → inner step → round into the weights.
+
+        Returns the closure's loss, if one was given.  On a skipped step nothing changes but the
+        loss scale (the weights and the Adam state are untouched).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group, inner in zip(self.param_groups, self.optimizer.param_groups):
+            inner.update({k: v for k, v in group.items() if k != "params"})  # e.g. an lr schedule
+        for p, m in self.pairs:
+            m.grad = None if p.grad is None else p.grad.float()  # a new fp32 tensor for 16-bit p
+        skip = False
+        if self.loss_scaler is not None:
+            skip = self.loss_scaler.unscale_([m.grad for _, m in self.pairs])
+            self.loss_scaler.update(skip)
+        if not skip:
+            self.optimizer.step()
+            for p, m in self.pairs:
+                p.copy_(m)  # round to nearest 16-bit value
+                self.state[p].update(self.optimizer.state[m])
+        for _, m in self.pairs:
+            m.grad = None  # the fp32 gradients live only during the step
+        return loss
+
+    def state_dict(self) -> dict:
+        return {"masters": [m for _, m in self.pairs], "optimizer": self.optimizer.state_dict(),
+                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        for (p, m), saved in zip(self.pairs, state_dict["masters"], strict=True):
+            m.copy_(saved)
+            p.copy_(m)
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        for p, m in self.pairs:
+            self.state[p] = {"master": m, **self.optimizer.state[m]}
+        if self.loss_scaler is not None and state_dict.get("loss_scaler"):
+            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+
+
+@torch.no_grad()
+def gradient_underflow(grads16, grads32) -> float:
+    """Fraction of gradient elements that are zero in 16 bits but not in the fp32 reference —
+    the ones lost to underflow (lesson 07 shows fp16 with and without loss scaling)."""
+    lost = total = 0
+    for g16, g32 in zip(grads16, grads32):
+        nonzero = g32 != 0
+        lost += int(((g16 == 0) & nonzero).sum())
+        total += int(nonzero.sum())
+    return lost / max(total, 1)

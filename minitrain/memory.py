@@ -91,12 +91,22 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-class _Tally:
-    """Adds up tensor bytes by kind and dtype, counting each storage once (tied weights, views)."""
+def _storage_key(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage().data_ptr(), t.device)
 
-    def __init__(self):
+
+class _Tally:
+    """Adds up tensor bytes by kind and dtype, counting each storage once (tied weights, views).
+
+    ``host`` holds the storage keys of tensors that live in host memory (offloaded); they are also
+    added up apart, by kind, so the ledger can say what sits on the device and what on the host.
+    """
+
+    def __init__(self, host: set | None = None):
         self.seen: set = set()
         self.rows: dict = defaultdict(lambda: defaultdict(int))
+        self.host_keys = host or set()
+        self.host_rows: dict = defaultdict(int)
 
     def add(self, kind: str, t: torch.Tensor | None) -> None:
         if t is None:
@@ -107,19 +117,29 @@ class _Tally:
             return
         self.seen.add(key)
         self.rows[kind][_dtype_name(t.dtype)] += storage.nbytes()
+        if key in self.host_keys:
+            self.host_rows[kind] += storage.nbytes()
 
 
 def ledger(model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-           activations_peak: int = 0, params=None) -> dict:
+           activations_peak: int = 0, params=None, extra: dict | None = None,
+           host=()) -> dict:
     """Bytes held on this rank, by kind, measured from the tensors.
 
     Kinds: ``parameters``, ``gradients`` (``.grad`` of those parameters), ``optimizer_states``
     (per-parameter optimizer tensors such as Adam's momentum and variance, and master weights),
     ``optimizer_other`` (scalar bookkeeping such as Adam's step counters) and
     ``activations_peak`` (from :class:`ActivationMeter`).  Returns
-    ``{"bytes": {kind: total}, "by_dtype": {kind: {dtype: bytes}}, "total": ...}``.
+    ``{"bytes": {kind: total}, "by_dtype": {kind: {dtype: bytes}}, "total": ...,
+    "device": {kind: bytes}, "host": {kind: bytes}}``.
+
+    ``extra`` (``{kind: [tensors]}``) counts tensors held outside ``.grad`` and ``optimizer.state``
+    — ZeRO's gradient shards, parameter shards, offloaded master weights.  ``host`` names the
+    tensors that live in host memory (ZeRO-Offload): ``"bytes"`` still counts everything, and
+    ``"device"`` / ``"host"`` split it, so a lesson can show what moved off the device — even on a
+    CPU run, where "device" is the CPU the model computes on.
     """
-    tally = _Tally()
+    tally = _Tally({_storage_key(t) for t in host if t is not None})
     params = list(params) if params is not None else (
         list(model.parameters()) if model is not None else [])
     for p in params:
@@ -131,13 +151,19 @@ def ledger(model: torch.nn.Module | None = None, optimizer: torch.optim.Optimize
             for value in state.values():
                 if torch.is_tensor(value):
                     tally.add("optimizer_states" if value.dim() > 0 else "optimizer_other", value)
+    for kind, tensors in (extra or {}).items():
+        for t in tensors:
+            tally.add(kind, t)
     kinds = ["parameters", "gradients", "optimizer_states", "optimizer_other"]
     out = {k: sum(tally.rows[k].values()) for k in kinds}
     out["activations_peak"] = int(activations_peak)
+    on_host = {k: tally.host_rows.get(k, 0) for k in kinds}
     return {
         "bytes": out,
         "by_dtype": {k: dict(tally.rows[k]) for k in kinds if tally.rows[k]},
         "total": sum(out.values()),
+        "device": {k: out[k] - on_host.get(k, 0) for k in out},
+        "host": on_host,
     }
 
 
@@ -149,9 +175,10 @@ class ActivationMeter:
     seen in any one measured forward (the activations are all alive at the end of the forward).
     """
 
-    def __init__(self, model: torch.nn.Module | None = None):
+    def __init__(self, model: torch.nn.Module | None = None, ignore=None):
         self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()} if model else set()
-        self.peak = 0
+        self._ignore = ignore  # optional predicate: tensors that are not activations (ZeRO-3's
+        self.peak = 0          # gathered parameters, whose storage comes and goes)
         self.last = 0
 
     @contextmanager
@@ -161,7 +188,8 @@ class ActivationMeter:
 
         def pack(t):
             ptr = t.untyped_storage().data_ptr()
-            if ptr not in seen and ptr not in self._param_ptrs:
+            if ptr not in seen and ptr not in self._param_ptrs and not (
+                    self._ignore is not None and self._ignore(t)):
                 seen.add(ptr)
                 total[0] += t.untyped_storage().nbytes()
             return t

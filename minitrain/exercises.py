@@ -207,6 +207,34 @@ def _check_zero1_step(fn) -> str | None:
     return _on_clusters(_zero1_rank, fn, sizes=(2, 3))
 
 
+def _check_loss_scale_update(fn) -> str | None:
+    """The learner's rule, step by step, against DynamicLossScaler on an overflow pattern."""
+    from .precision import DynamicLossScaler
+
+    ref = DynamicLossScaler(init_scale=2.0 ** 16, growth_interval=3)
+    scale, good = ref.scale, 0
+    pattern = [True, True, False, False, False, False, True, False, False, False, False]
+    for step, found_inf in enumerate(pattern):
+        ref.update(found_inf)
+        try:
+            out = fn(scale, good, found_inf, 3)
+        except Exception as exc:  # noqa: BLE001 - the learner's code may raise anything
+            return f"step {step}: raised {type(exc).__name__}: {exc}"
+        if not isinstance(out, tuple) or len(out) != 3:
+            return "return a tuple (new_scale, new_good_steps, take_step)"
+        scale, good, take = out
+        if bool(take) == found_inf:
+            return (f"step {step}: found_inf={found_inf} but take_step={take}: skip the optimizer "
+                    "step exactly when a gradient overflowed")
+        if scale != ref.scale:
+            return (f"step {step} (found_inf={found_inf}): scale {scale:g}, expected {ref.scale:g} "
+                    "(halve on overflow; double after growth_interval good steps in a row)")
+        if good != ref.good_steps:
+            return (f"step {step}: good_steps {good}, expected {ref.good_steps} (reset it to 0 on "
+                    "overflow and whenever the scale grows)")
+    return None
+
+
 CHECKS = {
     "zero_bytes_per_device": (_check_zero_bytes,
                               "equals 4Ψ+12Ψ/N, 2Ψ+14Ψ/N and 16Ψ/N, and the ZeRO paper's numbers"),
@@ -217,6 +245,8 @@ CHECKS = {
                        "every rank holds the full batch's gradients at 2 and 3 ranks"),
     "zero1_step": (_check_zero1_step,
                    "equals Adam on the whole parameter vector at 2 and 3 ranks, sharded"),
+    "loss_scale_update": (_check_loss_scale_update,
+                          "halves on overflow and skips the step, doubles after a run of good steps"),
     "topk_error_feedback": (_check_topk_error_feedback,
                             "sends the k largest entries of grad + residual and keeps the rest"),
 }

@@ -184,3 +184,19 @@ def test_zero1_step_checker():
     assert problem("zero1_step", zero1_right) is None
     assert "all-gather every rank's shard" in problem("zero1_step", zero1_without_gather)
     assert "differ from Adam" in problem("zero1_step", lambda *args: None)
+
+
+def scale_right(scale, good, found_inf, interval):
+    if found_inf:
+        return scale / 2, 0, False
+    good += 1
+    return (scale * 2, 0, True) if good == interval else (scale, good, True)
+
+
+def test_loss_scale_update_checker():
+    assert problem("loss_scale_update", scale_right) is None
+    never_grows = lambda s, g, f, i: (s / 2, 0, False) if f else (s, g + 1, True)  # noqa: E731
+    assert "double after" in problem("loss_scale_update", never_grows)
+    steps_anyway = lambda s, g, f, i: (*scale_right(s, g, f, i)[:2], True)  # noqa: E731
+    assert "skip the optimizer step" in problem("loss_scale_update", steps_anyway)
+    assert "return a tuple" in problem("loss_scale_update", lambda *a: None)

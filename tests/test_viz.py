@@ -112,3 +112,36 @@ def test_timeline_rows_and_plot_from_a_real_ddp_run(clusters):
         assert all(start <= end for _, start, end, _ in r["buckets"])
     fig = plot_ddp_timeline(reports)
     assert len(fig.axes[0].patches) == 2 * (1 + len(rows[0]["buckets"]))
+
+
+def test_sharding_grid_follows_the_stages():
+    from minitrain.viz.sharding import grid
+
+    owned, total = [(0, 5), (5, 10)], 10
+    for stage, sharded in enumerate([(), ("optimizer_states",), ("optimizer_states", "gradients"),
+                                     ("optimizer_states", "gradients", "parameters")]):
+        rows = grid(owned, total, stage)
+        for row, (s, e) in zip(rows, owned):
+            for kind in ("parameters", "gradients", "optimizer_states"):
+                assert row[kind] == ([(s, e)] if kind in sharded else [(0, total)])
+        assert rows[0]["total_bytes"] == sum(
+            {"parameters": 2, "gradients": 2, "optimizer_states": 12}[k] * (5 if k in sharded else 10)
+            for k in ("parameters", "gradients", "optimizer_states"))
+
+
+def test_sharding_widget_draws_the_real_partition():
+    from minitrain import GPT, PRESETS
+    from minitrain.parallel.zero import shard_layout
+    from minitrain.viz.sharding import ShardingWidget
+
+    model = GPT(PRESETS["nano"], seed=0)
+    widget = ShardingWidget(model, n=3, stage=3)
+    layout = shard_layout([p for p in model.parameters() if p.requires_grad], 3)
+    html = widget.out.value
+    assert html.count('class="mt-shard-row"') == 3
+    assert f"{layout.total:,} elements" in html
+    widget.n.value = 5
+    assert widget.out.value.count('class="mt-shard-row"') == 5
+    stage3 = widget.out.value
+    widget.stage.value = "0"
+    assert widget.out.value != stage3

@@ -1,5 +1,6 @@
 """ZeRO 1/2/3 and offload: equal to a single process and to PyTorch's ZeroRedundancyOptimizer; the
-ledger equals the formulas up to the documented padding; stage 3 moves 1.5x the bytes of stage 1."""
+ledger equals the formulas up to the documented padding; stage 3 moves 1.5x the bytes of stage 1 —
+in fp32, and in bf16-mixed against the single bf16-mixed process and the mixed-precision formulas."""
 
 import dataclasses
 
@@ -30,14 +31,21 @@ def single(clusters):
 
 
 @pytest.fixture(scope="module")
+def single_bf16(clusters):
+    return train(CFG.with_(precision="bf16-mixed"), cluster=clusters(1), return_state=True)
+
+
+@pytest.fixture(scope="module")
 def runs(clusters):
-    """Every stage at 1-4 ranks (and with offload at 3), each run once and shared by the tests."""
+    """Every stage at 1-4 ranks (and with offload at 3), in fp32 and in bf16-mixed, each run once
+    and shared by the tests."""
     cache = {}
 
-    def get(strategy, n, offload=False):
-        key = (strategy, n, offload)
+    def get(strategy, n, offload=False, precision="fp32"):
+        key = (strategy, n, offload, precision)
         if key not in cache:
-            cfg = CFG.with_(strategy=strategy, world_size=n, options={"offload": offload})
+            cfg = CFG.with_(strategy=strategy, world_size=n, options={"offload": offload},
+                            precision=precision)
             cache[key] = train(cfg, cluster=clusters(n), return_state=True)
         return cache[key]
     return get
@@ -71,21 +79,16 @@ def test_offload_gives_the_same_losses_and_moves_the_optimizer_to_the_host(runs,
         assert rep["host_bytes"]["parameters"] == 0
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
-@pytest.mark.parametrize("strategy", list(STAGES))
-def test_ledger_equals_the_formulas_up_to_the_padding(runs, strategy, n):
-    """fp32 Adam (4 + 4 + 8 bytes): stage 1 8Ψ+8Ψ/N, stage 2 4Ψ+12Ψ/N, stage 3 16Ψ/N, measured.
-    A sharded tensor holds its unit's padding, so it is the formula for Ψ + padding; a tensor that
-    is not sharded (stage 1's .grad) is the formula for Ψ exactly."""
-    stage = STAGES[strategy]
-    run = runs(strategy, n)
+def assert_ledger_equals_the_formulas(run, stage, n, recipe):
+    """A sharded tensor holds its unit's padding, so it is the formula for Ψ + padding; a tensor
+    that is not sharded (stage 1's .grad) is the formula for Ψ exactly."""
     psi = CFG.model.num_params()
     for rep, mem in zip(run["summary"]["report"], run["summary"]["memory"]):
-        assert rep["numel"] == psi and rep["stage"] == stage
+        assert rep["numel"] == psi and rep["stage"] == stage and rep["recipe"] == recipe
         assert 0 <= rep["padding"] < n * rep["units"]  # at most N-1 zeros per unit
         assert rep["padded_numel"] == n * rep["shard_numel"]
-        exact = model_state_bytes(psi, n, stage, "fp32-adam")
-        padded = model_state_bytes(psi + rep["padding"], n, stage, "fp32-adam")
+        exact = model_state_bytes(psi, n, stage, recipe)
+        padded = model_state_bytes(psi + rep["padding"], n, stage, recipe)
         expected = dict(padded)
         if stage == 1:
             expected["gradients"] = exact["gradients"]  # the full .grad tensors, unpadded
@@ -96,25 +99,93 @@ def test_ledger_equals_the_formulas_up_to_the_padding(runs, strategy, n):
         assert run["summary"]["report"][0]["padding"] > 0
 
 
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("strategy", list(STAGES))
+def test_ledger_equals_the_formulas_up_to_the_padding(runs, strategy, n):
+    """fp32 Adam (4 + 4 + 8 bytes): stage 1 8Ψ+8Ψ/N, stage 2 4Ψ+12Ψ/N, stage 3 16Ψ/N, measured."""
+    assert_ledger_equals_the_formulas(runs(strategy, n), STAGES[strategy], n, "fp32-adam")
+
+
 def per_step(run, op, key="bytes"):
     return [c.get(op, {}).get(key, 0) / CFG.steps for c in run["summary"]["comm"]]
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_stage_3_moves_one_and_a_half_times_the_bytes_of_stage_1(runs, n):
-    """Stage 1 (and 2): reduce-scatter + all-gather = 2Ψ; stage 3 all-gathers twice: 3Ψ."""
-    one, two, three = runs("zero1", n), runs("zero2", n), runs("zero3", n)
+def assert_stage_3_moves_one_and_a_half_times_stage_1(runs, n, precision="fp32"):
+    size = 4 if precision == "fp32" else 2  # bytes per element on the wire
+    one, two, three = (runs(s, n, precision=precision) for s in STAGES)
     for run, stage in ((one, 1), (two, 2), (three, 3)):
         padded = run["summary"]["report"][0]["padded_numel"]
-        assert per_step(run, "reduce_scatter") == [4 * padded] * n
-        assert per_step(run, "all_gather") == [(2 if stage == 3 else 1) * 4 * padded] * n
+        assert per_step(run, "reduce_scatter") == [size * padded] * n
+        assert per_step(run, "all_gather") == [(2 if stage == 3 else 1) * size * padded] * n
         assert per_step(run, "total", "sent_bytes") == pytest.approx(
-            [(n - 1) / n * (3 if stage == 3 else 2) * 4 * padded] * n)
+            [(n - 1) / n * (3 if stage == 3 else 2) * size * padded] * n)
     psi = CFG.model.num_params()
     slack = n * three["summary"]["report"][0]["units"] / psi  # what padding can add
     for key in ("bytes", "sent_bytes"):
         ratio = per_step(three, "total", key)[0] / per_step(one, "total", key)[0]
         assert ratio == pytest.approx(1.5, rel=slack), ratio
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_stage_3_moves_one_and_a_half_times_the_bytes_of_stage_1(runs, n):
+    """Stage 1 (and 2): reduce-scatter + all-gather = 2Ψ; stage 3 all-gathers twice: 3Ψ."""
+    assert_stage_3_moves_one_and_a_half_times_stage_1(runs, n)
+
+
+# -- bf16-mixed: 16-bit parameters, gradients and traffic; fp32 masters and Adam state sharded ------
+
+
+#: as tests/test_precision.py's test_data_parallel_bf16_equals_single_bf16 (its docstring says why
+#: bf16 reductions cannot match 1e-5): losses within 1e-3 relative; every weight within one bf16
+#: ulp (2^-7 relative) plus 5 lr; the mean weight difference below 0.2 lr
+BF16_LOSS_REL, BF16_ULP, BF16_ATOL_LRS, BF16_MEAN_LRS = 1e-3, 2.0 ** -7, 5, 0.2
+
+
+def assert_same_bf16_run(run, ref):
+    assert len(run["losses"]) == len(ref["losses"]) == CFG.steps
+    for a, b in zip(run["losses"], ref["losses"]):
+        assert abs(a - b) <= BF16_LOSS_REL * b, (a, b)
+    diffs = []
+    for name, w in ref["state"].items():
+        assert run["state"][name].dtype == torch.bfloat16, name
+        mine, theirs = run["state"][name].float(), w.float()
+        torch.testing.assert_close(mine, theirs, rtol=BF16_ULP, atol=BF16_ATOL_LRS * CFG.lr, msg=name)
+        diffs.append((mine - theirs).abs().flatten())
+    assert torch.cat(diffs).mean() < BF16_MEAN_LRS * CFG.lr
+
+
+@pytest.mark.parametrize("strategy, n, offload", [
+    *[(s, n, False) for n in (2, 3) for s in STAGES], ("zero3", 2, True)])
+def test_each_stage_in_bf16_equals_a_single_bf16_process(runs, single_bf16, strategy, n, offload):
+    """Measured (20 steps, max relative loss difference): 1.3e-4 at 2 ranks, 1.6-1.7e-4 at 3 —
+    the size of ddp's (1.7e-4); bf16 itself is 1.9e-4 from fp32."""
+    assert_same_bf16_run(runs(strategy, n, offload, "bf16-mixed"), single_bf16)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("strategy", list(STAGES))
+def test_bf16_ledger_equals_the_mixed_precision_formulas(runs, strategy, n):
+    """bf16 weights and gradients (2 + 2 bytes), fp32 master, momentum and variance (12 bytes):
+    the paper's stage 1 4Ψ+12Ψ/N, stage 2 2Ψ+14Ψ/N, stage 3 16Ψ/N, up to the padding."""
+    run = runs(strategy, n, precision="bf16-mixed")
+    assert_ledger_equals_the_formulas(run, STAGES[strategy], n, "mixed-adam")
+    for mem in run["summary"]["memory"]:
+        assert mem["by_dtype"]["parameters"].keys() == {"bfloat16"}
+        assert mem["by_dtype"]["gradients"].keys() == {"bfloat16"}
+        assert mem["by_dtype"]["optimizer_states"].keys() == {"float32"}
+
+
+def test_bf16_stage_3_moves_one_and_a_half_times_the_bytes_of_stage_1_in_16_bits(runs):
+    assert_stage_3_moves_one_and_a_half_times_stage_1(runs, 2, "bf16-mixed")
+
+
+def test_bf16_offload_keeps_masters_and_moments_on_the_host(runs):
+    for rep in runs("zero3", 2, True, "bf16-mixed")["summary"]["report"]:
+        s = rep["shard_numel"]
+        assert rep["device_bytes"]["optimizer_states"] == 0
+        assert rep["host_bytes"]["optimizer_states"] == 12 * s  # fp32 master, m, v
+        assert rep["host_bytes"]["gradients"] == 2 * s  # the bf16 gradient shard, copied over
+        assert rep["device_bytes"]["parameters"] == 2 * s and rep["host_bytes"]["parameters"] == 0
 
 
 # -- the pieces, on a model with tied and frozen parameters ----------------------------------------
@@ -238,8 +309,13 @@ def test_bad_configurations_are_refused_before_spawning():
         check_config(CFG.with_(strategy="zero2", world_size=2, options={"bucket_mb": 0}))
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     if "precision" in fields:
-        with pytest.raises(ConfigError, match="fp32 only"):
-            check_config(CFG.with_(strategy="zero1", world_size=2, precision="bf16-mixed"))
+        for strategy in STAGES:  # loss scaling would need a global overflow check
+            with pytest.raises(ConfigError, match="use --precision bf16-mixed"):
+                check_config(CFG.with_(strategy=strategy, world_size=2, precision="fp16-mixed"))
+        with pytest.raises(ConfigError, match="leave out --loss-scale"):
+            check_config(CFG.with_(strategy="zero2", world_size=2, precision="bf16-mixed",
+                                   loss_scale=1024.0))
+        check_config(CFG.with_(strategy="zero3", world_size=2, precision="bf16-mixed"))
     if "checkpoint_activations" in fields:
         with pytest.raises(ConfigError, match="cannot checkpoint activations"):
             check_config(CFG.with_(strategy="zero3", world_size=2, checkpoint_activations=True))

@@ -31,12 +31,26 @@ padded with zeros to a multiple of N, and rank r owns elements [r·S, (r+1)·S),
 paper's picture; stage 2 uses one per gradient bucket, stage 3 one per module it wraps, so that each
 can be reduce-scattered (and gathered) on its own.
 
+**Mixed precision** (``--precision bf16-mixed``, lesson 07): the model is bf16, so are the flat
+buffers, the gradients, the reduce-scatters and the all-gathers — half the bytes of fp32 on the
+wire.  Each rank's optimizer holds fp32 *master* weights for its shard only, cut from the fp32
+weights taken before the cast (:func:`master_shard`), next to Adam's moments
+(:func:`shard_optimizer`: a :class:`~minitrain.precision.MixedPrecisionOptimizer` on the shard).
+A step upcasts the bf16 gradient shard, steps the fp32 master shard and rounds it into the bf16
+parameter shard; stages 1–2 then all-gather it, in stage 3 that shard *is* the parameter.  With
+offload the masters, moments and step are on the host, the bf16 gradient shard is copied over.
+The averaged gradient is summed in bf16, so a run equals the single bf16 process within bf16's
+rounding (as DDP in bf16 does, tests/test_precision.py), not within 1e-5.
+
 Memory per rank (measured by :func:`minitrain.memory.ledger`, compared with
-:func:`~minitrain.memory.model_state_bytes`): with mixed-precision Adam the paper's 4Ψ+12Ψ/N,
-2Ψ+14Ψ/N and 16Ψ/N; with the fp32 Adam this module trains (``recipe="fp32-adam"``: 4 + 4 + 8 bytes)
+:func:`~minitrain.memory.model_state_bytes`): in bf16-mixed (``recipe="mixed-adam"``: 2 + 2 + 12
+bytes) the paper's 4Ψ+12Ψ/N, 2Ψ+14Ψ/N and 16Ψ/N; in fp32 (``recipe="fp32-adam"``: 4 + 4 + 8 bytes)
 8Ψ+8Ψ/N, 4Ψ+12Ψ/N and 16Ψ/N.  Sharded tensors hold the padding too: at most N−1 elements per unit.
 
-Limits, for a short file: fp32 only (the strategies refuse ``--precision`` other than fp32); one
+Limits, for a short file: fp32 and bf16-mixed only — fp16-mixed is refused, since its loss scaler
+would have to skip a step when *any* rank's gradient shard overflowed (an all-reduce of the
+verdict this file does not do); the masters must be equal on every rank (rank 0's 16-bit weights
+are broadcast, the fp32 masters are not: build the model from the same seed everywhere); one
 parameter group and one dtype; every rank must use the same parameters in a step (a parameter unused
 on every rank may get a zero gradient rather than ``None``: stages 1–2 always, stage 3 when the
 rest of its unit is used); frozen parameters (``requires_grad=False``) are not
@@ -53,12 +67,13 @@ import torch.nn as nn
 
 from ..comm import Comm
 from ..memory import ActivationMeter, ledger, model_state_bytes, rss_bytes
+from ..precision import MixedPrecisionOptimizer
 from ..strategies import ConfigError, Strategy, TrainConfig, register
 from .data_parallel import (DEFAULT_BUCKET_MB, FIRST_BUCKET_BYTES, MIB, _DataParallelStrategy,
                             broadcast_module, make_buckets)
 
-__all__ = ["FlatUnit", "ShardLayout", "shard_layout", "HostOffload", "ZeroRedundancyOptimizer",
-           "FullyShardedDataParallel", "default_units"]
+__all__ = ["FlatUnit", "ShardLayout", "shard_layout", "master_shard", "shard_optimizer",
+           "HostOffload", "ZeroRedundancyOptimizer", "FullyShardedDataParallel", "default_units"]
 
 
 def _comm_for(comm: Comm | None, process_group) -> Comm:
@@ -109,10 +124,11 @@ class FlatUnit:
         """Views of ``flat`` shaped like each parameter (the padding is left out)."""
         return [flat[o:o + n].view_as(p) for o, n, p in zip(self.offsets, self.numels, self.params)]
 
-    def flatten(self, tensors: list) -> torch.Tensor:
-        """One padded flat vector from ``tensors`` laid out like the parameters (None: zeros)."""
+    def flatten(self, tensors: list, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """One padded flat vector from ``tensors`` laid out like the parameters (None: zeros), in
+        ``dtype`` (default: the parameters')."""
         p0 = self.params[0]
-        flat = torch.zeros(self.total, dtype=p0.dtype, device=p0.device)
+        flat = torch.zeros(self.total, dtype=dtype or p0.dtype, device=p0.device)
         for view, t in zip(self.views(flat), tensors):
             if t is not None:
                 view.copy_(t)
@@ -168,6 +184,33 @@ def _trainable(params) -> tuple[list, list]:
     return names, tensors
 
 
+def master_shard(layout: FlatUnit, rank: int, master_weights: dict) -> torch.Tensor:
+    """This rank's slice of a unit's fp32 master weights: ``master_weights`` (``{16-bit parameter:
+    fp32 copy}``, from :func:`~minitrain.precision.cast_model_`) flattened and padded like the
+    parameters, then cut like the parameter shard.  A parameter missing from it is upcast."""
+    lo, hi = layout.owned_range(rank)
+    masters = [master_weights.get(p, p).detach() for p in layout.params]
+    return layout.flatten(masters, dtype=torch.float32)[lo:hi].clone()
+
+
+def shard_optimizer(shards: list, optimizer_class, master_weights: dict | None = None,
+                    offload: bool = False, **defaults):
+    """The optimizer that steps this rank's shards.
+
+    fp32 shards: ``optimizer_class`` itself.  16-bit shards (mixed precision, lesson 07): a
+    :class:`~minitrain.precision.MixedPrecisionOptimizer` — fp32 masters (``master_weights``,
+    ``{shard: fp32 slice}`` from :func:`master_shard`) and Adam's moments in its ``state``, 4 + 8 =
+    12 bytes per owned element; it upcasts the 16-bit gradient shard, steps the masters and rounds
+    them into the 16-bit shard.  ``offload``: :class:`HostOffload`, the same on the host.
+    """
+    if offload:
+        return HostOffload(shards, optimizer_class, master_weights=master_weights, **defaults)
+    if all(s.dtype == torch.float32 for s in shards):
+        return optimizer_class(shards, **defaults)
+    return MixedPrecisionOptimizer(shards, optimizer_class, master_weights=master_weights,
+                                   **defaults)
+
+
 # --------------------------------------------------------------------------------------------------
 # Offload: the optimizer step on the host (ZeRO-Offload)
 # --------------------------------------------------------------------------------------------------
@@ -176,20 +219,25 @@ def _trainable(params) -> tuple[list, list]:
 class HostOffload:
     """An optimizer whose fp32 master copy, states and step live in host memory (Ren et al., 2021).
 
-    ``params`` stay where they are (the device shards); ``step()`` copies each one's ``.grad``
-    device→host, runs ``optimizer_class`` on the host masters, and copies them back host→device.
-    On a GPU the host buffers are pinned, so the copies are real PCIe transfers.
+    ``params`` stay where they are (the device shards, fp32 or 16-bit); ``step()`` copies each
+    one's ``.grad`` device→host (in the gradient's own dtype: 2 bytes per element under bf16),
+    upcasts it to fp32 on the host, runs ``optimizer_class`` on the host masters, and copies them
+    back host→device (rounded to the parameter's dtype).  ``master_weights`` (``{param: fp32
+    tensor}``) gives the masters' starting values; a parameter missing from it starts from its own
+    value.  On a GPU the host buffers are pinned, so the copies are real PCIe transfers.
     """
 
-    def __init__(self, params, optimizer_class, **defaults):
+    def __init__(self, params, optimizer_class, master_weights: dict | None = None, **defaults):
         self.params = list(params)
+        master_weights = master_weights or {}
         pin = torch.cuda.is_available() and any(p.is_cuda for p in self.params)
 
-        def host_like(p):
-            return torch.empty(p.shape, dtype=torch.float32, device="cpu", pin_memory=pin)
+        def host_like(p, dtype):
+            return torch.empty(p.shape, dtype=dtype, device="cpu", pin_memory=pin)
 
-        self.masters = [host_like(p).copy_(p.detach()) for p in self.params]
-        self.host_grads = [host_like(p) for p in self.params]
+        self.masters = [host_like(p, torch.float32).copy_(master_weights.get(p, p).detach())
+                        for p in self.params]
+        self.host_grads = [host_like(p, p.dtype) for p in self.params]
         self.optim = optimizer_class(self.masters, **defaults)
 
     @property
@@ -208,11 +256,12 @@ class HostOffload:
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         for p, m, g in zip(self.params, self.masters, self.host_grads):
-            m.grad = g.copy_(p.grad) if p.grad is not None else None  # device -> host
+            # device -> host; a 16-bit gradient is upcast on the host, for the step only
+            m.grad = g.copy_(p.grad).float() if p.grad is not None else None
         self.optim.step()
         for p, m in zip(self.params, self.masters):
-            p.copy_(m)                                                # host -> device
-            p.grad = None  # the gradient now lives on the host
+            p.copy_(m)  # host -> device (rounded to nearest, for a 16-bit parameter)
+            p.grad = m.grad = None  # the gradient now lives on the host
         return loss
 
     def memory_tensors(self) -> tuple[dict, list]:
@@ -262,6 +311,10 @@ class ZeroRedundancyOptimizer:
         shard_gradients: stage 2.  Gradients are reduce-scattered bucket by bucket *during* backward,
             from hooks (``bucket_cap_mb`` as our DDP's), and the full ``.grad`` are not kept.
         offload: the fp32 master shard, the optimizer states and the step on the host (:class:`HostOffload`).
+        master_weights: mixed precision — ``{16-bit parameter: fp32 copy}`` from
+            :func:`~minitrain.precision.cast_model_`.  16-bit parameters are reduced and gathered in
+            16 bits and stepped on fp32 master *shards* cut from these (:func:`shard_optimizer`);
+            without it a 16-bit parameter's master starts from its rounded value.
         **defaults: the optimizer's arguments (``lr=...``).
 
     ``step()`` then steps the shard and all-gathers the updated parameters into every rank's buffers.
@@ -270,7 +323,8 @@ class ZeroRedundancyOptimizer:
 
     def __init__(self, params, optimizer_class, comm: Comm | None = None, process_group=None, *,
                  reduce_gradients: bool = True, shard_gradients: bool = False,
-                 bucket_cap_mb: float | None = None, offload: bool = False, **defaults):
+                 bucket_cap_mb: float | None = None, offload: bool = False,
+                 master_weights: dict | None = None, **defaults):
         self.comm = _comm_for(comm, process_group)
         self.stage = 2 if shard_gradients else 1
         self.reduce_gradients = reduce_gradients or shard_gradients
@@ -291,9 +345,10 @@ class ZeroRedundancyOptimizer:
         with torch.no_grad():
             for b in self.buckets:
                 self.comm.broadcast(b.flat, src=0, tag="init")
-        shards = [b.shard for b in self.buckets]
-        self.optim = (HostOffload(shards, optimizer_class, **defaults) if offload
-                      else optimizer_class(shards, **defaults))
+        masters = {b.shard: master_shard(b.layout, r, master_weights)
+                   for b in self.buckets} if master_weights else None
+        self.optim = shard_optimizer([b.shard for b in self.buckets], optimizer_class, masters,
+                                     offload, **defaults)
         self._in_backward = False
         if shard_gradients:
             for b in self.buckets:
@@ -482,7 +537,10 @@ class FullyShardedDataParallel(nn.Module):
     are accumulated they are reduce-scattered (asynchronously) and the buffer is freed again.
     A tied parameter belongs to the first unit that has it; a unit that uses another's (the head of a
     GPT with ``tie_weights``) gathers that unit too.  Train the shards:
-    ``optimizer_class(fsdp.sharded_parameters(), ...)``.  ``full_state_dict()`` gathers the model.
+    ``optimizer_class(fsdp.sharded_parameters(), ...)`` — or, for a 16-bit model,
+    ``shard_optimizer(fsdp.sharded_parameters(), optimizer_class, fsdp.master_shards(masters))``:
+    the 16-bit shard *is* the parameter, gathered and reduce-scattered in 16 bits, and the fp32
+    masters exist only as shards.  ``full_state_dict()`` gathers the model.
     """
 
     def __init__(self, module: nn.Module, comm: Comm | None = None, process_group=None,
@@ -518,6 +576,15 @@ class FullyShardedDataParallel(nn.Module):
     def sharded_parameters(self) -> list[torch.Tensor]:
         """This rank's shard of each unit: what the optimizer steps (gradients land in ``.grad``)."""
         return [u.shard for u in self.units if u.shard is not None]
+
+    def master_shards(self, master_weights: dict) -> dict:
+        """Mixed precision: ``{shard: this rank's fp32 slice of master_weights}`` (the ``{16-bit
+        parameter: fp32 copy}`` of :func:`~minitrain.precision.cast_model_`), for
+        :func:`shard_optimizer`.  A unit with a parameter missing from it is left out (its
+        master then starts from the 16-bit shard, upcast)."""
+        return {u.shard: master_shard(u.layout, self.comm.rank, master_weights)
+                for u in self.units if u.shard is not None
+                and all(p in master_weights for p in u.layout.params)}
 
     # -- gathering and freeing -----------------------------------------------------------------------
 
@@ -650,15 +717,20 @@ class _ZeroStrategy(_DataParallelStrategy):
     """Shared by zero1/2/3: the global batch split over the ranks, the model states sharded."""
 
     stage = 0
-    precisions = ("fp32",)  # mixed precision is not wired into the shards yet
+    precisions = ("fp32", "bf16-mixed")
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:
-        precision = getattr(cfg, "precision", "fp32")
-        if precision != "fp32":
-            raise ConfigError(f"strategy {cls.name!r} trains in fp32 only, got --precision "
-                              f"{precision}; use --precision fp32 (or ddp/single for mixed precision)")
+        why = ("each rank sees only its shard of the gradients, so an overflow check would need "
+               "every rank's verdict")
+        if cfg.precision == "fp16-mixed":
+            raise ConfigError(f"strategy {cls.name!r} cannot train in fp16-mixed, which needs loss "
+                              f"scaling: {why}; use --precision bf16-mixed (fp32's range, no loss "
+                              "scaling) or --precision fp32")
         super().check(cfg)
+        if cfg.loss_scale:
+            raise ConfigError(f"strategy {cls.name!r} does not scale the loss: {why}; leave out "
+                              "--loss-scale (bf16-mixed needs none)")
         if cfg.options.get("bucket_mb") is not None and cfg.options["bucket_mb"] <= 0:
             raise ConfigError(f"--bucket-mb must be > 0, got {cfg.options['bucket_mb']}")
 
@@ -668,8 +740,9 @@ class _ZeroStrategy(_DataParallelStrategy):
     def __init__(self, cfg: TrainConfig, comm: Comm):
         Strategy.__init__(self, cfg, comm)
         self.offload = bool(cfg.options.get("offload", False))
-        self.model = self.build_model()
+        self.model = self.build_model()  # bf16-mixed: bf16 model, fp32 copies in master_weights
         self.wrapper, self.optimizer, self.sharded = self.shard(self.model)
+        self.master_weights.clear()  # each rank keeps only its shard of them
         ignore = getattr(self.sharded, "is_gathered_parameter", None)
         self.meter = ActivationMeter(self.model, ignore=ignore)
 
@@ -683,8 +756,14 @@ class _ZeroStrategy(_DataParallelStrategy):
         out["rss_peak"] = rss_bytes(peak=True)
         return out
 
+    @property
+    def recipe(self) -> str:
+        """The memory recipe of :data:`minitrain.memory.RECIPES` this run follows."""
+        return "fp32-adam" if self.cfg.precision == "fp32" else "mixed-adam"
+
     def report(self) -> dict:
-        """This rank's owned ranges, the padding, and its bytes beside the formula (fp32 Adam)."""
+        """This rank's owned ranges, the padding, and its bytes beside the formula (fp32 Adam:
+        4 + 4 + 8 bytes per parameter; bf16-mixed: 2 + 2 + 12)."""
         r, n = self.comm.rank, self.comm.size
         layouts = self.sharded.layouts()
         psi = sum(u.numel for u in layouts)
@@ -696,9 +775,9 @@ class _ZeroStrategy(_DataParallelStrategy):
             "shard_numel": sum(u.shard_size for u in layouts),
             "owned": [own for u in layouts for own in u.owned_params(r)],
             "device_bytes": mem["device"], "host_bytes": mem["host"],
-            "recipe": "fp32-adam",
-            "formula": model_state_bytes(psi, n, self.stage, "fp32-adam"),
-            "formula_padded": model_state_bytes(padded, n, self.stage, "fp32-adam"),
+            "recipe": self.recipe,
+            "formula": model_state_bytes(psi, n, self.stage, self.recipe),
+            "formula_padded": model_state_bytes(padded, n, self.stage, self.recipe),
         }
 
 
@@ -715,7 +794,8 @@ class Zero1(_ZeroStrategy):
 
     def shard(self, model):
         opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, self.comm,
-                                      offload=self.offload, lr=self.cfg.lr)
+                                      offload=self.offload, master_weights=self.master_weights,
+                                      lr=self.cfg.lr)
         return model, opt, opt
 
 
@@ -729,7 +809,7 @@ class Zero2(_ZeroStrategy):
         opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, self.comm,
                                       shard_gradients=True, offload=self.offload,
                                       bucket_cap_mb=self.cfg.options.get("bucket_mb"),
-                                      lr=self.cfg.lr)
+                                      master_weights=self.master_weights, lr=self.cfg.lr)
         return model, opt, opt
 
 
@@ -749,9 +829,8 @@ class Zero3(_ZeroStrategy):
 
     def shard(self, model):
         fsdp = FullyShardedDataParallel(model, self.comm)
-        shards = fsdp.sharded_parameters()
-        opt = (HostOffload(shards, torch.optim.Adam, lr=self.cfg.lr) if self.offload
-               else torch.optim.Adam(shards, lr=self.cfg.lr))
+        opt = shard_optimizer(fsdp.sharded_parameters(), torch.optim.Adam,
+                              fsdp.master_shards(self.master_weights), self.offload, lr=self.cfg.lr)
         return fsdp, opt, _Zero3Memory(fsdp, opt if self.offload else None)
 
     def fit(self, data, on_step=None):

@@ -153,3 +153,151 @@ def test_the_validator_checks_the_zero_bubble_split():
     t[0][i], t[0][w] = t[0][w], t[0][i]
     with pytest.raises(ScheduleError, match=r"rank 0: W0@s0 comes before I0@s0"):
         validate(t, 2, 2)
+
+
+# -- on real ranks ----------------------------------------------------------------------------------
+
+import statistics  # noqa: E402
+
+import torch  # noqa: E402
+
+from minitrain import GPTConfig, TrainConfig, train  # noqa: E402
+from minitrain.parallel.pipeline import run_schedule  # noqa: E402
+from minitrain.strategies import ConfigError  # noqa: E402
+from minitrain.train import check_config  # noqa: E402
+
+# 8 layers: interleaving 4 ranks x 2 chunks needs 8 stages; batch 12 splits unevenly into 9 or 7
+CFG = TrainConfig(steps=20, batch_size=12, seed=0,
+                  model=GPTConfig(n_layer=8, n_head=2, d_model=32, seq_len=16))
+
+
+def allowed(P):
+    """(schedule, M, chunks, refusal) for M in {1, P, 2P+1}; refusal = None where it may run."""
+    out = []
+    for M in sorted({1, P, 2 * P + 1}):
+        out += [("gpipe", M, None, None), ("1f1b", M, None, None), ("zb-h1", M, None, None),
+                ("naive", M, None, None if M == 1 else "--microbatches 1"),
+                ("interleaved", M, 2, None if M % P == 0 else f"multiple of --stages {P}")]
+    return out
+
+
+EQUALITY = [(P, *c) for P in (2, 3, 4) for c in allowed(P)]
+
+
+@pytest.fixture(scope="module")
+def single(clusters):
+    return train(CFG, cluster=clusters(1), return_state=True)
+
+
+def pipe_cfg(P, schedule, M, chunks=None, **changes):
+    opts = {"schedule": schedule, "microbatches": M, "chunks": chunks}
+    return CFG.with_(strategy="pipeline", world_size=P, options=opts, **changes)
+
+
+def assert_same_run(run, ref, rel=1e-5):
+    assert len(run["losses"]) == len(ref["losses"]) == CFG.steps
+    for a, b in zip(run["losses"], ref["losses"]):
+        assert abs(a - b) <= rel * abs(b), (a, b)
+    assert list(run["state"]) == list(ref["state"])  # the full model, single-process names
+    for name, ref_value in ref["state"].items():  # as in test_zero: Adam and ~0 gradients
+        torch.testing.assert_close(run["state"][name], ref_value, rtol=1e-4, atol=5e-5, msg=name)
+
+
+@pytest.mark.parametrize("P,schedule,M,chunks,refusal", EQUALITY)
+def test_every_schedule_equals_a_single_process(clusters, single, P, schedule, M, chunks, refusal):
+    cfg = pipe_cfg(P, schedule, M, chunks)
+    if refusal:
+        with pytest.raises(ConfigError, match=refusal):
+            check_config(cfg)
+        return
+    run = train(cfg, cluster=clusters(P), return_state=True)
+    assert_same_run(run, single)
+    reports = run["summary"]["report"]
+    assert [r["rank"] for r in reports] == list(range(P))
+    rep = reports[0]
+    assert (rep["schedule"], rep["stages"], rep["microbatches"]) == (schedule, P, M)
+    # the measured timeline holds every action of the table, each once, on its rank
+    done = sorted((e["rank"], e["action"]) for e in rep["timeline"])
+    assert done == sorted((r, a) for r, row in enumerate(rep["table"]) for a in row if a)
+    assert rep["peak_in_flight"] == rep["peak_in_flight_ideal"]
+
+
+def test_the_cli_options_are_refused_before_spawning_with_the_fix():
+    cases = [
+        (dict(options={"stages": 3}), "--stages 3 must equal --world-size 2"),
+        (dict(options={"schedule": "dualpipe"}), "unknown --schedule 'dualpipe'"),
+        (dict(options={"microbatches": 13}), "--microbatches 12 or fewer"),
+        (dict(options={"schedule": "interleaved", "chunks": 1, "microbatches": 2}), "--chunks 2"),
+        (dict(options={"schedule": "zb-h1", "chunks": 2}), "leave out --chunks 2"),
+        (dict(options={"schedule": "interleaved", "chunks": 5}), "use --n-layer 10"),
+        (dict(model=GPTConfig(n_layer=1)), "use --n-layer 2"),
+        (dict(options={"schedule": "zb-h1"}, checkpoint_activations=True), "zb-h1 cannot"),
+        (dict(precision="bf16-mixed"), "--precision fp32"),
+    ]
+    for changes, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            check_config(CFG.with_(strategy="pipeline", world_size=2, **changes))
+
+
+def test_activation_checkpointing_gives_the_same_losses(clusters, single):
+    cfg = pipe_cfg(2, "1f1b", 4, steps=5, checkpoint_activations=True)
+    run = train(cfg, cluster=clusters(2))
+    assert run["losses"] == pytest.approx(single["losses"][:5], rel=1e-5)
+
+
+def test_run_schedule_gives_a_notebook_the_measured_timeline(clusters):
+    out = clusters(2).run(run_schedule, "gpipe", 4, batch_size=8)
+    assert out[0]["timeline"] == out[1]["timeline"]  # every rank sees all ranks' timeline
+    tl = out[0]["timeline"]
+    assert {e["rank"] for e in tl} == {0, 1} and len(tl) == 16
+    assert all(0 <= e["start"] <= e["end"] for e in tl)
+    assert out[0]["losses"] == out[1]["losses"]
+
+
+# -- measured bubbles and activations ---------------------------------------------------------------
+
+# a balanced model where compute dominates sends: 2 blocks per stage, 8 micro-batches of 4 samples
+BUBBLE = TrainConfig(steps=12, batch_size=32, seed=0, strategy="pipeline", world_size=2,
+                     model=GPTConfig(n_layer=4, n_head=4, d_model=256, seq_len=64))
+
+
+@pytest.fixture(scope="module")
+def measured(clusters):
+    cache = {}
+
+    def get(schedule):
+        if schedule not in cache:
+            cfg = BUBBLE.with_(options={"schedule": schedule, "microbatches": 8})
+            cache[schedule] = train(cfg, cluster=clusters(2))["summary"]["report"][0]
+        return cache[schedule]
+    return get
+
+
+def speed_ratio(rep) -> float:
+    """How much faster an action runs alone (the other rank idle) than beside the other rank's —
+    on a quiet 2-core machine about 1; above 1 the cores are shared with something else."""
+    tl = rep["timeline"]
+    solo = [e for e in tl if e["action"] == "F0@s0"]
+    rest = [e["end"] - e["start"] for e in tl if e["action"].startswith("F") and e["rank"] == 0
+            and e["action"] != "F0@s0"]
+    return statistics.median(rest) / (solo[0]["end"] - solo[0]["start"])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_measured_bubble_is_the_formula_within_ten_percent(measured, schedule):
+    rep = measured(schedule)
+    formula = rep["bubble_formula"]
+    assert formula == pytest.approx(1 / 9)
+    assert rep["bubble_ideal"] == pytest.approx(formula)
+    assert abs(rep["bubble_measured"] - formula) <= 0.1 * formula, (
+        f"measured {rep['bubble_measured']:.4f} vs (p-1)/(m+p-1) = {formula:.4f}; per step "
+        f"{[round(b, 3) for b in rep['bubble_per_step']]}; an action alone runs "
+        f"{speed_ratio(rep):.2f}x as fast as two at once (>1: the cores are shared)")
+
+
+def test_1f1b_holds_at_most_p_micro_batches_gpipe_all_m(measured):
+    one, gpipe = measured("1f1b"), measured("gpipe")
+    assert max(one["peak_in_flight"].values()) <= 2 == max(one["peak_in_flight_ideal"].values())
+    assert gpipe["peak_in_flight"] == {0: 8, 1: 8} == gpipe["peak_in_flight_ideal"]
+    # and the activation bytes held follow: GPipe's first stage holds 4x 1F1B's
+    assert gpipe["activation_bytes_peak"] > 3 * one["activation_bytes_peak"]

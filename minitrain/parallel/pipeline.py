@@ -36,12 +36,25 @@ stage s runs on rank s % P, so a micro-batch goes round the ranks V times.
 
 from __future__ import annotations
 
-import dataclasses
+import statistics
+import time
 from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ..comm import Comm
+from ..memory import ActivationMeter, ledger, rss_bytes
+from ..model import GPT, loss_fn
+from ..strategies import ConfigError, Strategy, TrainConfig, register
 
 __all__ = ["Action", "COSTS", "SCHEDULES", "Table", "ScheduleError", "make_schedule", "orders",
            "validate", "simulate", "bubble_fraction", "bubble_formula", "peak_in_flight",
-           "dependencies", "split_layers"]
+           "dependencies", "split_layers", "PipelineStage", "SplitLinear", "PipelineExecutor",
+           "Pipeline", "pipeline_options", "run_schedule"]
 
 
 @dataclass(frozen=True, order=True)
@@ -357,3 +370,413 @@ def _as_action(a) -> Action:
     kind, rest = a[0], a[1:]
     m, s = rest.split("@s")
     return Action(kind, int(m), int(s))
+
+
+# --------------------------------------------------------------------------------------------------
+# The model cut into stages
+# --------------------------------------------------------------------------------------------------
+
+
+class PipelineStage(nn.Module):
+    """Virtual stage ``stage`` of ``n_stages``: the GPT's embedding (first stage), its share of the
+    blocks, and the head (last stage) — the same module objects, under the same names, so the
+    stages' state_dicts put together are the single-process state_dict."""
+
+    def __init__(self, model: GPT, stage: int, n_stages: int):
+        super().__init__()
+        self.stage, self.first, self.last = stage, stage == 0, stage == n_stages - 1
+        self.embed = model.embed if self.first else None
+        layers = split_layers(model.cfg.n_layer, n_stages)[stage]
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
+        self.head = model.head if self.last else None
+        self.checkpoint_activations = model.checkpoint_activations
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks.values():
+            recompute = self.checkpoint_activations and torch.is_grad_enabled()
+            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+        return self.head(x) if self.head is not None else x
+
+    def split_linears(self) -> list["SplitLinear"]:
+        return [m for m in self.modules() if isinstance(m, SplitLinear)]
+
+
+class _LinearIW(torch.autograd.Function):
+    """y = x Wᵀ + b whose backward can leave the weight-gradient GEMM (gᵀx) for later."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer):
+        ctx.save_for_backward(x, weight)
+        ctx.layer, ctx.has_bias = layer, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        layer = ctx.layer
+        grad_x = g @ weight
+        grad_b = g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias else None
+        if layer.key is not None:  # I pass: keep (x, g) for the W pass, no dW now
+            layer.stash.setdefault(layer.key, []).append((x, g))
+            return grad_x, None, grad_b, None
+        return grad_x, _weight_grad(x, g), grad_b, None
+
+
+def _weight_grad(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    return g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+
+
+class SplitLinear(nn.Module):
+    """A Linear layer (the same ``weight`` and ``bias``) for zero-bubble schedules.
+
+    In an I pass (``key`` = the micro-batch) backward computes the gradient w.r.t. the input — what
+    the previous stage waits for — and the bias gradient, and stashes the layer's input and output
+    gradient; :meth:`weight_grad` (the W pass) does the big GEMM gᵀx later.  Small parameters
+    (LayerNorm gains and biases, embeddings, Linear biases) get their gradients in I: they cost
+    little, and splitting them would need the same trick in every module.
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.key = None
+        self.stash: dict[int, list] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _LinearIW.apply(x, self.weight, self.bias, self)
+
+    def weight_grad(self, key: int) -> None:
+        for x, g in self.stash.pop(key, []):
+            dw = _weight_grad(x, g)
+            self.weight.grad = dw if self.weight.grad is None else self.weight.grad.add_(dw)
+
+
+def split_weight_gradients(module: nn.Module) -> nn.Module:
+    """Replace every ``nn.Linear`` inside ``module`` by a :class:`SplitLinear` (same parameters)."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, SplitLinear(child))
+    return module
+
+
+# --------------------------------------------------------------------------------------------------
+# The executor: one rank's row of the table, on the real ranks
+# --------------------------------------------------------------------------------------------------
+
+
+class PipelineExecutor:
+    """Runs this rank's row of ``table`` for one batch, and records what really happened.
+
+    Activations go to the next stage and their gradients back with non-blocking sends (handles kept,
+    waited at the end of the step); every receive the row needs is posted before the step starts
+    and waited where the action needs it.  ``timeline`` holds, after :meth:`step`, one
+    ``{"rank", "action", "start", "end"}`` per action: seconds after this rank left the barrier
+    that starts the step; an action starts once its input has arrived, so waiting counts as idle.
+
+    Micro-batches are ``torch.tensor_split`` of the batch (sizes may differ by one); micro-batch
+    m's loss is weighted by its share of the batch, so the accumulated gradient and the summed loss
+    are the global mean's.  ``peak_bytes`` is the most activation memory held at once (bytes saved
+    for backward by the forwards not yet backwarded — until W under zero-bubble).
+    """
+
+    def __init__(self, stages: dict[int, PipelineStage], table: Table, comm: Comm,
+                 microbatches: int, d_model: int):
+        self.stages, self.comm, self.M, self.d_model = stages, comm, microbatches, d_model
+        self.P = len(table)
+        self.S = 1 + max(a.stage for _, a in _actions(table))
+        self.dtype = next(p for st in stages.values() for p in st.parameters()).dtype
+        self.row = [a for a in table[comm.rank] if a is not None]
+        self.meter = ActivationMeter(nn.ModuleList(stages.values()))
+        self.timeline: list[dict] = []
+        self.held: dict[tuple, int] = {}
+        self.peak_bytes = 0
+
+    # -- messages: channel numbers name (activation or gradient, micro-batch, receiving stage)
+
+    def _channel(self, grad: bool, m: int, stage: int) -> int:
+        return 1 + 2 * (stage * self.M + m) + grad
+
+    def _needs(self, a: Action) -> tuple[bool, int] | None:
+        """(is a gradient, from stage) of the message action ``a`` waits for, if any."""
+        if a.kind == "F" and a.stage > 0:
+            return False, a.stage - 1
+        if a.kind in "BI" and a.stage < self.S - 1:
+            return True, a.stage + 1
+        return None
+
+    def _post_receives(self, sizes: list[int], shape: tuple, dtype) -> None:
+        self.inbox = {}
+        for a in self.row:
+            need = self._needs(a)
+            if need is None or need[1] % self.P == self.comm.rank:
+                continue  # nothing to receive, or it comes from this rank (self.local)
+            buf = torch.empty((sizes[a.microbatch], *shape), dtype=dtype)
+            work = self.comm.irecv(buf, need[1] % self.P, tag="pp",
+                                   channel=self._channel(need[0], a.microbatch, a.stage))
+            self.inbox[a] = (buf, work)
+
+    def _receive(self, a: Action) -> torch.Tensor:
+        if a in self.inbox:
+            buf, work = self.inbox.pop(a)
+            work.wait()
+            return buf
+        return self.local.pop((a.kind == "F", a.microbatch, a.stage))
+
+    def _send(self, t: torch.Tensor, grad: bool, m: int, stage: int) -> None:
+        dst = stage % self.P
+        if dst == self.comm.rank:  # the next virtual stage lives here too (e.g. one rank)
+            self.local[(not grad, m, stage)] = t
+        else:
+            work = self.comm.isend(t, dst, tag="pp", channel=self._channel(grad, m, stage))
+            self.sends.append((work, t))
+
+    # -- the actions
+
+    def _forward(self, a: Action, inp) -> None:
+        stage, m = self.stages[a.stage], a.microbatch
+        with self.meter.measure():
+            out = stage(inp)
+            if stage.last:
+                y = self.ys[m]
+                out = loss_fn(out, y) * (y.shape[0] / self.batch)
+        self.held[(m, a.stage)] = self.meter.last
+        self.peak_bytes = max(self.peak_bytes, sum(self.held.values()))
+        self.saved[(m, a.stage)] = (inp, out)
+        if stage.last:
+            self.losses.append(out.detach())
+        else:
+            self._send(out.detach(), False, m, a.stage + 1)
+
+    def _backward(self, a: Action, grad) -> None:
+        stage, m = self.stages[a.stage], a.microbatch
+        inp, out = self.saved.pop((m, a.stage))
+        split = stage.split_linears() if a.kind == "I" else []
+        for layer in split:
+            layer.key = m
+        out.backward(grad)  # grad is None on the last stage: out is the loss
+        for layer in split:
+            layer.key = None
+        if a.stage > 0:
+            self._send(inp.grad, True, m, a.stage - 1)
+        if a.kind == "B":
+            self.held.pop((m, a.stage))
+
+    def _weights(self, a: Action, _) -> None:
+        for layer in self.stages[a.stage].split_linears():
+            layer.weight_grad(a.microbatch)
+        self.held.pop((a.microbatch, a.stage))
+
+    def _input(self, a: Action):
+        if a.kind == "F" and a.stage == 0:
+            return self.xs[a.microbatch]
+        if self._needs(a) is None:
+            return None
+        t = self._receive(a)
+        return t.requires_grad_() if a.kind == "F" else t
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Forward and backward the batch ``(x, y)`` by this rank's row; gradients accumulate in
+        the stages' ``.grad``.  Returns the batch's mean loss (the same float on every rank)."""
+        self.xs, self.ys = torch.tensor_split(x, self.M), torch.tensor_split(y, self.M)
+        self.batch = x.shape[0]
+        self._post_receives([len(t) for t in self.xs], (x.shape[1], self.d_model), self.dtype)
+        self.saved, self.local, self.sends, self.losses = {}, {}, [], []
+        run = {"F": self._forward, "B": self._backward, "I": self._backward, "W": self._weights}
+        dist.barrier(group=self.comm.group)
+        t0 = time.perf_counter()
+        self.timeline = []
+        for a in self.row:
+            inp = self._input(a)  # waiting for a message is idle time, not the action's
+            start = time.perf_counter()
+            run[a.kind](a, inp)
+            self.timeline.append({"rank": self.comm.rank, "action": a,
+                                  "start": start - t0, "end": time.perf_counter() - t0})
+        for work, _ in self.sends:
+            work.wait()
+        return self._global_loss()
+
+    def _global_loss(self) -> float:
+        """The last stage's summed loss, broadcast to every rank (a metric: untraced)."""
+        total = torch.stack(self.losses).sum().float() if self.losses else torch.zeros(())
+        dist.broadcast(total, self.comm.global_rank((self.S - 1) % self.P), group=self.comm.group)
+        return total.item()
+
+
+
+# --------------------------------------------------------------------------------------------------
+# The strategy for `minitrain train`, and a one-call runner for notebooks
+# --------------------------------------------------------------------------------------------------
+
+
+def pipeline_options(cfg: TrainConfig) -> tuple[str, int, int, int]:
+    """(schedule, stages P, micro-batches M, chunks V) from ``cfg.options``, with the defaults:
+    1f1b, P = world size, M = P (1 for naive), V = 1 (2 for interleaved)."""
+    o = cfg.options
+    schedule = o.get("schedule") or "1f1b"
+    stages = o.get("stages") or cfg.world_size
+    microbatches = o.get("microbatches") or (1 if schedule == "naive" else stages)
+    chunks = o.get("chunks") or (2 if schedule == "interleaved" else 1)
+    return schedule, stages, microbatches, chunks
+
+
+@register
+class Pipeline(Strategy):
+    """One stage (or V chunks) per rank; the batch in micro-batches run by a schedule table."""
+
+    name = "pipeline"
+    help = ("pipeline parallel: layers split into --stages, --microbatches run by --schedule "
+            "naive|gpipe|1f1b|interleaved|zb-h1 (--chunks for interleaved)")
+
+    @classmethod
+    def add_arguments(cls, parser) -> None:
+        parser.add_argument("--stages", type=int, default=None,
+                            help="pipeline: number of stages (default and only choice: world size)")
+        parser.add_argument("--microbatches", type=int, default=None,
+                            help="pipeline: micro-batches per batch (default: stages; naive: 1)")
+        parser.add_argument("--schedule", default=None,
+                            help=f"pipeline: {', '.join(SCHEDULES)} (default 1f1b)")
+        parser.add_argument("--chunks", type=int, default=None,
+                            help="pipeline: model chunks per rank (interleaved; default 2 there)")
+
+    @classmethod
+    def check(cls, cfg: TrainConfig) -> None:
+        super().check(cfg)
+        schedule, P, M, V = pipeline_options(cfg)
+        n_layer, B = cfg.model.n_layer, cfg.batch_size
+        if schedule not in SCHEDULES:
+            raise ConfigError(f"unknown --schedule {schedule!r}; choose one of: {', '.join(SCHEDULES)}")
+        if P != cfg.world_size:
+            raise ConfigError(f"--stages {P} must equal --world-size {cfg.world_size} (one rank per "
+                              f"stage); use --world-size {P} or leave --stages out")
+        if M < 1 or V < 1:
+            raise ConfigError(f"--microbatches and --chunks must be >= 1, got {M} and {V}")
+        if P * V > n_layer:
+            raise ConfigError(f"{P} stages x {V} chunks = {P * V} pipeline stages but the model has "
+                              f"{n_layer} layers; use --n-layer {P * V} or more, or fewer "
+                              "stages/chunks")
+        if M > B:
+            raise ConfigError(f"--microbatches {M} is more than --batch-size {B}: each micro-batch "
+                              f"needs at least one sample; use --microbatches {B} or fewer")
+        if schedule == "naive" and M != 1:
+            raise ConfigError(f"--schedule naive runs the whole batch at once; use --microbatches 1 "
+                              f"(got {M}), or --schedule gpipe/1f1b for micro-batches")
+        if schedule == "interleaved" and V < 2:
+            raise ConfigError(f"--schedule interleaved needs --chunks 2 or more, got {V}")
+        if schedule == "interleaved" and M % P:
+            raise ConfigError(f"--schedule interleaved needs --microbatches a multiple of --stages "
+                              f"{P} (Megatron), got {M}; use --microbatches "
+                              f"{P * max(1, round(M / P))}")
+        if schedule != "interleaved" and V != 1:
+            raise ConfigError(f"--schedule {schedule} runs one model chunk per rank; leave out "
+                              f"--chunks {V} (or use --schedule interleaved)")
+        if cfg.model.tie_weights:
+            raise ConfigError("pipeline cannot tie the embedding (first stage) to the head (last "
+                              "stage); use a model with tie_weights=False")
+        if schedule == "zb-h1" and cfg.checkpoint_activations:
+            raise ConfigError("--schedule zb-h1 cannot checkpoint activations (the W pass needs "
+                              "the stashed inputs); leave out --checkpoint-activations")
+
+    def __init__(self, cfg: TrainConfig, comm: Comm):
+        super().__init__(cfg, comm)
+        self.schedule, self.P, self.M, self.V = pipeline_options(cfg)
+        self.table = make_schedule(self.schedule, self.P, self.M, self.V)
+        validate(self.table, self.P, self.M, self.V)
+        model, n_stages = self.build_model(), self.P * self.V
+        self.stages = {s: PipelineStage(model, s, n_stages)
+                       for s in range(comm.rank, n_stages, self.P)}
+        if self.schedule == "zb-h1":
+            for stage in self.stages.values():
+                split_weight_gradients(stage)
+        self.model = nn.ModuleList(self.stages.values())  # this rank's parameters only
+        self.optimizer = self.make_optimizer(self.model.parameters())
+        self.executor = PipelineExecutor(self.stages, self.table, comm, self.M, cfg.model.d_model)
+        self.timelines: list[list[dict]] = []  # this rank's measured timeline, per step
+
+    def train_step(self, x, y) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.executor.step(x.to(self.device), y.to(self.device))
+        self.optimizer.step()  # after the flush: every micro-batch's gradient is in
+        self.timelines.append(self.executor.timeline)
+        return loss
+
+    def fit(self, data, on_step=None):
+        out = super().fit(data, on_step)
+        self.gather()
+        return out
+
+    def gather(self) -> None:
+        """Every rank gets all ranks' timelines; rank 0 the full state_dict (untraced)."""
+        everyone = [None] * self.comm.size
+        dist.all_gather_object(everyone, self.timelines, group=self.comm.group)
+        self.step_timelines = [sorted((e for rank in everyone for e in rank[i]),
+                                      key=lambda e: (e["rank"], e["start"]))
+                               for i in range(len(self.timelines))]
+        states = [None] * self.comm.size if self.comm.rank == 0 else None
+        mine = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        mine = {k.split(".", 1)[1]: v for k, v in mine.items()}  # drop the ModuleList index
+        dist.gather_object(mine, states, dst=self.comm.global_rank(0), group=self.comm.group)
+        self._state = None
+        if states is not None:
+            order = GPT(self.cfg.model).state_dict().keys()  # the single-process order
+            merged = {k: v for s in states for k, v in s.items()}
+            self._state = {k: merged[k] for k in order}
+
+    def state_dict(self) -> dict:
+        """The full model's state_dict, single-process names, on rank 0 after :meth:`fit`."""
+        if getattr(self, "_state", None) is None:
+            raise RuntimeError("pipeline gathers the full state at the end of fit(), on rank 0 only")
+        return self._state
+
+    def memory(self) -> dict:
+        out = ledger(self.model, self.optimizer, self.executor.peak_bytes)
+        out["rss_peak"] = rss_bytes(peak=True)
+        return out
+
+    def report(self) -> dict:
+        """The schedule, its ideal table and the measured run: ``bubble_measured`` is the median of
+        the steps' bubbles (the first step left out when there are more); ``timeline`` is the last
+        step's measured timeline (all ranks, actions as strings); ``peak_in_flight`` is measured
+        from it, ``peak_in_flight_ideal`` read from the table."""
+        steps = getattr(self, "step_timelines", None) or [self.executor.timeline]
+        bubbles = [bubble_fraction(t, self.P) for t in steps]
+        ideal = simulate(self.table)
+        return {
+            "rank": self.comm.rank, "schedule": self.schedule, "stages": self.P,
+            "microbatches": self.M, "chunks": self.V,
+            "layers": {s: list(split_layers(self.cfg.model.n_layer, self.P * self.V)[s])
+                       for s in self.stages},
+            "bubble_measured": statistics.median(bubbles[1:] or bubbles),
+            "bubble_per_step": bubbles,
+            "bubble_formula": bubble_formula(self.P, self.M, self.V),
+            "bubble_ideal": bubble_fraction(ideal, self.P),
+            "peak_in_flight": peak_in_flight(steps[-1]),
+            "peak_in_flight_ideal": peak_in_flight(self.table),
+            "activation_bytes_peak": self.executor.peak_bytes,
+            "timeline": [{**e, "action": str(e["action"])} for e in steps[-1]],
+            "table": [[str(a) if a is not None else None for a in row] for row in self.table],
+        }
+
+
+def run_schedule(schedule: str = "1f1b", microbatches: int | None = None,
+                 chunks: int | None = None, *, model=None, batch_size: int = 8, steps: int = 1,
+                 seed: int = 0, lr: float = 1e-3) -> dict:
+    """Run ``steps`` pipeline steps on every rank of a live cluster, one stage per rank — for a
+    notebook: ``cluster.run(run_schedule, "gpipe", 4)[0]``.
+
+    Returns (on every rank) :meth:`Pipeline.report` plus ``"losses"``: ``timeline`` is the last
+    step's measured timeline of all ranks, ``table`` the ideal table, beside their bubbles.
+    """
+    from ..data import ArithmeticData
+    from ..model import PRESETS
+
+    cfg = TrainConfig(strategy="pipeline", world_size=dist.get_world_size(), steps=steps,
+                      seed=seed, batch_size=batch_size, lr=lr, model=model or PRESETS["tiny"],
+                      options={"schedule": schedule, "microbatches": microbatches,
+                               "chunks": chunks})
+    Pipeline.check(cfg)
+    strategy = Pipeline(cfg, Comm())
+    losses, _ = strategy.fit(ArithmeticData(cfg.model.seq_len, seed))
+    return {**strategy.report(), "losses": losses}

@@ -473,8 +473,10 @@ class PipelineExecutor:
     Activations go to the next stage and their gradients back with non-blocking sends (handles kept,
     waited at the end of the step); every receive the row needs is posted before the step starts
     and waited where the action needs it.  ``timeline`` holds, after :meth:`step`, one
-    ``{"rank", "action", "start", "end"}`` per action: seconds after this rank left the barrier
-    that starts the step; an action starts once its input has arrived, so waiting counts as idle.
+    ``{"rank", "action", "start", "end"}`` per action: seconds after rank 0 left the barrier that
+    starts the step (one clock for all ranks of a host; ranks on different hosts have different
+    clocks, so there only each rank's own times compare); an action starts once its input has
+    arrived, so waiting counts as idle.
 
     Micro-batches are ``torch.tensor_split`` of the batch (sizes may differ by one); micro-batch
     m's loss is weighted by its share of the batch, so the accumulated gradient and the summed loss
@@ -585,8 +587,7 @@ class PipelineExecutor:
         self._post_receives([len(t) for t in self.xs], (x.shape[1], self.d_model), self.dtype)
         self.saved, self.local, self.sends, self.losses = {}, {}, [], []
         run = {"F": self._forward, "B": self._backward, "I": self._backward, "W": self._weights}
-        dist.barrier(group=self.comm.group)
-        t0 = time.perf_counter()
+        t0 = self._common_t0()
         self.timeline = []
         for a in self.row:
             inp = self._input(a)  # waiting for a message is idle time, not the action's
@@ -597,6 +598,15 @@ class PipelineExecutor:
         for work, _ in self.sends:
             work.wait()
         return self._global_loss()
+
+    def _common_t0(self) -> float:
+        """After a barrier, rank 0's clock reading, for every rank: one time origin for the step.
+        (``perf_counter`` is the machine's monotonic clock, shared by the ranks of one host;
+        each rank's own reading after the barrier could differ by milliseconds.)"""
+        dist.barrier(group=self.comm.group)
+        t0 = torch.tensor([time.perf_counter()], dtype=torch.float64)
+        dist.broadcast(t0, self.comm.global_rank(0), group=self.comm.group)
+        return t0.item()
 
     def _global_loss(self) -> float:
         """The last stage's summed loss, broadcast to every rank (a metric: untraced)."""

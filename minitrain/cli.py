@@ -122,6 +122,12 @@ def format_summary(result: dict) -> str:
                      + (f", loss scale {scaler['scale']:g}, {scaler['skipped_steps']} step(s) skipped"
                         if scaler else "")
                      + (", activation checkpointing" if s.get("checkpoint_activations") else ""))
+    pipe = (s.get("report") or [{}])[0]
+    if "bubble_measured" in pipe:
+        lines.append(f"pipeline {pipe['schedule']}: {pipe['stages']} stages, {pipe['microbatches']} "
+                     f"micro-batches, {pipe['chunks']} chunk(s); bubble measured "
+                     f"{pipe['bubble_measured']:.1%}, ideal table {pipe['bubble_ideal']:.1%}, "
+                     f"(p-1)/(v*m+p-1) = {pipe['bubble_formula']:.1%}")
     for rank, (comm, mem) in enumerate(zip(s["comm"], s["memory"])):
         b = mem["bytes"]
         sent = comm.get("total", {}).get("sent_bytes", 0)

@@ -71,7 +71,7 @@ def test_readable_output_without_json():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--strategy", "nope"], "unknown strategy 'nope'; choose one of: ddp, ddp-naive, ps-async, ps-sync, single"),
+    (["--strategy", "nope"], "unknown strategy 'nope'; choose one of: " + ", ".join(sorted(strategy_names()))),
     (["--world-size", "2"], "strategy 'single' runs on one rank"),
     (["--strategy", "ddp", "--world-size", "3"], "use a multiple of 3 (e.g. 15)"),
     (["--steps", "0"], "--steps must be at least 1"),
@@ -88,8 +88,9 @@ def test_bad_configurations_are_refused_before_any_process_starts(monkeypatch, c
     assert message in capsys.readouterr().err
 
 
-def test_the_strategy_registry_lists_single():
-    assert "single" in strategy_names()
+def test_the_strategy_registry_lists_every_technique():
+    assert {"single", "ddp", "ddp-naive", "ps-sync", "ps-async", "zero1", "zero2", "zero3",
+            "pipeline"} <= set(strategy_names())
     with pytest.raises(ConfigError, match="choose one of"):
         train(strategy="missing")
 
@@ -102,3 +103,17 @@ def test_the_train_command_runs_under_torchrun():
                            capture_output=True, text=True, timeout=120)
     assert under.returncode == 0, under.stderr[-3000:]
     assert parse(under.stdout)[0] == parse(direct.stdout)[0]
+
+
+def test_the_pipeline_summary_reports_its_bubble():
+    out = run_cli("train", "--strategy", "pipeline", "--world-size", "2", "--microbatches", "4",
+                  "--schedule", "gpipe", "--steps", "2", "--model", "nano")
+    assert out.returncode == 0, out.stderr
+    assert "pipeline gpipe: 2 stages, 4 micro-batches" in out.stdout
+    assert "(p-1)/(v*m+p-1) = 20.0%" in out.stdout  # 1/5 for p=2, m=4
+    js = run_cli("train", "--strategy", "pipeline", "--world-size", "2", "--microbatches", "4",
+                 "--steps", "2", "--model", "nano", "--json")
+    steps, summary = parse(js.stdout)
+    report = summary["report"][0]
+    assert len(steps) == 2 and report["schedule"] == "1f1b"
+    assert 0 < report["bubble_measured"] < 1 and report["bubble_formula"] == pytest.approx(0.2)

@@ -3,6 +3,7 @@
 import os
 
 import pytest
+import torch
 
 from minitrain import Cluster
 
@@ -31,3 +32,18 @@ def pid_alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def assert_same_run(run: dict, ref: dict, rel: float = 1e-5) -> None:
+    """``run`` trained like ``ref`` (both from ``train(..., return_state=True)``): every step's loss
+    within ``rel`` relative, and the same final weights under the single-process names.
+
+    Weights: Adam divides each gradient element by its own RMS, so float rounding in elements whose
+    gradient is ~0 moves them by a fraction of one step (lr = 1e-3): allow 5% of one step.
+    """
+    assert len(run["losses"]) == len(ref["losses"]) > 0
+    for a, b in zip(run["losses"], ref["losses"]):
+        assert abs(a - b) <= rel * abs(b), (a, b)
+    assert sorted(run["state"]) == sorted(ref["state"])  # the full model, single-process names
+    for name, ref_value in ref["state"].items():
+        torch.testing.assert_close(run["state"][name], ref_value, rtol=1e-4, atol=5e-5, msg=name)

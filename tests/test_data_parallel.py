@@ -12,6 +12,7 @@ from minitrain.data import shard
 from minitrain.parallel.data_parallel import (DistributedDataParallel, NaiveDataParallel,
                                               make_buckets, overlap_fraction, MIB,
                                               FIRST_BUCKET_BYTES)
+from conftest import assert_same_run
 
 CFG = TrainConfig(steps=20, batch_size=12, seed=0)
 
@@ -19,16 +20,6 @@ CFG = TrainConfig(steps=20, batch_size=12, seed=0)
 @pytest.fixture(scope="module")
 def single(clusters):
     return train(CFG, cluster=clusters(1), return_state=True)
-
-
-def assert_same_run(run, ref, rel=1e-5):
-    assert len(run["losses"]) == len(ref["losses"]) == CFG.steps
-    for a, b in zip(run["losses"], ref["losses"]):
-        assert abs(a - b) <= rel * abs(b), (a, b)
-    # Adam divides each gradient element by its own RMS, so float rounding in elements whose
-    # gradient is ~0 moves them by a fraction of one step (lr = 1e-3): allow 5% of one step.
-    for name, ref_value in ref["state"].items():
-        torch.testing.assert_close(run["state"][name], ref_value, rtol=1e-4, atol=5e-5, msg=name)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])

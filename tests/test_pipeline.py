@@ -165,6 +165,7 @@ from minitrain import GPTConfig, TrainConfig, train  # noqa: E402
 from minitrain.parallel.pipeline import run_schedule  # noqa: E402
 from minitrain.strategies import ConfigError  # noqa: E402
 from minitrain.train import check_config  # noqa: E402
+from conftest import assert_same_run  # noqa: E402
 
 # 8 layers: interleaving 4 ranks x 2 chunks needs 8 stages; batch 12 splits unevenly into 9 or 7
 CFG = TrainConfig(steps=20, batch_size=12, seed=0,
@@ -192,15 +193,6 @@ def single(clusters):
 def pipe_cfg(P, schedule, M, chunks=None, **changes):
     opts = {"schedule": schedule, "microbatches": M, "chunks": chunks}
     return CFG.with_(strategy="pipeline", world_size=P, options=opts, **changes)
-
-
-def assert_same_run(run, ref, rel=1e-5):
-    assert len(run["losses"]) == len(ref["losses"]) == CFG.steps
-    for a, b in zip(run["losses"], ref["losses"]):
-        assert abs(a - b) <= rel * abs(b), (a, b)
-    assert list(run["state"]) == list(ref["state"])  # the full model, single-process names
-    for name, ref_value in ref["state"].items():  # as in test_zero: Adam and ~0 gradients
-        torch.testing.assert_close(run["state"][name], ref_value, rtol=1e-4, atol=5e-5, msg=name)
 
 
 @pytest.mark.parametrize("P,schedule,M,chunks,refusal", EQUALITY)

@@ -19,6 +19,7 @@ from minitrain.parallel.zero import (FlatUnit, FullyShardedDataParallel, ZeroRed
                                      shard_layout)
 from minitrain.strategies import ConfigError
 from minitrain.train import check_config
+from conftest import assert_same_run
 
 CFG = TrainConfig(steps=20, batch_size=12, seed=0)
 STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
@@ -49,15 +50,6 @@ def runs(clusters):
             cache[key] = train(cfg, cluster=clusters(n), return_state=True)
         return cache[key]
     return get
-
-
-def assert_same_run(run, ref, rel=1e-5):
-    assert len(run["losses"]) == len(ref["losses"]) == CFG.steps
-    for a, b in zip(run["losses"], ref["losses"]):
-        assert abs(a - b) <= rel * abs(b), (a, b)
-    # as in test_data_parallel: Adam turns rounding in ~0 gradients into a fraction of one step
-    for name, ref_value in ref["state"].items():
-        torch.testing.assert_close(run["state"][name], ref_value, rtol=1e-4, atol=5e-5, msg=name)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])

@@ -216,7 +216,24 @@ def shard_optimizer(shards: list, optimizer_class, master_weights: dict | None =
 # --------------------------------------------------------------------------------------------------
 
 
-class HostOffload:
+class _WrappedOptimizer:
+    """What torch.optim users expect of our optimizers, forwarded to the inner one (``self.optim``)
+    that steps ``self.params``' stand-ins (host masters or shards)."""
+
+    @property
+    def state(self):
+        return self.optim.state
+
+    @property
+    def param_groups(self):
+        return self.optim.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+class HostOffload(_WrappedOptimizer):
     """An optimizer whose fp32 master copy, states and step live in host memory (Ren et al., 2021).
 
     ``params`` stay where they are (the device shards, fp32 or 16-bit); ``step()`` copies each
@@ -239,18 +256,6 @@ class HostOffload:
                         for p in self.params]
         self.host_grads = [host_like(p, p.dtype) for p in self.params]
         self.optim = optimizer_class(self.masters, **defaults)
-
-    @property
-    def state(self):
-        return self.optim.state
-
-    @property
-    def param_groups(self):
-        return self.optim.param_groups
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -294,7 +299,7 @@ class _Bucket:
         self.incoming: torch.Tensor | None = None
 
 
-class ZeroRedundancyOptimizer:
+class ZeroRedundancyOptimizer(_WrappedOptimizer):
     """ZeRO stage 1 (and 2): each rank keeps and steps the optimizer states of its shard only.
 
     Built like ``torch.distributed.optim.ZeroRedundancyOptimizer(params, optimizer_class,
@@ -356,19 +361,10 @@ class ZeroRedundancyOptimizer:
                     p.register_post_accumulate_grad_hook(
                         lambda p, b=b, i=i: self._grad_ready(b, i, p))
 
-    # -- what torch.optim users expect ---------------------------------------------------------------
-
-    @property
-    def state(self):
-        return self.optim.state
-
-    @property
-    def param_groups(self):
-        return self.optim.param_groups
+    # -- what torch.optim users expect (state, param_groups: _WrappedOptimizer) ----------------------
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
+        super().zero_grad(set_to_none)
         for b in self.buckets:
             b.grad_shard = None
 

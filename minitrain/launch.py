@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 __all__ = [
     "descendants",
+    "threads_per_rank",
     "Cluster",
     "launch",
     "init_from_env",
@@ -256,6 +257,20 @@ def _worker_main(rank: int, world_size: int, conn, opts: dict) -> None:
 # The parent side
 # --------------------------------------------------------------------------------------------------
 
+def threads_per_rank(world_size: int, start_method: str, threads: int | None = None) -> int:
+    """Intra-op threads for each rank: ``threads`` if given, else 1 when forking, else the cores
+    shared out.  More than one thread in a forked rank is refused: it can hang (see Cluster)."""
+    if threads is None:
+        return 1 if start_method == "fork" else max(1, (os.cpu_count() or 1) // world_size)
+    if not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be a positive int, got {threads!r}")
+    if threads > 1 and start_method == "fork":
+        raise ValueError(f"threads={threads} with forked ranks can hang: torch's OpenMP thread "
+                         "pool does not survive a fork once the parent has used it; use "
+                         "threads=1, or start_method='spawn' for more threads per rank")
+    return threads
+
+
 def _listen(host: str) -> socket.socket:
     """A listening socket on ``host`` and a free port picked by the OS, for the rendezvous store.
 
@@ -296,7 +311,11 @@ class Cluster:
         backend: ``"gloo"`` or ``"nccl"``; default: NCCL if there are ``world_size`` GPUs, else gloo.
         timeout: seconds a collective may wait for the other ranks before it fails.
         host: address the rendezvous listens on (loopback unless you ask otherwise).
-        threads: torch intra-op threads per rank (default: cores // world_size, at least 1).
+        threads: torch intra-op threads per rank (default: 1 for forked ranks, cores //
+            world_size for spawned ones).  Forked ranks run one thread: GNU OpenMP (torch's CPU
+            thread pool) does not survive a fork — a forked child that runs a parallel region hangs
+            if the parent had already used its pool, which a notebook kernel usually has.  For
+            more threads per rank use ``start_method="spawn"``.
         start_method: ``"fork"`` (default on Linux without CUDA) or ``"spawn"``.
         forward_output: print what the ranks print, prefixed with ``[rank r]`` (``prefix=False``
             prints it as it is).
@@ -313,11 +332,11 @@ class Cluster:
         self.backend = choose_backend(world_size, backend)
         self.timeout = float(timeout)
         self.host = host
-        self.threads = threads or max(1, (os.cpu_count() or 1) // world_size)
         if start_method is None:
             fork_ok = "fork" in mp.get_all_start_methods() and self.backend == "gloo"
             start_method = "fork" if fork_ok else "spawn"
         self.start_method = start_method
+        self.threads = threads_per_rank(world_size, start_method, threads)
         self.forward_output, self.prefix = forward_output, prefix
         self._procs: list = []
         self._conns: list = []

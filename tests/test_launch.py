@@ -128,6 +128,29 @@ def test_spawned_ranks_work_too():
         assert c.run(lambda: dist.get_rank() + base) == [10, 11]
 
 
+def test_forked_ranks_do_not_hang_after_the_parent_used_its_thread_pool():
+    """A kernel that has run torch on 2 threads, then Cluster(1): the forked rank must not enter
+    the parent's dead OpenMP pool (it hung in its first parallel op when it ran 2 threads)."""
+    script = textwrap.dedent("""
+        import torch
+        from minitrain import Cluster
+        torch.set_num_threads(2)
+        a = torch.randn(1000, 1000)
+        (a @ a * 2).sum()                       # the parent's OpenMP pool now exists
+        def work():
+            b = torch.randn(1000, 1000)
+            return float((b @ b * 2).sum()), torch.get_num_threads()
+        with Cluster(1) as c:
+            print(c.run(work, timeout=60)[0][1])
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "1"
+    with pytest.raises(ValueError, match="start_method='spawn'"):
+        Cluster(1, threads=2, start_method="fork")
+    assert Cluster(1, threads=2, start_method="spawn").threads == 2
+
+
 def test_launch_is_a_one_shot_cluster():
     assert launch(rank_and_sum, 2) == [(0, 2, 3.0), (1, 2, 3.0)]
 

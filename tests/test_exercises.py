@@ -200,3 +200,26 @@ def test_loss_scale_update_checker():
     steps_anyway = lambda s, g, f, i: (*scale_right(s, g, f, i)[:2], True)  # noqa: E731
     assert "skip the optimizer step" in problem("loss_scale_update", steps_anyway)
     assert "return a tuple" in problem("loss_scale_update", lambda *a: None)
+
+
+def one_f_one_b_right(rank, stages, microbatches):
+    warmup = min(stages - rank - 1, microbatches)
+    actions = [f"F{m}" for m in range(warmup)]
+    for i in range(microbatches - warmup):
+        actions += [f"F{warmup + i}", f"B{i}"]
+    return actions + [f"B{m}" for m in range(microbatches - warmup, microbatches)]
+
+
+def test_one_f_one_b_checker():
+    assert problem("one_f_one_b", one_f_one_b_right) is None
+    gpipe = lambda r, p, m: [f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)]  # noqa: E731
+    assert "that is GPipe" in problem("one_f_one_b", gpipe)
+    # no warm-up: valid and within the memory bound, but the ranks wait on each other
+    eager = lambda r, p, m: [a for i in range(m) for a in (f"F{i}", f"B{i}")]  # noqa: E731
+    assert "time units where 1F1B takes" in problem("one_f_one_b", eager)
+    backwards_first = lambda r, p, m: one_f_one_b_right(r, p, m)[::-1]  # noqa: E731
+    assert "comes before" in problem("one_f_one_b", backwards_first)
+    assert "returned None" in problem("one_f_one_b", lambda r, p, m: None)
+    assert "is not an action" in problem("one_f_one_b", lambda r, p, m: ["forward 0"])
+    missing = lambda r, p, m: one_f_one_b_right(r, p, m)[:-1]  # noqa: E731
+    assert "missing" in problem("one_f_one_b", missing)

@@ -223,3 +223,43 @@ def test_one_f_one_b_checker():
     assert "is not an action" in problem("one_f_one_b", lambda r, p, m: ["forward 0"])
     missing = lambda r, p, m: one_f_one_b_right(r, p, m)[:-1]  # noqa: E731
     assert "missing" in problem("one_f_one_b", missing)
+
+
+class ColumnRight(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm):
+        ctx.save_for_backward(x, weight)
+        ctx.comm = comm
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out @ weight
+        ctx.comm.all_reduce(grad_x)
+        flat = grad_out.reshape(-1, grad_out.shape[-1])
+        return grad_x, flat.T @ x.reshape(-1, x.shape[-1]), flat.sum(0), None
+
+
+class ColumnWithoutTheSum(ColumnRight):
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        flat = grad_out.reshape(-1, grad_out.shape[-1])
+        return grad_out @ weight, flat.T @ x.reshape(-1, x.shape[-1]), flat.sum(0), None
+
+
+class ColumnBlank(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm):
+        ...  # YOUR CODE HERE
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        ...  # YOUR CODE HERE
+
+
+def test_column_parallel_linear_checker():
+    assert problem("column_parallel_linear", ColumnRight) is None
+    assert "sum it over the ranks" in problem("column_parallel_linear", ColumnWithoutTheSum)
+    assert "forward returned NoneType" in problem("column_parallel_linear", ColumnBlank)

@@ -76,6 +76,7 @@ def test_readable_output_without_json():
     (["--strategy", "ddp", "--world-size", "3"], "use a multiple of 3 (e.g. 15)"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--n-head", "3"], "not divisible by n_head=3"),
+    (["--strategy", "tensor", "--world-size", "3"], "n_head=4 does not split over --tp 3"),
 ])
 def test_bad_configurations_are_refused_before_any_process_starts(monkeypatch, capsys, args, message):
     def no_spawn(self):
@@ -90,7 +91,7 @@ def test_bad_configurations_are_refused_before_any_process_starts(monkeypatch, c
 
 def test_the_strategy_registry_lists_every_technique():
     assert {"single", "ddp", "ddp-naive", "ps-sync", "ps-async", "zero1", "zero2", "zero3",
-            "pipeline"} <= set(strategy_names())
+            "pipeline", "tensor"} <= set(strategy_names())
     with pytest.raises(ConfigError, match="choose one of"):
         train(strategy="missing")
 

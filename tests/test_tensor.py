@@ -2,6 +2,10 @@
 f and g; the vocabulary-parallel loss against the full cross-entropy, padding included; the
 collectives per layer counted by the tracer; refusals before spawning."""
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -57,6 +61,38 @@ def test_three_ranks_six_heads_with_padded_vocabulary_and_sequence(runs, sp):
 
 def test_tied_embedding_and_head_share_one_vocabulary_shard(runs):
     assert_same_run(runs(2, True, TIED), runs(0, model=TIED))
+
+
+def parameters_per_rank(m: GPTConfig, n: int) -> int:
+    """Split matrices (vocabulary padded to a multiple of n) over n, plus what every rank repeats:
+    LayerNorms, row-parallel biases, position embedding."""
+    d, ff, vocab = m.d_model, m.ff, -(-m.vocab_size // n) * n
+    split = 2 * vocab * d + m.n_layer * (3 * d * d + d * d + ff * d + ff + ff * d)
+    replicated = m.seq_len * d + m.n_layer * (4 * d + 2 * d) + 2 * d
+    return split // n + replicated
+
+
+@pytest.mark.parametrize("n, model", [(2, CFG.model), (4, CFG.model), (3, SIX_HEADS)])
+def test_each_rank_holds_its_shard_of_the_model_states(runs, n, model):
+    for mem in runs(n, False, model)["summary"]["memory"]:
+        assert mem["bytes"]["parameters"] == 4 * parameters_per_rank(model, n)
+        assert mem["bytes"]["gradients"] == mem["bytes"]["parameters"]  # fp32 Adam: 4 + 4 + 8
+        assert mem["bytes"]["optimizer_states"] == 2 * mem["bytes"]["parameters"]
+
+
+def test_the_cli_keeps_the_json_contract():
+    out = subprocess.run([sys.executable, "-m", "minitrain", "train", "--strategy", "tensor",
+                          "--world-size", "2", "--sequence-parallel", "--steps", "3", "--model",
+                          "nano", "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [line["step"] for line in lines[:-1]] == [0, 1, 2]
+    summary = lines[-1]["summary"]
+    assert summary["final_loss"] == lines[-2]["loss"] and summary["step_time_s"] > 0
+    assert len(summary["comm"]) == len(summary["memory"]) == 2
+    for comm in summary["comm"]:  # per step: 2 per layer and 1 each for embedding and head
+        assert comm["reduce_scatter"]["calls"] == comm["all_gather"]["calls"] == 3 * (4 * 2 + 2)
+    assert summary["report"][0]["sequence_parallel"] is True
 
 
 # -- the collectives, counted by the tracer --------------------------------------------------------

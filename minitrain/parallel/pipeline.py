@@ -485,11 +485,16 @@ class PipelineExecutor:
     """
 
     def __init__(self, stages: dict[int, PipelineStage], table: Table, comm: Comm,
-                 microbatches: int, d_model: int):
+                 microbatches: int, d_model: int, *, activation_shape=None, loss=loss_fn):
         self.stages, self.comm, self.M, self.d_model = stages, comm, microbatches, d_model
+        # what travels between stages for a micro-batch of b samples of t tokens (default (b, t, d));
+        # the 3D mesh (lesson 08) sends tensor-parallel activations, (t, b, d) or a sequence shard
+        self.activation_shape = activation_shape or (lambda b, t: (b, t, d_model))
+        self.loss = loss  # (last stage's output, targets) -> the micro-batch's mean loss
         self.P = len(table)
         self.S = 1 + max(a.stage for _, a in _actions(table))
-        self.dtype = next(p for st in stages.values() for p in st.parameters()).dtype
+        first = next(p for st in stages.values() for p in st.parameters())
+        self.dtype, self.device = first.dtype, first.device
         self.row = [a for a in table[comm.rank] if a is not None]
         self.meter = ActivationMeter(nn.ModuleList(stages.values()))
         self.timeline: list[dict] = []
@@ -509,13 +514,13 @@ class PipelineExecutor:
             return True, a.stage + 1
         return None
 
-    def _post_receives(self, sizes: list[int], shape: tuple, dtype) -> None:
+    def _post_receives(self, shapes: list[tuple], dtype) -> None:
         self.inbox = {}
         for a in self.row:
             need = self._needs(a)
             if need is None or need[1] % self.P == self.comm.rank:
                 continue  # nothing to receive, or it comes from this rank (self.local)
-            buf = torch.empty((sizes[a.microbatch], *shape), dtype=dtype)
+            buf = torch.empty(shapes[a.microbatch], dtype=dtype, device=self.device)
             work = self.comm.irecv(buf, need[1] % self.P, tag="pp",
                                    channel=self._channel(need[0], a.microbatch, a.stage))
             self.inbox[a] = (buf, work)
@@ -543,7 +548,7 @@ class PipelineExecutor:
             out = stage(inp)
             if stage.last:
                 y = self.ys[m]
-                out = loss_fn(out, y) * (y.shape[0] / self.batch)
+                out = self.loss(out, y) * (y.shape[0] / self.batch)
         self.held[(m, a.stage)] = self.meter.last
         self.peak_bytes = max(self.peak_bytes, sum(self.held.values()))
         self.saved[(m, a.stage)] = (inp, out)
@@ -584,7 +589,7 @@ class PipelineExecutor:
         the stages' ``.grad``.  Returns the batch's mean loss (the same float on every rank)."""
         self.xs, self.ys = torch.tensor_split(x, self.M), torch.tensor_split(y, self.M)
         self.batch = x.shape[0]
-        self._post_receives([len(t) for t in self.xs], (x.shape[1], self.d_model), self.dtype)
+        self._post_receives([self.activation_shape(len(t), x.shape[1]) for t in self.xs], self.dtype)
         self.saved, self.local, self.sends, self.losses = {}, {}, [], []
         run = {"F": self._forward, "B": self._backward, "I": self._backward, "W": self._weights}
         t0 = self._common_t0()
@@ -610,7 +615,8 @@ class PipelineExecutor:
 
     def _global_loss(self) -> float:
         """The last stage's summed loss, broadcast to every rank (a metric: untraced)."""
-        total = torch.stack(self.losses).sum().float() if self.losses else torch.zeros(())
+        total = (torch.stack(self.losses).sum().float() if self.losses
+                 else torch.zeros((), device=self.device))
         dist.broadcast(total, self.comm.global_rank((self.S - 1) % self.P), group=self.comm.group)
         return total.item()
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minitrain import PRESETS, Cluster, GPT
+from minitrain import PRESETS, Cluster, GPT, train
 from minitrain.comm import Comm
 from minitrain.data import ArithmeticData
 from minitrain.model import GPTConfig
@@ -135,18 +135,8 @@ def step_times(model: str, batch: int, steps: int, kinds: list[str], warmup: int
 
 
 def single_losses(model: str, batch: int, steps: int) -> list[float]:
-    """The reference: one process, the whole model, Adam, the same batches."""
-    cfg = MODELS[model]
-    gpt, data = GPT(cfg, seed=0), ArithmeticData(cfg.seq_len, 0)
-    opt, out = torch.optim.Adam(gpt.parameters(), lr=LR), []
-    for step in range(steps):
-        x, y = data.batch(step, batch)
-        opt.zero_grad()
-        loss = gpt(x, y)
-        loss.backward()
-        opt.step()
-        out.append(loss.item())
-    return out
+    """The reference: the ``single`` strategy (one process, the whole model, Adam), same batches."""
+    return train(TrainConfig(model=MODELS[model], batch_size=batch, steps=steps, lr=LR, seed=0))["losses"]
 
 
 def compare(cluster: Cluster, model: str, batch: int, steps: int, rounds: int,

@@ -1,7 +1,12 @@
 """Shared fixtures: ranks are started once per world size and reused by every test that needs them."""
 
+import importlib.util
 import os
+import pathlib
+import sys
+from contextlib import contextmanager
 
+import cloudpickle
 import pytest
 import torch
 
@@ -47,3 +52,20 @@ def assert_same_run(run: dict, ref: dict, rel: float = 1e-5) -> None:
     assert sorted(run["state"]) == sorted(ref["state"])  # the full model, single-process names
     for name, ref_value in ref["state"].items():
         torch.testing.assert_close(run["state"][name], ref_value, rtol=1e-4, atol=5e-5, msg=name)
+
+
+@contextmanager
+def benchmark_module(name: str):
+    """``benchmarks/<name>.py`` imported as module ``name``, shipped to ranks by value (they were
+    forked before it was imported); removed again on exit."""
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        yield module
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
+        sys.modules.pop(name, None)

@@ -1,28 +1,17 @@
 """Smoke test of benchmarks/pipeline_bench.py: on 2 ranks, one step of each schedule, ours and
 torch.distributed.pipelining both give the single-process loss and record a timeline of every action."""
 
-import importlib.util
-import pathlib
-import sys
-
-import cloudpickle
 import pytest
 
-pytest.importorskip("torch.distributed.pipelining")
+from conftest import benchmark_module
 
-PATH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "pipeline_bench.py"
+pytest.importorskip("torch.distributed.pipelining")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("pipeline_bench", PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["pipeline_bench"] = module
-    spec.loader.exec_module(module)
-    cloudpickle.register_pickle_by_value(module)  # the ranks were forked before it was imported
-    yield module
-    cloudpickle.unregister_pickle_by_value(module)
-    sys.modules.pop("pipeline_bench", None)
+    with benchmark_module("pipeline_bench") as module:
+        yield module
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

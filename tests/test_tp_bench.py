@@ -1,28 +1,17 @@
 """Smoke test of benchmarks/tp_bench.py: on 2 ranks, a few steps of ours and of PyTorch's DTensor
 tensor parallelism, both equal to one process (the race is between equal computations)."""
 
-import importlib.util
-import pathlib
-import sys
-
-import cloudpickle
 import pytest
 
-pytest.importorskip("torch.distributed.tensor.parallel")
+from conftest import benchmark_module
 
-PATH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "tp_bench.py"
+pytest.importorskip("torch.distributed.tensor.parallel")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("tp_bench", PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["tp_bench"] = module
-    spec.loader.exec_module(module)
-    cloudpickle.register_pickle_by_value(module)  # the ranks were forked before it was imported
-    yield module
-    cloudpickle.unregister_pickle_by_value(module)
-    sys.modules.pop("tp_bench", None)
+    with benchmark_module("tp_bench") as module:
+        yield module
 
 
 def test_ours_and_dtensor_both_equal_one_process(bench, clusters):

@@ -71,9 +71,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..comm import Comm
-from ..memory import ActivationMeter
 from ..model import GPT, Attention, Block, Embedding, GPTConfig, Head
-from ..strategies import ConfigError, Strategy, TrainConfig, register
+from ..strategies import ConfigError, Single, TrainConfig, register
 
 __all__ = ["Split", "padded_size", "shard_tensor", "merge_shards", "f", "g",
            "gather_from_sequence_parallel", "reduce_scatter_to_sequence_parallel", "sequence_shard",
@@ -618,12 +617,14 @@ def check_tensor_parallel(model: GPTConfig, tp: int) -> None:
 
 
 @register
-class TensorParallel(Strategy):
-    """Every rank holds 1/N of every layer and sees the whole batch; the loss is the same on all."""
+class TensorParallel(Single):
+    """The single-process loop on this rank's shard of the model: every rank holds 1/N of every
+    layer and sees the whole batch; the loss is the same number on all of them."""
 
     name = "tensor"
     help = ("tensor parallel (Megatron): heads, MLP and vocabulary split over --tp ranks "
             "(--sequence-parallel)")
+    precisions = ("fp32",)
     checkpointing = False  # recomputing a block would re-run its collectives; not supported
 
     @classmethod
@@ -636,7 +637,7 @@ class TensorParallel(Strategy):
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:
-        super().check(cfg)
+        super(Single, cls).check(cfg)  # Strategy's checks; Single's one-rank rule does not apply
         tp = cfg.options.get("tp") or cfg.world_size
         if tp != cfg.world_size:
             raise ConfigError(f"--tp {tp} must equal --world-size {cfg.world_size} (strategy "
@@ -645,22 +646,17 @@ class TensorParallel(Strategy):
         check_tensor_parallel(cfg.model, tp)
 
     def __init__(self, cfg: TrainConfig, comm: Comm):
-        super().__init__(cfg, comm)
         self.sequence_parallel = bool(cfg.options.get("sequence_parallel", False))
-        self.model = TensorParallelGPT(self.build_model(), comm, self.sequence_parallel)
-        self.meter = ActivationMeter(self.model)
-        self.optimizer = self.make_optimizer(self.model.parameters())
+        super().__init__(cfg, comm)  # Single's: model from build_model(), meter, Adam
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        x, y = x.to(self.device), y.to(self.device)
-        self.optimizer.zero_grad(set_to_none=True)
-        with self.meter.measure():
-            loss = self.model(x, y)
-        self.backward(loss)
+    def build_model(self) -> TensorParallelGPT:
+        """This rank's shard of the full, deterministically initialised GPT."""
+        return TensorParallelGPT(super().build_model(), self.comm, self.sequence_parallel)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        super().backward(loss)
         if self.sequence_parallel:
             self.model.all_reduce_sequence_parallel_grads()
-        self.optimizer.step()
-        return loss.item()
 
     def fit(self, data, on_step=None):
         out = super().fit(data, on_step)

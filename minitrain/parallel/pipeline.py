@@ -54,7 +54,7 @@ from ..strategies import ConfigError, Strategy, TrainConfig, register
 __all__ = ["Action", "COSTS", "SCHEDULES", "Table", "ScheduleError", "make_schedule", "orders",
            "validate", "simulate", "bubble_fraction", "bubble_formula", "peak_in_flight",
            "dependencies", "split_layers", "PipelineStage", "SplitLinear", "PipelineExecutor",
-           "Pipeline", "pipeline_options", "run_schedule"]
+           "Pipeline", "pipeline_options", "check_pipeline", "run_schedule"]
 
 
 @dataclass(frozen=True, order=True)
@@ -627,15 +627,51 @@ class PipelineExecutor:
 # --------------------------------------------------------------------------------------------------
 
 
-def pipeline_options(cfg: TrainConfig) -> tuple[str, int, int, int]:
+def pipeline_options(cfg: TrainConfig, stages: int | None = None) -> tuple[str, int, int, int]:
     """(schedule, stages P, micro-batches M, chunks V) from ``cfg.options``, with the defaults:
-    1f1b, P = world size, M = P (1 for naive), V = 1 (2 for interleaved)."""
+    1f1b, P = ``stages`` or the world size, M = P (1 for naive), V = 1 (2 for interleaved)."""
     o = cfg.options
     schedule = o.get("schedule") or "1f1b"
-    stages = o.get("stages") or cfg.world_size
+    stages = stages or o.get("stages") or cfg.world_size
     microbatches = o.get("microbatches") or (1 if schedule == "naive" else stages)
     chunks = o.get("chunks") or (2 if schedule == "interleaved" else 1)
     return schedule, stages, microbatches, chunks
+
+
+def check_pipeline(cfg: TrainConfig, schedule: str, P: int, M: int, V: int, batch: int,
+                   batch_name: str = "--batch-size") -> None:
+    """Refuse, naming the fix, a pipeline of P stages x V chunks running M micro-batches of a batch
+    of ``batch`` samples (the whole batch here; a data-parallel replica's share in the 3D mesh)."""
+    n_layer = cfg.model.n_layer
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"unknown --schedule {schedule!r}; choose one of: {', '.join(SCHEDULES)}")
+    if M < 1 or V < 1:
+        raise ConfigError(f"--microbatches and --chunks must be >= 1, got {M} and {V}")
+    if P * V > n_layer:
+        raise ConfigError(f"{P} stages x {V} chunks = {P * V} pipeline stages but the model has "
+                          f"{n_layer} layers; use --n-layer {P * V} or more, or fewer "
+                          "stages/chunks")
+    if M > batch:
+        raise ConfigError(f"--microbatches {M} is more than {batch_name} {batch}: each micro-batch "
+                          f"needs at least one sample; use --microbatches {batch} or fewer")
+    if schedule == "naive" and M != 1:
+        raise ConfigError(f"--schedule naive runs the whole batch at once; use --microbatches 1 "
+                          f"(got {M}), or --schedule gpipe/1f1b for micro-batches")
+    if schedule == "interleaved" and V < 2:
+        raise ConfigError(f"--schedule interleaved needs --chunks 2 or more, got {V}")
+    if schedule == "interleaved" and M % P:
+        raise ConfigError(f"--schedule interleaved needs --microbatches a multiple of --stages "
+                          f"{P} (Megatron), got {M}; use --microbatches "
+                          f"{P * max(1, round(M / P))}")
+    if schedule != "interleaved" and V != 1:
+        raise ConfigError(f"--schedule {schedule} runs one model chunk per rank; leave out "
+                          f"--chunks {V} (or use --schedule interleaved)")
+    if cfg.model.tie_weights and P > 1:
+        raise ConfigError("pipeline cannot tie the embedding (first stage) to the head (last "
+                          "stage); use a model with tie_weights=False")
+    if schedule == "zb-h1" and cfg.checkpoint_activations:
+        raise ConfigError("--schedule zb-h1 cannot checkpoint activations (the W pass needs "
+                          "the stashed inputs); leave out --checkpoint-activations")
 
 
 @register
@@ -661,39 +697,10 @@ class Pipeline(Strategy):
     def check(cls, cfg: TrainConfig) -> None:
         super().check(cfg)
         schedule, P, M, V = pipeline_options(cfg)
-        n_layer, B = cfg.model.n_layer, cfg.batch_size
-        if schedule not in SCHEDULES:
-            raise ConfigError(f"unknown --schedule {schedule!r}; choose one of: {', '.join(SCHEDULES)}")
         if P != cfg.world_size:
             raise ConfigError(f"--stages {P} must equal --world-size {cfg.world_size} (one rank per "
                               f"stage); use --world-size {P} or leave --stages out")
-        if M < 1 or V < 1:
-            raise ConfigError(f"--microbatches and --chunks must be >= 1, got {M} and {V}")
-        if P * V > n_layer:
-            raise ConfigError(f"{P} stages x {V} chunks = {P * V} pipeline stages but the model has "
-                              f"{n_layer} layers; use --n-layer {P * V} or more, or fewer "
-                              "stages/chunks")
-        if M > B:
-            raise ConfigError(f"--microbatches {M} is more than --batch-size {B}: each micro-batch "
-                              f"needs at least one sample; use --microbatches {B} or fewer")
-        if schedule == "naive" and M != 1:
-            raise ConfigError(f"--schedule naive runs the whole batch at once; use --microbatches 1 "
-                              f"(got {M}), or --schedule gpipe/1f1b for micro-batches")
-        if schedule == "interleaved" and V < 2:
-            raise ConfigError(f"--schedule interleaved needs --chunks 2 or more, got {V}")
-        if schedule == "interleaved" and M % P:
-            raise ConfigError(f"--schedule interleaved needs --microbatches a multiple of --stages "
-                              f"{P} (Megatron), got {M}; use --microbatches "
-                              f"{P * max(1, round(M / P))}")
-        if schedule != "interleaved" and V != 1:
-            raise ConfigError(f"--schedule {schedule} runs one model chunk per rank; leave out "
-                              f"--chunks {V} (or use --schedule interleaved)")
-        if cfg.model.tie_weights:
-            raise ConfigError("pipeline cannot tie the embedding (first stage) to the head (last "
-                              "stage); use a model with tie_weights=False")
-        if schedule == "zb-h1" and cfg.checkpoint_activations:
-            raise ConfigError("--schedule zb-h1 cannot checkpoint activations (the W pass needs "
-                              "the stashed inputs); leave out --checkpoint-activations")
+        check_pipeline(cfg, schedule, P, M, V, cfg.batch_size)
 
     def __init__(self, cfg: TrainConfig, comm: Comm):
         super().__init__(cfg, comm)

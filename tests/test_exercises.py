@@ -225,6 +225,28 @@ def test_one_f_one_b_checker():
     assert "missing" in problem("one_f_one_b", missing)
 
 
+def test_mesh_groups_checker():
+    from minitrain.parallel.mesh import MeshShape
+
+    assert problem("mesh_groups", lambda dp, pp, tp, axis: MeshShape(dp, pp, tp).groups(axis)) is None
+    everyone = lambda dp, pp, tp, axis: [list(range(dp * pp * tp))]  # noqa: E731
+    assert "is not a dp group" in problem("mesh_groups", everyone)
+    # the data index fastest instead of the tensor index: groups of the right size, wrong ranks
+    data_fastest = lambda dp, pp, tp, axis: [  # noqa: E731
+        [r for r in range(dp * pp * tp) if _coords_data_fastest(r, dp, pp, tp, axis) == key]
+        for key in sorted({_coords_data_fastest(r, dp, pp, tp, axis) for r in range(dp * pp * tp)})]
+    assert "tensor index fastest" in problem("mesh_groups", data_fastest)
+    assert "returned None" in problem("mesh_groups", lambda *a: None)
+    twice = lambda dp, pp, tp, axis: MeshShape(dp, pp, tp).groups(axis) * 2  # noqa: E731
+    assert "exactly one group" in problem("mesh_groups", twice)
+
+
+def _coords_data_fastest(r, dp, pp, tp, axis):
+    d, rest = r % dp, r // dp
+    t, p = rest % tp, rest // tp
+    return tuple(v for k, v in (("dp", d), ("pp", p), ("tp", t)) if k != axis)
+
+
 class ColumnRight(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, comm):

@@ -102,3 +102,32 @@ def test_tensor_collectives_per_layer_and_zero1_shards_over_dp(clusters):
 def test_bad_meshes_are_refused_before_spawning_with_the_fix(changes, message):
     with pytest.raises(ConfigError, match=message):
         check_config(CFG.with_(strategy="3d", **changes))
+
+
+# -- the mesh widget --------------------------------------------------------------------------------
+
+
+def test_the_mesh_picture_is_the_strategys_arithmetic():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from minitrain.viz.mesh import MeshWidget, cells, group_rows, plot_mesh
+
+    s = MeshShape(2, 2, 2)
+    grid = cells(s, devices_per_node=4)
+    assert [(c["dp"], c["pp"], c["tp"]) for c in grid] == [tuple(vars(s.coords(r)).values())
+                                                           for r in range(8)]
+    assert [c["node"] for c in grid] == [0, 0, 0, 0, 1, 1, 1, 1]  # a pipeline stage per machine
+    assert len({(c["x"], c["y"]) for c in grid}) == 8  # no two ranks drawn on one square
+    rows = group_rows(s)
+    assert rows[5] == {"rank": 5, "dp": [5, 7], "pp": [1, 5], "tp": [4, 5]}
+    fig, ax = plt.subplots()
+    plot_mesh(ax, s, 4)
+    assert sum(t.get_text().startswith("rank ") for t in ax.texts) == 8
+    plt.close(fig)
+    widget = MeshWidget(1, 3, 2, devices_per_node=2)
+    assert widget.shape == MeshShape(1, 3, 2)
+    widget.tp.value = 1
+    assert widget.shape.size == 3
+    plt.close("all")

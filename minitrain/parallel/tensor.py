@@ -121,15 +121,21 @@ def merge_shards(shards: list, split: Split) -> torch.Tensor:
     return full if split.size is None else full.narrow(dim, 0, split.size)
 
 
-def _shard_param(full: torch.Tensor, comm: Comm, split: Split) -> nn.Parameter:
-    """A parameter holding this rank's shard of ``full`` (zero-padded first when ``split.size``
-    is set), labelled with ``split`` for :func:`full_state_dict`."""
+def _cut(full: torch.Tensor, comm: Comm, split: Split) -> torch.Tensor:
+    """This rank's shard of ``full`` (zero-padded first to a multiple of N when ``split.size`` is
+    set: the vocabulary)."""
     full = full.detach()
     if split.size is not None:
         pad = padded_size(full.shape[split.dim], comm.size) - full.shape[split.dim]
         full = torch.cat([full, full.new_zeros(*full.shape[:split.dim], pad,
                                                 *full.shape[split.dim + 1:])], split.dim)
-    p = nn.Parameter(shard_tensor(full, comm.rank, comm.size, split.dim, split.parts))
+    return shard_tensor(full, comm.rank, comm.size, split.dim, split.parts)
+
+
+def _sharded_param(shape: tuple, split: Split, **factory) -> nn.Parameter:
+    """A zero parameter of this rank's shard ``shape``, labelled with ``split`` (how
+    :func:`full_state_dict` puts it back together)."""
+    p = nn.Parameter(torch.zeros(shape, **factory))
     p.tp_split = split
     return p
 
@@ -264,31 +270,35 @@ class ColumnParallelLinear(nn.Module):
     ``parts``: the outputs are ``parts`` stacked blocks each split on its own (fused q;k;v: 3).
     ``pad``: round ``out_features`` up to a multiple of N with zero rows (the vocabulary).
     The output stays split (Megatron's ``gather_output=False``): the next layer is row-parallel,
-    or the vocabulary-parallel loss.
+    or the vocabulary-parallel loss.  The weights start at zero; :meth:`from_linear` cuts them
+    from a full layer.
     """
 
     def __init__(self, in_features: int, out_features: int, comm: Comm, bias: bool = True, *,
-                 parts: int = 1, pad: bool = False, sequence_parallel: bool = False):
+                 parts: int = 1, pad: bool = False, sequence_parallel: bool = False,
+                 device=None, dtype=None):
         super().__init__()
         self.comm, self.sequence_parallel, self.tag = comm, sequence_parallel, "column"
         self.in_features, self.out_features = in_features, out_features
         self.split = Split(0, parts, out_features if pad else None)
         padded = padded_size(out_features, comm.size) if pad else out_features
+        if padded % (parts * comm.size):
+            raise ValueError(f"out_features={out_features} does not split into {parts} part(s) "
+                             f"over {comm.size} ranks")
         self.output_size_per_partition = padded // comm.size
-        self.weight = _shard_param(torch.zeros(padded, in_features), comm, Split(0, parts))
-        self.weight.tp_split = self.split
-        self.bias = None
-        if bias:
-            self.bias = _shard_param(torch.zeros(padded), comm, Split(0, parts))
-            self.bias.tp_split = self.split
+        per, factory = self.output_size_per_partition, dict(device=device, dtype=dtype)
+        self.weight = _sharded_param((per, in_features), self.split, **factory)
+        self.bias = _sharded_param((per,), self.split, **factory) if bias else None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, comm: Comm, **kwargs) -> "ColumnParallelLinear":
         """This rank's shard of a full ``nn.Linear`` (the same weights, cut by output)."""
-        layer = cls(linear.in_features, linear.out_features, comm, linear.bias is not None, **kwargs)
-        layer.weight.data = _shard_param(linear.weight, comm, layer.split).data
-        if linear.bias is not None:
-            layer.bias.data = _shard_param(linear.bias, comm, layer.split).data
+        layer = cls(linear.in_features, linear.out_features, comm, linear.bias is not None,
+                    device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
+        with torch.no_grad():
+            for mine, full in ((layer.weight, linear.weight), (layer.bias, linear.bias)):
+                if full is not None:
+                    mine.copy_(_cut(full, comm, layer.split))
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -310,21 +320,27 @@ class RowParallelLinear(nn.Module):
     sum (added before, it would be counted N times)."""
 
     def __init__(self, in_features: int, out_features: int, comm: Comm, bias: bool = True, *,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
         self.comm, self.sequence_parallel, self.tag = comm, sequence_parallel, "row"
         self.in_features, self.out_features = in_features, out_features
+        if in_features % comm.size:
+            raise ValueError(f"in_features={in_features} does not split over {comm.size} ranks")
         self.input_size_per_partition = in_features // comm.size
-        self.weight = _shard_param(torch.zeros(out_features, in_features), comm, Split(1))
-        self.bias = _replicated_param(torch.zeros(out_features), sequence_parallel) if bias else None
+        factory = dict(device=device, dtype=dtype)
+        self.weight = _sharded_param((out_features, self.input_size_per_partition), Split(1), **factory)
+        self.bias = _replicated_param(torch.zeros(out_features, **factory),
+                                      sequence_parallel) if bias else None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, comm: Comm, **kwargs) -> "RowParallelLinear":
         """This rank's shard of a full ``nn.Linear`` (the same weights, cut by input)."""
-        layer = cls(linear.in_features, linear.out_features, comm, linear.bias is not None, **kwargs)
-        layer.weight.data = _shard_param(linear.weight, comm, Split(1)).data
-        if linear.bias is not None:
-            layer.bias.data = linear.bias.detach().clone()
+        layer = cls(linear.in_features, linear.out_features, comm, linear.bias is not None,
+                    device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
+        with torch.no_grad():
+            layer.weight.copy_(_cut(linear.weight, comm, Split(1)))
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -346,19 +362,22 @@ class VocabParallelEmbedding(nn.Module):
     sequence parallel, reduce-scattered along the sequence (padded to a multiple of N first)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, comm: Comm, *,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
         self.comm, self.sequence_parallel, self.tag = comm, sequence_parallel, "vocab"
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.split = Split(0, 1, num_embeddings)
         per = padded_size(num_embeddings, comm.size) // comm.size
         self.vocab_start, self.vocab_end = comm.rank * per, (comm.rank + 1) * per
-        self.weight = _shard_param(torch.zeros(num_embeddings, embedding_dim), comm, self.split)
+        self.weight = _sharded_param((per, embedding_dim), self.split, device=device, dtype=dtype)
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, comm: Comm, **kwargs) -> "VocabParallelEmbedding":
-        layer = cls(emb.num_embeddings, emb.embedding_dim, comm, **kwargs)
-        layer.weight.data = _shard_param(emb.weight, comm, layer.split).data
+        """This rank's rows of a full ``nn.Embedding`` (the table padded to a multiple of N)."""
+        layer = cls(emb.num_embeddings, emb.embedding_dim, comm, device=emb.weight.device,
+                    dtype=emb.weight.dtype, **kwargs)
+        with torch.no_grad():
+            layer.weight.copy_(_cut(emb.weight, comm, layer.split))
         return layer
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -146,6 +146,9 @@ def _train(args: argparse.Namespace) -> int:
         init_from_env(cfg.backend, cfg.timeout)
         try:
             result = run_rank(cfg, report)
+            # every rank leaves together: a rank that tears its connections down while a peer
+            # still finishes the last collective made that peer abort at exit (gloo, 2 nodes)
+            dist.barrier()
         finally:
             dist.destroy_process_group()
         if "summary" not in result:

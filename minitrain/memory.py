@@ -72,14 +72,15 @@ def model_state_bytes(psi: float, n: int = 1, zero_stage: int = 0,
 
 
 def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int,
-                               recompute: bool = False) -> float:
+                               recompute: bool = False, tp: int = 1) -> float:
     """Activation bytes one transformer layer keeps for backward (16-bit, Korthikanti et al.).
 
-    Without recomputation: s·b·h·(34 + 5·a·s/h).  With full activation checkpointing only the
-    layer's input is kept: 2·s·b·h.
+    Without recomputation: s·b·h·(34 + 5·a·s/h); split over ``tp`` tensor-parallel ranks (no
+    sequence parallelism) each keeps s·b·h·(10 + 24/t + 5·a·s/(h·t)) — the LayerNorm and dropout
+    inputs stay whole.  With full activation checkpointing only the layer's input is kept: 2·s·b·h.
     """
     sbh = seq * batch * hidden
-    return 2 * sbh if recompute else sbh * (34 + 5 * heads * seq / hidden)
+    return 2 * sbh if recompute else sbh * (10 + 24 / tp + 5 * heads * seq / (hidden * tp))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,135 @@
+"""The strategy chooser of lesson 08, behind controls: pick a model and a cluster, see the layout.
+
+:func:`minitrain.chooser.choose` does the work; here ``candidate_rows`` picks the rows worth showing
+(the recommendation, the layouts as fast as it, the next fastest, and for each rule the rejected
+layout that came closest) and ``recommendation_html`` draws them with the reasons — both pure and
+unit-tested.  ``ChooserWidget`` only wires ipywidgets to them.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import asdict
+
+from ..chooser import SCENARIOS, Hardware, ModelSpec, Recommendation, Workload, choose
+from ..memory import GB
+from .memory import DEVICES, MODELS
+
+__all__ = ["candidate_rows", "recommendation_html", "ChooserWidget", "LINKS"]
+
+#: named link speeds in GB/s: per device inside a node, per node between nodes
+LINKS = {
+    "intra": {"NVLink 4 (450 GB/s)": 450, "NVLink 3 (300 GB/s)": 300, "PCIe 4 (25 GB/s)": 25},
+    "inter": {"8×400 Gb/s InfiniBand (400 GB/s)": 400, "8×200 Gb/s InfiniBand (200 GB/s)": 200,
+              "1×100 Gb/s Ethernet (12.5 GB/s)": 12.5, "1×25 Gb/s Ethernet (3.1 GB/s)": 3.125},
+}
+
+
+def _row(cand, verdict: str) -> dict:
+    mem, comm, t = cand.memory, cand.comm, cand.time
+    return {"layout": str(cand.layout), "strategy": cand.layout.strategy(), "verdict": verdict,
+            "memory_gb": mem["total"] / GB if mem else None,
+            "comm_gb": {k: comm[k] / GB for k in ("dp", "pp", "tp")} if comm else None,
+            "step_s": t["total"] if t else None}
+
+
+def candidate_rows(rec: Recommendation, fastest: int = 3) -> list[dict]:
+    """Rows for the reasons table: ``{"layout", "strategy", "verdict", "memory_gb", "comm_gb"
+    ({"dp", "pp", "tp"} GB sent per device per step), "step_s"}`` — the recommendation, the
+    layouts as fast as it, the ``fastest`` next feasible ones, then one per rejection rule (the
+    one needing the least memory)."""
+    rows = []
+    if rec.best is not None:
+        rows.append(_row(rec.best, "recommended"))
+        rows += [_row(c, "as fast, less simple") for c in rec.alternatives]
+    shown = {id(rec.best)} | {id(c) for c in rec.alternatives}
+    rest = [c for c in rec.candidates if c.feasible and id(c) not in shown]
+    rows += [_row(c, "fits, slower") for c in rest[:fastest]]
+    closest: dict = {}
+    for c in rec.candidates:
+        if c.feasible:
+            continue
+        rule = c.rejected.split(":")[0]
+        size = c.memory["total"] if c.memory else float("inf")
+        if rule not in closest or size < closest[rule][0]:
+            closest[rule] = (size, c)
+    rows += [_row(c, f"rejected — {c.rejected}") for _, c in closest.values()]
+    return rows
+
+
+def _cell(value, fmt: str) -> str:
+    return "—" if value is None else format(value, fmt)
+
+
+def recommendation_html(rec: Recommendation, fastest: int = 3) -> str:
+    """The recommendation, the seed's row, the reasons, and the candidates' table, as HTML."""
+    if rec.layout is not None:
+        head = (f'<b class="mt-recommended">{html.escape(str(rec.layout))}</b> '
+                f'(<code>--strategy {rec.layout.strategy()}</code>)')
+    else:
+        head = '<b class="mt-recommended" style="color:red">nothing fits</b>'
+    reasons = "".join(f"<li>{html.escape(r)}</li>" for r in rec.reasons)
+    body = []
+    for row in candidate_rows(rec, fastest):
+        comm = row["comm_gb"] or {}
+        colour = {"recommended": "#e6f4ea"}.get(row["verdict"], "")
+        body.append(
+            f'<tr style="background:{colour}"><td>{html.escape(row["layout"])}</td>'
+            f'<td>{_cell(row["memory_gb"], ",.1f")}</td>'
+            + "".join(f'<td>{_cell(comm.get(k), ",.2f")}</td>' for k in ("dp", "pp", "tp"))
+            + f'<td>{_cell(row["step_s"], ".3g")}</td><td>{html.escape(row["verdict"])}</td></tr>')
+    table = ('<table class="mt-chooser-table" style="font-size:90%"><tr><th>layout</th>'
+             '<th>GB / device</th><th>DP GB</th><th>PP GB</th><th>TP GB</th><th>s / step</th>'
+             '<th>verdict</th></tr>' + "".join(body) + "</table>")
+    situation, advice = SCENARIOS[rec.scenario]
+    return (f'<div class="mt-chooser" style="font-family:sans-serif;max-width:980px">'
+            f'<div>{head}</div><div class="mt-seed-row">seed 003 — {html.escape(situation)}: '
+            f'<i>{html.escape(advice)}</i></div><ul>{reasons}</ul>{table}'
+            f'<div style="font-size:80%">GB sent per device per step (ring model); s / step '
+            f'estimated from compute, bubble and the traffic that cannot hide.</div></div>')
+
+
+class ChooserWidget:
+    """ipywidgets front end: ``ChooserWidget().widget`` is what the notebook displays."""
+
+    def __init__(self, model: str = "LLaMA 13B", device: str = "H100 80GB"):
+        import ipywidgets as w
+
+        self.model = w.Dropdown(options=list(MODELS), value=model, description="model")
+        self.device = w.Dropdown(options=list(DEVICES), value=device, description="device")
+        self.per_node = w.Dropdown(options=[1, 2, 4, 8], value=8, description="devices/node")
+        self.nodes = w.Dropdown(options=[1, 2, 4, 8, 16, 32, 64], value=1, description="nodes")
+        self.intra = w.Dropdown(options=list(LINKS["intra"]), description="in a node")
+        self.inter = w.Dropdown(options=list(LINKS["inter"]), description="between nodes")
+        self.seq = w.Dropdown(options=[1024, 2048, 4096, 8192], value=2048, description="sequence")
+        self.batch = w.Dropdown(options=[64, 128, 256, 512, 1024, 2048], value=512,
+                                description="global batch")
+        self.micro = w.Dropdown(options=[1, 2, 4, 8], value=1, description="micro-batch")
+        self.out = w.HTML()
+        controls = [self.model, self.device, self.per_node, self.nodes, self.intra, self.inter,
+                    self.seq, self.batch, self.micro]
+        for c in controls:
+            c.observe(lambda _change: self.update(), names="value")
+        self.widget = w.VBox([w.HBox(controls[:4]), w.HBox(controls[4:6]), w.HBox(controls[6:]),
+                              self.out])
+        self.widget.add_class("mt-chooser-widget")
+        self.update()
+
+    def inputs(self) -> tuple[ModelSpec, Hardware, Workload]:
+        hw = Hardware(device_memory_gb=DEVICES[self.device.value],
+                      devices_per_node=self.per_node.value, nodes=self.nodes.value,
+                      intra_node_gbps=LINKS["intra"][self.intra.value],
+                      inter_node_gbps=LINKS["inter"][self.inter.value])
+        job = Workload(seq_len=self.seq.value, global_batch=self.batch.value,
+                       micro_batch=self.micro.value)
+        return ModelSpec(**asdict(MODELS[self.model.value])), hw, job
+
+    def update(self) -> None:
+        try:
+            self.out.value = recommendation_html(choose(*self.inputs()))
+        except ValueError as exc:  # e.g. a batch that no layout can split
+            self.out.value = f'<b style="color:red">{html.escape(str(exc))}</b>'
+
+    def _ipython_display_(self):
+        from IPython.display import display
+        display(self.widget)

@@ -1,0 +1,227 @@
+"""The strategy chooser (lesson 08): seed 003's scenario table, row by row, from the memory and cost
+models — not looked up — plus the formulas it prices with, its rules, and the widget's pure parts."""
+
+import pytest
+
+from minitrain.chooser import (SCENARIOS, Hardware, Layout, ModelSpec, Workload, choose, evaluate,
+                               layouts, links_fast, scenario)
+from minitrain.memory import GB, activation_bytes_per_layer, model_state_bytes
+from minitrain.viz.chooser import candidate_rows, recommendation_html
+
+# public shapes (parameters, layers, hidden, heads)
+GPT2_XL = ModelSpec(1.5e9, 48, 1600, 25)
+LLAMA_7B = ModelSpec(7e9, 32, 4096, 32)
+LLAMA_13B = ModelSpec(13e9, 40, 5120, 40)
+GPT3 = ModelSpec(175e9, 96, 12288, 96)
+# two huge layers: one layer's 16 B/param (29 GB) exceeds a 24 GB device, the model fits 8 of them
+WIDE = ModelSpec(3.6e9, 2, 12288, 96)
+
+ONE_H100 = Hardware(devices_per_node=1)
+NODE = Hardware()  # 8 H100 80 GB on NVLink
+IB, ETHERNET = 400, 12.5  # GB/s per node: 8x400 Gb/s InfiniBand, one 100 Gb/s Ethernet card
+LONG = Workload(seq_len=4096, global_batch=512, micro_batch=4)  # 16k tokens per micro-batch
+
+#: Seed 003's last section, translated row by row: (situation, model, hardware, workload, the
+#: scenario key, and the sets of techniques the seed allows — a recommendation must use one of them,
+#: activation checkpointing (lesson 07) aside).
+SEED_TABLE = [
+    # 单GPU: 模型可以存储在单GPU上 → 正常训练
+    ("one GPU, the model fits: train normally", GPT2_XL, ONE_H100, Workload(),
+     "one-device-fits", [set()]),
+    # 单GPU: 模型不能存储在单GPU上 → ZeRO-Offload, the CPU holds part of the states
+    ("one GPU, the model does not fit: ZeRO-Offload", LLAMA_7B, ONE_H100, Workload(),
+     "one-device-too-big", [{"offload"}]),
+    # 单机多卡: 模型可以存储在单GPU上 → DDP (recommended), ZeRO (may help)
+    ("one machine, fits on one GPU: DDP", GPT2_XL, NODE, Workload(), "one-node-fits", [{"DP"}]),
+    # 单机多卡: 模型不能存储在单GPU上 → PP, ZeRO, TP
+    ("one machine, does not fit on one GPU: PP, ZeRO or TP", LLAMA_13B, NODE, Workload(),
+     "one-node-too-big",
+     [{"PP", "DP"}, {"TP", "DP"}, {"PP", "TP", "DP"}, {"DP", "ZeRO-1"}, {"DP", "ZeRO-2"},
+      {"DP", "ZeRO-3"}, {"PP"}, {"TP"}, {"PP", "TP"}, {"TP", "DP", "ZeRO-1"},
+      {"PP", "DP", "ZeRO-1"}, {"PP", "TP", "DP", "ZeRO-1"}]),
+    # 单机多卡: 最大层无法放在单GPU上 → only TP, ZeRO
+    ("one machine, even the largest layer does not fit on one GPU: TP or ZeRO", WIDE,
+     Hardware(device_memory_gb=24), Workload(), "one-node-layer-too-big",
+     [{"TP"}, {"TP", "DP"}, {"TP", "DP", "ZeRO-1"}, {"DP", "ZeRO-1"}, {"DP", "ZeRO-2"},
+      {"DP", "ZeRO-3"}]),
+    # 多机多卡: 节点间通讯比较快 → ZeRO, PP+TP+DP
+    ("several machines, fast links: ZeRO", LLAMA_13B, Hardware(nodes=4, inter_node_gbps=IB), LONG,
+     "nodes-fast", [{"DP", "ZeRO-1"}, {"DP", "ZeRO-2"}, {"DP", "ZeRO-3"}]),
+    ("several machines, fast links: PP+TP+DP", GPT3, Hardware(nodes=16, inter_node_gbps=IB),
+     Workload(seq_len=2048, global_batch=1536, micro_batch=8), "nodes-fast",
+     [{"PP", "TP", "DP"}, {"PP", "TP", "DP", "ZeRO-1"}]),
+    # 多机多卡: 节点间通讯比较慢 → DP+TP+PP+ZeRO-1
+    ("several machines, slow links: DP+TP+PP+ZeRO-1", GPT3,
+     Hardware(nodes=16, inter_node_gbps=ETHERNET), Workload(), "nodes-slow",
+     [{"DP", "TP", "PP", "ZeRO-1"}]),
+]
+
+
+@pytest.mark.parametrize("row", SEED_TABLE, ids=[r[0] for r in SEED_TABLE])
+def test_the_seed_scenario_table(row):
+    _, model, hw, job, key, allowed = row
+    rec = choose(model, hw, job)
+    assert rec.scenario == key and rec.advice == SCENARIOS[key][1]
+    assert rec.layout is not None and rec.best.feasible
+    assert rec.layout.dp * rec.layout.pp * rec.layout.tp == hw.devices
+    assert rec.layout.techniques() - {"checkpointing"} in allowed, str(rec.layout)
+    assert rec.reasons[0].startswith(f"seed 003: {SCENARIOS[key][0]}")
+
+
+def test_one_machine_that_fits_prefers_ddp_and_names_zero_as_an_alternative():
+    rec = choose(GPT2_XL, NODE)
+    assert rec.layout == Layout(dp=8) and rec.layout.strategy() == "ddp"
+    assert {c.layout.zero for c in rec.alternatives} >= {1, 2}  # ZeRO "may help": as fast
+
+
+def test_the_same_model_crosses_nodes_with_zero_on_fast_links_and_with_pp_on_slow_ones():
+    fast = choose(LLAMA_13B, Hardware(nodes=4, inter_node_gbps=IB), LONG)
+    slow = choose(LLAMA_13B, Hardware(nodes=4, inter_node_gbps=ETHERNET), LONG)
+    assert fast.layout.pp == fast.layout.tp == 1 and fast.layout.zero >= 1
+    assert slow.layout.pp > 1 and slow.layout.zero <= 1
+    links = slow.best.comm["links"]
+    assert links["pp"] == "inter-node" and links["dp"] == "intra-node"  # only PP crosses
+    assert slow.best.comm["dp"] < fast.best.comm["dp"]
+
+
+def test_slow_links_put_pipeline_stages_across_nodes_and_tensor_parallel_inside():
+    rec = choose(GPT3, Hardware(nodes=16, inter_node_gbps=ETHERNET))
+    assert rec.best.comm["links"] == {"dp": "intra-node", "pp": "inter-node", "tp": "intra-node"}
+    assert rec.layout.tp <= 8 and rec.layout.zero == 1
+
+
+def test_links_are_fast_when_zero3_traffic_hides_behind_a_micro_batch():
+    fast, need = links_fast(Hardware(nodes=2, inter_node_gbps=400), Workload(2048, 512, 4))
+    assert need == pytest.approx(400e12 / (2048 * 4)) and fast  # 48.8 GB/s needed, 50 there
+    assert not links_fast(Hardware(nodes=2, inter_node_gbps=400), Workload(2048, 512, 1))[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# The formulas it prices with
+# --------------------------------------------------------------------------------------------------
+
+
+def test_memory_is_the_course_formulas():
+    job = Workload(seq_len=2048, global_batch=64, micro_batch=1)
+    c = evaluate(LLAMA_7B, NODE, job, Layout(dp=8, zero=2))
+    states = model_state_bytes(7e9, 8, 2)  # 2Ψ + 14Ψ/N
+    assert c.memory["parameters"] + c.memory["gradients"] + c.memory["optimizer_states"] == \
+        pytest.approx(states["total"]) == pytest.approx(2 * 7e9 + 14 * 7e9 / 8)
+    assert c.memory["activations"] == pytest.approx(32 * activation_bytes_per_layer(2048, 1, 4096, 32))
+    z3 = evaluate(LLAMA_7B, NODE, job, Layout(dp=8, zero=3))
+    assert z3.memory["zero3_gathered"] == pytest.approx(4 * 12 * 4096 ** 2)  # one layer, gathered
+
+
+def test_pipeline_first_stage_holds_min_p_m_micro_batches_and_tp_splits_activations():
+    job = Workload(seq_len=2048, global_batch=8, micro_batch=1)
+    pp = evaluate(LLAMA_7B, NODE, job, Layout(pp=4, dp=2))  # m = 4 micro-batches, 8 layers each
+    assert pp.memory["activations"] == pytest.approx(4 * 8 * activation_bytes_per_layer(2048, 1, 4096, 32))
+    tp = evaluate(LLAMA_7B, NODE, job, Layout(tp=8))
+    per = 2048 * 4096 * (10 + 24 / 8 + 5 * 32 * 2048 / (4096 * 8))  # Korthikanti, t = 8
+    assert tp.memory["activations"] == pytest.approx(32 * per)
+
+
+def test_communication_per_step_is_the_ring_model():
+    psi, n = 1.5e9, 8
+    once = Workload(seq_len=1024, global_batch=64, micro_batch=8)  # one micro-batch per replica
+    dp = evaluate(GPT2_XL, NODE, once, Layout(dp=n))
+    assert dp.comm["dp"] == pytest.approx(2 * (n - 1) / n * 2 * psi)  # bf16 gradients
+    z3 = evaluate(GPT2_XL, NODE, once, Layout(dp=n, zero=3))
+    assert z3.comm["dp"] == pytest.approx(1.5 * dp.comm["dp"])  # m = 1: 3Ψ vs 2Ψ
+    heads16 = ModelSpec(1.5e9, 48, 1600, 16)  # GPT-2 XL's 25 heads do not split over 8
+    tp = evaluate(heads16, NODE, Workload(seq_len=1024, global_batch=8, micro_batch=8), Layout(tp=n))
+    act = 2 * 1024 * 8 * 1600
+    assert tp.comm["tp"] == pytest.approx(48 * 4 * 2 * (n - 1) / n * act)  # 2 fwd + 2 bwd per layer
+    pp = evaluate(GPT2_XL, NODE, Workload(1024, 64, 8), Layout(pp=8))
+    assert pp.comm["pp"] == pytest.approx(8 * 2 * act)  # 8 micro-batches, activation + gradient
+
+
+def test_zero2_and_zero3_pay_per_micro_batch_dp_once_per_step():
+    job = Workload(seq_len=1024, global_batch=64, micro_batch=1)  # 8 micro-batches per replica
+    dp, z2, z3 = (evaluate(GPT2_XL, NODE, job, Layout(dp=8, zero=z)).comm["dp"] for z in (0, 2, 3))
+    assert z2 == pytest.approx(dp / 2 * 9) and z3 == pytest.approx(dp / 2 * 3 * 8)
+
+
+# --------------------------------------------------------------------------------------------------
+# Rules, refusals, the widget
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout, rule", [
+    (Layout(tp=16), "TP across nodes"),
+    (Layout(pp=2, dp=8, zero=2), "ZeRO-2 with TP/PP"),
+    (Layout(tp=2, dp=8, zero=3), "ZeRO-3 with TP/PP"),
+    (Layout(pp=16), "more stages than layers"),
+    (Layout(dp=16), "batch does not split"),
+])
+def test_rules_reject_with_the_reason(layout, rule):
+    model = ModelSpec(1.5e9, 12, 1600, 16)  # 16 heads, 12 layers
+    c = evaluate(model, Hardware(nodes=2), Workload(global_batch=24), layout)
+    assert not c.feasible and c.rejected.startswith(rule), c.rejected
+
+
+def test_heads_that_do_not_split_are_rejected():
+    c = evaluate(GPT2_XL, NODE, Workload(), Layout(tp=2))  # 25 heads
+    assert c.rejected.startswith("heads do not split")
+
+
+def test_offload_only_when_nothing_else_fits():
+    rec = choose(LLAMA_13B, NODE)
+    assert not rec.layout.offload
+    assert all(not c.feasible for c in rec.candidates if c.layout.offload)
+    assert "offload not needed" in rec.rejected()
+
+
+def test_nothing_fits_says_what_the_smallest_needs():
+    rec = choose(GPT3, ONE_H100)
+    assert rec.layout is None and rec.reasons[0].startswith("no layout fits")
+    assert "add devices" in rec.reasons[0]
+
+
+def test_every_layout_is_enumerated_once():
+    lays = layouts(Hardware(nodes=2, devices_per_node=4))
+    assert len(lays) == len(set(lays))
+    assert all(lay.dp * lay.pp * lay.tp == 8 for lay in lays)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(model=ModelSpec(1e9, 0, 1024, 8)), "layers must be positive"),
+    (dict(model=ModelSpec(1e9, 8, 1000, 16)), "not divisible by heads=16"),
+    (dict(job=Workload(global_batch=0)), "global_batch must be positive"),
+    (dict(hw=Hardware(nodes=0)), "nodes must be positive"),
+])
+def test_bad_inputs_are_refused_naming_the_fix(bad, message):
+    args = {"model": GPT2_XL, "hw": NODE, "job": Workload(), **bad}
+    with pytest.raises(ValueError, match=message):
+        choose(args["model"], args["hw"], args["job"])
+
+
+def test_scenario_alone_matches_choose():
+    for _, model, hw, job, key, _ in SEED_TABLE:
+        assert scenario(model, hw, job) == key
+
+
+def test_widget_rows_and_html():
+    rec = choose(LLAMA_13B, NODE)
+    rows = candidate_rows(rec)
+    assert rows[0]["verdict"] == "recommended" and rows[0]["layout"] == str(rec.layout)
+    verdicts = [r["verdict"] for r in rows]
+    assert any(v.startswith("rejected — out of memory") for v in verdicts)
+    assert any(v.startswith("rejected — offload not needed") for v in verdicts)
+    assert rows[0]["memory_gb"] == pytest.approx(rec.best.memory["total"] / GB)
+    page = recommendation_html(rec)
+    assert 'class="mt-recommended"' in page and str(rec.layout) in page
+    assert SCENARIOS[rec.scenario][1] in page and "--strategy" in page
+    assert page.count("<tr") == len(rows) + 1
+    nothing = recommendation_html(choose(GPT3, ONE_H100))
+    assert "nothing fits" in nothing
+
+
+def test_widget_builds_and_reacts():
+    pytest.importorskip("ipywidgets")
+    from minitrain.viz.chooser import ChooserWidget
+
+    w = ChooserWidget()
+    first = w.out.value
+    w.nodes.value = 4
+    assert w.out.value != first and "several machines" in w.out.value

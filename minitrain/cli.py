@@ -56,9 +56,23 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-activations", action="store_true",
                    help="recompute each transformer block's activations in backward (lesson 07)")
     t.add_argument("--json", action="store_true", help="JSON lines on stdout")
+    ck = t.add_argument_group("checkpoints (lesson 08)")
+    ck.add_argument("--save-dir", default=None,
+                    help="save sharded checkpoints under DIR/step-NNNNNN/ (one file per rank, then "
+                         "meta.json) after the last step")
+    ck.add_argument("--save-every", type=int, default=None,
+                    help="... and every K steps (needs --save-dir)")
+    ck.add_argument("--resume", default=None,
+                    help="resume from a checkpoint directory, or a --save-dir's latest; --steps "
+                         "counts from the start of the original run")
     for name in strategy_names():
         get_strategy(name).add_arguments(t.add_argument_group(f"strategy {name}"))
     sub.add_parser("strategies", help="list the strategies")
+    c = sub.add_parser("consolidate", help="a checkpoint as one plain state_dict file",
+                       description="Put a sharded checkpoint back together as the single-process "
+                                   "state_dict of GPT(cfg), saved with torch.save.")
+    c.add_argument("checkpoint", help="a checkpoint directory, or a --save-dir (its latest)")
+    c.add_argument("out", help="the .pt file to write")
     return parser
 
 
@@ -72,7 +86,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise ConfigError(str(exc)) from None
     base = {"strategy", "world_size", "steps", "seed", "batch_size", "lr", "model", "backend",
             "timeout", "json", "command", "n_layer", "n_head", "d_model", "seq_len",
-            "precision", "loss_scale", "checkpoint_activations"}
+            "precision", "loss_scale", "checkpoint_activations", "save_dir", "save_every",
+            "resume"}
     options = {k: v for k, v in vars(args).items() if k not in base}
     world = args.world_size
     if launched_by_torchrun():
@@ -85,7 +100,14 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        seed=args.seed, batch_size=args.batch_size, lr=args.lr, model=model,
                        backend=args.backend, timeout=args.timeout, options=options,
                        precision=args.precision, loss_scale=args.loss_scale,
-                       checkpoint_activations=args.checkpoint_activations)
+                       checkpoint_activations=args.checkpoint_activations,
+                       save_dir=_absolute(args.save_dir), save_every=args.save_every,
+                       resume=_absolute(args.resume))
+
+
+def _absolute(path: str | None) -> str | None:
+    """Ranks under torchrun may start elsewhere: pass them absolute paths."""
+    return os.path.abspath(path) if path else None
 
 
 class _Reporter:
@@ -98,9 +120,10 @@ class _Reporter:
         if self.as_json:
             print(json.dumps({"step": step, "loss": loss}), flush=True)
             return
-        if self.bar is None:
+        if self.bar is None:  # a resumed run starts past 0
             from tqdm.auto import tqdm
-            self.bar = tqdm(total=self.steps, desc="train", unit="step", file=sys.stderr)
+            self.bar = tqdm(total=self.steps, initial=step, desc="train", unit="step",
+                            file=sys.stderr)
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{loss:.4f}")
         if step + 1 == self.steps:
@@ -116,6 +139,10 @@ def format_summary(result: dict) -> str:
     lines = [f"strategy {s['strategy']} on {s['world_size']} rank(s) ({s['backend']}), "
              f"{s['steps']} steps, global batch {s['batch_size']}, {s['params']:,} parameters",
              f"loss {losses[0]:.4f} -> {s['final_loss']:.4f}; median step {s['step_time_s'] * 1e3:.1f} ms"]
+    if s.get("resumed_from"):
+        lines.append(f"resumed at step {s['start_step']} from {s['resumed_from']}")
+    if s.get("checkpoints"):
+        lines.append(f"checkpoints saved: {', '.join(s['checkpoints'])}")
     if s.get("precision", "fp32") != "fp32" or s.get("checkpoint_activations"):
         scaler = s.get("loss_scaler")
         lines.append(f"precision {s['precision']}"
@@ -170,6 +197,14 @@ def main(argv: list[str] | None = None) -> int:
         from .strategies import get_strategy as get
         for name in strategy_names():
             print(f"{name:14s} {get(name).help}")
+        return 0
+    if args.command == "consolidate":
+        from .checkpoint import consolidate_to
+        try:
+            out = consolidate_to(args.checkpoint, args.out)
+        except ConfigError as exc:
+            parser.exit(2, f"minitrain consolidate: error: {exc}\n")
+        print(f"wrote {out}: the single-process state_dict of {args.checkpoint}")
         return 0
     try:
         return _train(args)

@@ -10,7 +10,10 @@ A strategy is a class with
 * ``train_step(x, y)`` — one optimizer step on the *global* batch ``(x, y)`` (each strategy takes the
   slice its rank needs) returning the global mean loss as a float;
 * ``fit(data, on_step)`` — the loop over steps (shared; overridden where ranks do not step together);
-* ``memory()`` — this rank's memory ledger.
+* ``memory()`` — this rank's memory ledger;
+* ``checkpoint_state()``, ``load_checkpoint_state(read)``, ``consolidate_checkpoint(cfg, read)``,
+  ``checkpoint_layout(cfg)`` and ``checkpoint_refusal`` — sharded checkpoints (lesson 08,
+  :mod:`minitrain.checkpoint`); the defaults serve ranks holding identical replicas.
 
 Precision and activation checkpointing (lesson 07) are trainer options every strategy sees in
 ``cfg``: ``build_model()`` casts the model to 16 bits (``--precision bf16-mixed|fp16-mixed``) and
@@ -66,6 +69,9 @@ class TrainConfig:
     precision: str = "fp32"  # "fp32", "bf16-mixed" or "fp16-mixed" (minitrain.precision)
     checkpoint_activations: bool = False  # recompute each block's activations in backward
     loss_scale: float | None = None  # initial dynamic loss scale; None: 2**16 for fp16, else off; 0: off
+    save_dir: str | None = None  # write sharded checkpoints under it (lesson 08, minitrain.checkpoint)
+    save_every: int | None = None  # ... every this many steps, and after the last (None: the last only)
+    resume: str | None = None  # a checkpoint (or a save_dir: its latest) to resume from; steps counts from 0
 
     def with_(self, **changes) -> "TrainConfig":
         return replace(self, **changes)
@@ -164,6 +170,8 @@ class Strategy(abc.ABC):
         self.meter = ActivationMeter()
         self.master_weights: dict = {}  # {16-bit parameter: fp32 copy}, filled by build_model
         self.loss_scaler: DynamicLossScaler | None = None  # set by make_optimizer (fp16-mixed)
+        self.start_step = 0  # where fit() starts: set by minitrain.checkpoint.load_checkpoint
+        self.saved_checkpoints: list[str] = []
 
     def build_model(self) -> GPT:
         """The tiny GPT, bit-equal on every rank (deterministic init from the seed).
@@ -215,7 +223,7 @@ class Strategy(abc.ABC):
         asynchronous parameter server) overrides it.  ``on_step(step, loss)`` follows each step.
         """
         losses, times = [], []
-        for step in range(self.cfg.steps):
+        for step in range(self.start_step, self.cfg.steps):
             x, y = data.batch(step, self.cfg.batch_size)
             t0 = time.perf_counter()
             loss = self.train_step(x, y)
@@ -223,11 +231,48 @@ class Strategy(abc.ABC):
             losses.append(loss)
             if on_step is not None:
                 on_step(step, loss)
+            if self.cfg.save_dir:
+                from .checkpoint import maybe_save
+                maybe_save(self, step)
         return losses, times
 
     def state_dict(self) -> dict:
         """The full model's weights as a plain single-process state_dict (on every rank that has it)."""
         return self.model.state_dict()
+
+    # -- checkpoints (lesson 08; files, metadata and checks in minitrain.checkpoint) -----------------
+    #: None where the class saves and resumes checkpoints, else why not.  Only a registered class's
+    #: *own* None counts (minitrain.checkpoint.checkpoint_support): a subclass whose state lies
+    #: differently must implement the methods below and declare it again.
+    checkpoint_refusal: str | None = None
+
+    @classmethod
+    def checkpoint_layout(cls, cfg: TrainConfig) -> dict:
+        """This strategy's options that decide how its state is cut (JSON values); a checkpoint
+        resumes only under the same (strategy, world size, model and precision are compared too)."""
+        return {}
+
+    def checkpoint_state(self) -> dict:
+        """This rank's part of the training state, for its checkpoint file: tensors and plain
+        containers (``torch.load(weights_only=True)`` reads them back).  Default, for ranks that
+        hold identical replicas (single, ddp): rank 0 writes the model and optimizer state_dicts
+        once, the others nothing."""
+        if self.comm.rank != 0:
+            return {}
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_checkpoint_state(self, read) -> None:
+        """Restore what :meth:`checkpoint_state` saved; ``read(r)`` returns rank r's saved part.
+        Default: every replica loads rank 0's."""
+        state = read(0)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    @classmethod
+    def consolidate_checkpoint(cls, cfg: TrainConfig, read) -> dict:
+        """The full model as a plain single-process state_dict from the ranks' saved parts —
+        offline, without a process group.  Default: rank 0's replica."""
+        return read(0)["model"]
 
     def report(self) -> dict:
         """Strategy-specific facts for the summary (bucket sizes, timelines, bubbles...)."""
@@ -246,6 +291,7 @@ class Single(Strategy):
     name = "single"
     help = "one process: the baseline every parallel strategy is checked against"
     precisions = tuple(PRECISIONS)
+    checkpoint_refusal = None  # the replica defaults
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:

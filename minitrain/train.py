@@ -12,6 +12,7 @@ import statistics
 
 import torch.distributed as dist
 
+from .checkpoint import check_checkpoint_config, load_checkpoint
 from .comm import Comm, Tracer
 from .data import ArithmeticData
 from .launch import Cluster
@@ -21,8 +22,10 @@ __all__ = ["run_rank", "train", "check_config"]
 
 
 def check_config(cfg: TrainConfig) -> None:
-    """Refuse a configuration that cannot run (unknown strategy, bad sizes) before spawning."""
+    """Refuse a configuration that cannot run (unknown strategy, bad sizes, a checkpoint that does
+    not match) before spawning."""
     get_strategy(cfg.strategy).check(cfg)
+    check_checkpoint_config(cfg)
 
 
 def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False) -> dict:
@@ -34,6 +37,8 @@ def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False) -> dict
     """
     comm = Comm(None, Tracer(), "world")
     strategy = get_strategy(cfg.strategy)(cfg, comm)
+    if cfg.resume:
+        load_checkpoint(strategy, cfg.resume)  # before the tracer is cleared: not training traffic
     data = ArithmeticData(cfg.model.seq_len, cfg.seed)
     comm.tracer.clear()
     losses, times = strategy.fit(data, on_step if comm.rank == 0 else None)
@@ -57,6 +62,9 @@ def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False) -> dict
         "loss_scaler": gathered[0]["precision"]["loss_scaler"],
         "final_loss": losses[-1],
         "step_time_s": statistics.median(times),
+        "start_step": strategy.start_step,  # > 0 when resumed: losses are of steps start_step..
+        "resumed_from": getattr(strategy, "resumed_from", None),
+        "checkpoints": strategy.saved_checkpoints,
         "comm": [g["comm"] for g in gathered],
         "memory": [g["memory"] for g in gathered],
     }

@@ -400,6 +400,7 @@ class _DataParallelStrategy(Strategy):
 class NaiveDDP(_DataParallelStrategy):
     name = "ddp-naive"
     help = "data parallel: one all-reduce per gradient after backward"
+    checkpoint_refusal = None  # identical replicas: Strategy's defaults (rank 0 writes the replica)
 
     def wrap(self, model):
         return NaiveDataParallel(model, self.comm)
@@ -413,6 +414,7 @@ class DDP(_DataParallelStrategy):
     name = "ddp"
     help = ("distributed data parallel: bucketed all-reduce overlapped with backward "
             "(--bucket-mb, --compress)")
+    checkpoint_refusal = None  # identical replicas: Strategy's defaults (rank 0 writes the replica)
 
     @classmethod
     def add_arguments(cls, parser) -> None:
@@ -431,6 +433,10 @@ class DDP(_DataParallelStrategy):
                               "fp16-mixed): the error-feedback residuals would hold gradients "
                               "scaled by a changing loss scale, and an overflow's inf; use "
                               "--precision bf16-mixed, or --loss-scale 0")
+        if cfg.options.get("compress") and (cfg.save_dir or cfg.resume):
+            raise ConfigError("--compress cannot be checkpointed yet: each rank's error-feedback "
+                              "residuals would be lost, so a resumed run would differ; leave out "
+                              "--compress, or --save-dir/--resume")
 
     def wrap(self, model):
         o = self.cfg.options

@@ -305,6 +305,9 @@ class _ParameterServerStrategy(Strategy):
     """ps-sync and ps-async: S servers (ranks 0..S-1), W = world − S workers."""
 
     mode = "sync"
+    checkpoint_refusal = ("the parameter server's ranks do not step in lockstep (a server applies "
+                          "whichever worker's gradient comes first), so no step has one consistent "
+                          "state to save; use ddp or zero1-3 for checkpoints")
 
     @classmethod
     def add_arguments(cls, parser) -> None:

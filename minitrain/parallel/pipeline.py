@@ -681,6 +681,7 @@ class Pipeline(Strategy):
     name = "pipeline"
     help = ("pipeline parallel: layers split into --stages, --microbatches run by --schedule "
             "naive|gpipe|1f1b|interleaved|zb-h1 (--chunks for interleaved)")
+    checkpoint_refusal = None  # each rank saves its stages and their optimizer state
 
     @classmethod
     def add_arguments(cls, parser) -> None:
@@ -738,14 +739,33 @@ class Pipeline(Strategy):
                                       key=lambda e: (e["rank"], e["start"]))
                                for i in range(len(self.timelines))]
         states = [None] * self.comm.size if self.comm.rank == 0 else None
-        mine = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-        mine = {k.split(".", 1)[1]: v for k, v in mine.items()}  # drop the ModuleList index
+        mine = {k: v.detach().cpu() for k, v in self.stage_state().items()}
         dist.gather_object(mine, states, dst=self.comm.global_rank(0), group=self.comm.group)
-        self._state = None
-        if states is not None:
-            order = GPT(self.cfg.model).state_dict().keys()  # the single-process order
-            merged = {k: v for s in states for k, v in s.items()}
-            self._state = {k: merged[k] for k in order}
+        self._state = merge_stages(states, self.cfg.model) if states is not None else None
+
+    def stage_state(self) -> dict:
+        """This rank's stages' state_dict under the single-process names (no ModuleList index)."""
+        return {k.split(".", 1)[1]: v for k, v in self.model.state_dict().items()}
+
+    # -- checkpoints (lesson 08): each rank saves its stages and their optimizer state --------------
+
+    @classmethod
+    def checkpoint_layout(cls, cfg: TrainConfig) -> dict:
+        _, stages, _, chunks = pipeline_options(cfg)
+        return {"stages": stages, "chunks": chunks}
+
+    def checkpoint_state(self) -> dict:
+        return {"model": self.stage_state(), "optimizer": self.optimizer.state_dict()}
+
+    def load_checkpoint_state(self, read) -> None:
+        state = read(self.comm.rank)
+        indexed = {k.split(".", 1)[1]: k for k in self.model.state_dict()}
+        self.model.load_state_dict({indexed[k]: v for k, v in state["model"].items()})
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    @classmethod
+    def consolidate_checkpoint(cls, cfg: TrainConfig, read) -> dict:
+        return merge_stages([read(r)["model"] for r in range(cfg.world_size)], cfg.model)
 
     def state_dict(self) -> dict:
         """The full model's state_dict, single-process names, on rank 0 after :meth:`fit`."""
@@ -781,6 +801,12 @@ class Pipeline(Strategy):
             "timeline": [{**e, "action": str(e["action"])} for e in steps[-1]],
             "table": [[str(a) if a is not None else None for a in row] for row in self.table],
         }
+
+
+def merge_stages(states: list[dict], model) -> dict:
+    """The single-process state_dict of GPT(``model``) from the ranks' stage states, in its order."""
+    merged = {k: v for s in states for k, v in s.items()}
+    return {k: merged[k] for k in GPT(model).state_dict()}
 
 
 def run_schedule(schedule: str = "1f1b", microbatches: int | None = None,

@@ -269,6 +269,17 @@ class HostOffload(_WrappedOptimizer):
             p.grad = m.grad = None  # the gradient now lives on the host
         return loss
 
+    def state_dict(self) -> dict:
+        """The host masters and the inner optimizer's state (what a checkpoint saves)."""
+        return {"masters": self.masters, "optimizer": self.optim.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        for p, m, saved in zip(self.params, self.masters, state["masters"], strict=True):
+            m.copy_(saved)
+            p.copy_(m)
+        self.optim.load_state_dict(state["optimizer"])
+
     def memory_tensors(self) -> tuple[dict, list]:
         """({kind: tensors} the ledger would not find by itself, the tensors living on the host)."""
         states = [v for s in self.optim.state.values() for v in s.values() if torch.is_tensor(v)]
@@ -705,6 +716,43 @@ def _map_tensors(out, fn):
 
 
 # --------------------------------------------------------------------------------------------------
+# Checkpoints (lesson 08): each rank saves its shards; the model is put back together offline
+# --------------------------------------------------------------------------------------------------
+
+
+def shard_state(module: nn.Module, units: list[tuple[FlatUnit, torch.Tensor]], rank: int) -> dict:
+    """This rank's shard of each flat unit (``(layout, shard)`` pairs), described well enough to be
+    put back together without the model: each unit's parameter names and shapes, which state_dict
+    key holds which parameter (tied ones share one), and, from rank 0, any state no unit holds."""
+    ids = {id(p): name for layout, _ in units for p, name in zip(layout.params, layout.names)}
+    keys, extra = {}, {}
+    state = module.state_dict(keep_vars=True)  # the Parameter objects: no data is touched
+    for key, value in state.items():
+        if id(value) in ids:
+            keys[key] = ids[id(value)]
+        elif rank == 0:
+            extra[key] = value.detach().clone()
+    return {"units": [{"names": list(layout.names), "shapes": [list(p.shape) for p in layout.params],
+                       "shard": shard.detach().clone()} for layout, shard in units],
+            "keys": keys, "extra": extra, "order": list(state)}
+
+
+def unshard_state(states: list[dict]) -> dict:
+    """The single-process state_dict from every rank's :func:`shard_state`, in rank order: each
+    unit's shards concatenated (the padding dropped) and cut into its parameters."""
+    params = {}
+    for i, unit in enumerate(states[0]["units"]):
+        flat = torch.cat([s["units"][i]["shard"] for s in states])
+        offset = 0
+        for name, shape in zip(unit["names"], unit["shapes"]):
+            n = math.prod(shape)
+            params[name] = flat[offset:offset + n].view(shape).clone()
+            offset += n
+    keys, extra = states[0]["keys"], states[0]["extra"]
+    return {k: params[keys[k]] if k in keys else extra[k] for k in states[0]["order"]}
+
+
+# --------------------------------------------------------------------------------------------------
 # Strategies for `minitrain train`
 # --------------------------------------------------------------------------------------------------
 
@@ -746,6 +794,41 @@ class _ZeroStrategy(_DataParallelStrategy):
         """(what to call forward on, the optimizer, the object holding the shards)."""
         raise NotImplementedError
 
+    # -- checkpoints: every rank writes its shards and its optimizer states (1/N of each) -----------
+
+    def shards(self) -> list[tuple[FlatUnit, torch.Tensor]]:
+        """``(layout, this rank's shard)`` of every flat unit (stages 1-2: the optimizer's)."""
+        return [(b.layout, b.shard) for b in self.optimizer.buckets]
+
+    def shard_optimizer(self):
+        """The optimizer stepping this rank's shards (Adam, mixed precision's, or HostOffload)."""
+        return self.optimizer.optim
+
+    @classmethod
+    def checkpoint_layout(cls, cfg: TrainConfig) -> dict:
+        out = {"offload": bool(cfg.options.get("offload", False))}
+        if cls.stage == 2:  # the buckets are the units
+            out["bucket_mb"] = cfg.options.get("bucket_mb")
+        return out
+
+    def checkpoint_state(self) -> dict:
+        return {"model": shard_state(self.model, self.shards(), self.comm.rank),
+                "optimizer": self.shard_optimizer().state_dict()}
+
+    @torch.no_grad()
+    def load_checkpoint_state(self, read) -> None:
+        state = read(self.comm.rank)
+        for (_, shard), saved in zip(self.shards(), state["model"]["units"], strict=True):
+            shard.copy_(saved["shard"])
+        self.shard_optimizer().load_state_dict(state["optimizer"])
+        if self.stage < 3:  # every rank holds the full weights: gather them, as after a step
+            with self.comm.tracer.paused():
+                self.optimizer._all_gather_parameters()
+
+    @classmethod
+    def consolidate_checkpoint(cls, cfg: TrainConfig, read) -> dict:
+        return unshard_state([read(r)["model"] for r in range(cfg.world_size)])
+
     def memory(self) -> dict:
         extra, host = self.sharded.memory_tensors()
         out = ledger(self.model, self.optimizer, self.meter.peak, extra=extra, host=host)
@@ -782,6 +865,7 @@ class Zero1(_ZeroStrategy):
     name = "zero1"
     help = "ZeRO stage 1: optimizer states sharded; reduce-scatter, step the shard, all-gather (--offload)"
     stage = 1
+    checkpoint_refusal = None
 
     @classmethod
     def add_arguments(cls, parser) -> None:
@@ -800,6 +884,7 @@ class Zero2(_ZeroStrategy):
     name = "zero2"
     help = "ZeRO stage 2: gradients too, reduce-scattered in buckets during backward (--offload, --bucket-mb)"
     stage = 2
+    checkpoint_refusal = None
 
     def shard(self, model):
         opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, self.comm,
@@ -815,6 +900,7 @@ class Zero3(_ZeroStrategy):
     help = "ZeRO stage 3 (FSDP): parameters too, gathered per block for forward and backward (--offload)"
     stage = 3
     checkpointing = False  # recomputation would re-enter the gather hooks; not supported yet
+    checkpoint_refusal = None
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:
@@ -828,6 +914,12 @@ class Zero3(_ZeroStrategy):
         opt = shard_optimizer(fsdp.sharded_parameters(), torch.optim.Adam,
                               fsdp.master_shards(self.master_weights), self.offload, lr=self.cfg.lr)
         return fsdp, opt, _Zero3Memory(fsdp, opt if self.offload else None)
+
+    def shards(self):
+        return [(u.layout, u.shard) for u in self.wrapper.units if u.shard is not None]
+
+    def shard_optimizer(self):
+        return self.optimizer
 
     def fit(self, data, on_step=None):
         out = super().fit(data, on_step)

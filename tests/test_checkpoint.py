@@ -1,0 +1,219 @@
+"""Sharded checkpoints (lesson 08): 5 steps + save + resume 5 equals 10 uninterrupted, for every
+strategy that saves; consolidation gives the single-process state_dict; damaged or mismatched
+checkpoints are refused before any process starts, naming the problem and the fix."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from minitrain import GPT, Cluster, TrainConfig, train
+from minitrain.checkpoint import CheckpointError, consolidate, find_checkpoint
+from minitrain.cli import build_parser, config_from_args, main
+from minitrain.launch import RankError
+from minitrain.model import PRESETS
+
+NANO = PRESETS["nano"]
+BASE = TrainConfig(steps=10, batch_size=6, seed=0, model=NANO)
+CASES = {  # name: (strategy, world size, options, precision)
+    "single": ("single", 1, {}, "fp32"),
+    "single-bf16": ("single", 1, {}, "bf16-mixed"),
+    "ddp-naive": ("ddp-naive", 2, {}, "fp32"),
+    "ddp": ("ddp", 2, {}, "fp32"),
+    "zero1": ("zero1", 2, {}, "fp32"),
+    "zero2-buckets-3-ranks": ("zero2", 3, {"bucket_mb": 0.01}, "fp32"),  # several padded units
+    "zero3": ("zero3", 2, {}, "fp32"),
+    "zero3-3-ranks-offload": ("zero3", 3, {"offload": True}, "fp32"),
+    "zero2-bf16-offload": ("zero2", 2, {"offload": True}, "bf16-mixed"),
+    "pipeline": ("pipeline", 2, {"microbatches": 3}, "fp32"),
+}
+
+
+def config(name: str, **changes) -> TrainConfig:
+    strategy, n, options, precision = CASES[name]
+    return BASE.with_(strategy=strategy, world_size=n, options=options, precision=precision,
+                      **changes)
+
+
+@pytest.fixture(scope="module")
+def saved(clusters, tmp_path_factory):
+    """Per case, once: the uninterrupted run, and the first 5 steps saved to a directory."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cfg, root = config(name), tmp_path_factory.mktemp(name)
+            cluster = clusters(cfg.world_size)
+            full = train(cfg, cluster=cluster, return_state=True)
+            first = train(cfg.with_(steps=5, save_dir=str(root)), cluster=cluster,
+                          return_state=True)
+            cache[name] = (cfg, root, full, first)
+        return cache[name]
+    return get
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_resume_gives_the_uninterrupted_run(saved, clusters, name):
+    cfg, root, full, first = saved(name)
+    resumed = train(cfg.with_(resume=str(root)), cluster=clusters(cfg.world_size),
+                    return_state=True)
+    assert resumed["summary"]["start_step"] == 5
+    assert resumed["summary"]["resumed_from"] == str(root / "step-000005")
+    assert first["losses"] == full["losses"][:5]
+    assert len(resumed["losses"]) == 5
+    for a, b in zip(resumed["losses"], full["losses"][5:]):
+        assert abs(a - b) <= 1e-6 * abs(b), (resumed["losses"], full["losses"][5:])
+    for key, value in full["state"].items():
+        torch.testing.assert_close(resumed["state"][key], value, rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_consolidation_is_the_single_process_state_dict(saved, name):
+    cfg, root, _, first = saved(name)
+    state = consolidate(root)
+    assert list(state) == list(first["state"])  # the single-process names, in its order
+    for key, value in first["state"].items():
+        assert torch.equal(state[key], value), key
+    model = GPT(cfg.model)
+    model.load_state_dict({k: v.float() for k, v in state.items()})  # strict: every key, shape
+
+
+def test_each_rank_writes_its_own_file_and_the_files_load_weights_only(saved):
+    cfg, root, _, _ = saved("zero3")
+    ckpt = root / "step-000005"
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert meta["step"] == 5 and meta["layout"]["strategy"] == "zero3"
+    assert sorted(meta["files"]) == ["rank00000.pt", "rank00001.pt"]
+    shards = [torch.load(ckpt / f"rank0000{r}.pt", weights_only=True) for r in range(2)]
+    assert all(s["step"] == 5 and s["rank"] == r for r, s in enumerate(shards))
+    owned = sum(u["shard"].numel() for s in shards for u in s["state"]["model"]["units"])
+    assert NANO.num_params() <= owned < NANO.num_params() + 2 * 10  # 1/N each, plus padding
+
+
+def test_save_every_and_resume_from_an_earlier_step(clusters, tmp_path):
+    cfg = config("ddp", steps=6, save_dir=str(tmp_path), save_every=2)
+    full = train(cfg, cluster=clusters(2))
+    assert full["summary"]["checkpoints"] == [str(tmp_path / f"step-00000{k}") for k in (2, 4, 6)]
+    assert find_checkpoint(tmp_path) == tmp_path / "step-000006"  # a save dir: its latest
+    again = train(config("ddp", steps=6, resume=str(tmp_path / "step-000002")), cluster=clusters(2))
+    assert again["losses"] == pytest.approx(full["losses"][2:], rel=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------
+# Refusals
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_spawn(monkeypatch):
+    def refuse(self):
+        raise AssertionError("a process was started")
+    monkeypatch.setattr(Cluster, "start", refuse)
+
+
+@pytest.fixture
+def copy_of(saved, tmp_path):
+    """A private copy of a saved case's checkpoint, to damage."""
+    def get(name):
+        cfg, root, _, _ = saved(name)
+        shutil.copytree(root, tmp_path / name)
+        return cfg, tmp_path / name, tmp_path / name / "step-000005"
+    return get
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(world_size=3), "saved on 2 ranks, this run has 3"),
+    (dict(strategy="zero1"), "saved by strategy 'zero3', this run is 'zero1'; resume with --strategy zero3"),
+    (dict(model=NANO.__class__(n_layer=3, n_head=2, d_model=32, seq_len=16)),
+     "n_layer 2 there, 3 here; resume with the same model (--n-layer 2)"),
+    (dict(precision="bf16-mixed"), "saved in --precision fp32, this run uses bf16-mixed"),
+    (dict(options={"offload": True}), "offload False there, True here"),
+    (dict(steps=5), "at step 5, and --steps 5 is already reached"),
+])
+def test_a_mismatched_checkpoint_is_refused_before_spawning(saved, no_spawn, change, message):
+    cfg, root, _, _ = saved("zero3")
+    with pytest.raises(CheckpointError) as info:
+        train(cfg.with_(resume=str(root), **change))
+    assert message in str(info.value)
+
+
+def test_a_missing_rank_file_is_refused(copy_of, no_spawn):
+    cfg, root, ckpt = copy_of("zero3")
+    os.remove(ckpt / "rank00001.pt")
+    with pytest.raises(CheckpointError, match="rank00001.pt is missing"):
+        train(cfg.with_(resume=str(root)))
+    with pytest.raises(CheckpointError, match="rank00001.pt is missing"):
+        consolidate(root)
+
+
+def test_a_truncated_rank_file_is_refused(copy_of, no_spawn):
+    cfg, root, ckpt = copy_of("pipeline")
+    data = (ckpt / "rank00000.pt").read_bytes()
+    (ckpt / "rank00000.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated or was replaced"):
+        train(cfg.with_(resume=str(root)))
+
+
+def test_an_unfinished_save_is_refused(copy_of, no_spawn):
+    cfg, root, ckpt = copy_of("ddp")
+    os.remove(ckpt / "meta.json")
+    with pytest.raises(CheckpointError, match="lack meta.json"):
+        train(cfg.with_(resume=str(root)))
+    with pytest.raises(CheckpointError, match="has no meta.json: the save did not finish"):
+        train(cfg.with_(resume=str(ckpt)))
+    with pytest.raises(CheckpointError, match="does not exist"):
+        train(cfg.with_(resume=str(root / "nowhere")))
+
+
+def test_a_corrupt_rank_file_is_refused_when_read(copy_of, clusters):
+    cfg, root, ckpt = copy_of("zero1")
+    data = bytearray((ckpt / "rank00001.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only the SHA-256 tells
+    (ckpt / "rank00001.pt").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="rank00001.pt is corrupt"):
+        consolidate(root)
+    with pytest.raises(RankError, match="rank00001.pt is corrupt"):
+        train(cfg.with_(resume=str(root)), cluster=clusters(2))
+
+
+@pytest.mark.parametrize("cfg, message", [
+    (BASE.with_(strategy="ps-sync", world_size=3, save_dir="x"), "do not step in lockstep"),
+    (BASE.with_(strategy="tensor", world_size=2, save_dir="x"),
+     "strategy 'tensor' does not implement checkpoints yet"),
+    (BASE.with_(strategy="ddp", world_size=2, save_dir="x", options={"compress": "topk:0.1"}),
+     "--compress cannot be checkpointed yet"),
+    (BASE.with_(save_every=2), "--save-every needs --save-dir"),
+    (BASE.with_(save_dir="x", save_every=0), "--save-every must be at least 1"),
+])
+def test_what_cannot_be_checkpointed_is_refused(no_spawn, cfg, message):
+    with pytest.raises(Exception) as info:
+        train(cfg)
+    assert message in str(info.value)
+
+
+# --------------------------------------------------------------------------------------------------
+# The command line
+# --------------------------------------------------------------------------------------------------
+
+
+def test_cli_flags_reach_the_config(tmp_path):
+    args = build_parser().parse_args(["train", "--save-dir", "ck", "--save-every", "3",
+                                      "--resume", str(tmp_path)])
+    cfg = config_from_args(args)
+    assert cfg.save_dir == os.path.abspath("ck") and cfg.save_every == 3
+    assert cfg.resume == str(tmp_path) and "save_dir" not in cfg.options
+
+
+def test_cli_consolidates_and_refuses(saved, tmp_path, capsys, no_spawn):
+    cfg, root, _, first = saved("pipeline")
+    assert main(["consolidate", str(root), str(tmp_path / "full.pt")]) == 0
+    state = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert all(torch.equal(state[k], v) for k, v in first["state"].items())
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--strategy", "pipeline", "--world-size", "2", "--model", "nano",
+              "--n-layer", "4", "--microbatches", "3", "--resume", str(root)])
+    assert info.value.code == 2
+    assert "n_layer 2 there, 4 here; resume with the same model (--n-layer 2)" in \
+        capsys.readouterr().err

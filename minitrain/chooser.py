@@ -67,7 +67,7 @@ from .costmodel import predict
 from .memory import GB, activation_bytes_per_layer, model_state_bytes
 
 __all__ = ["ModelSpec", "Workload", "Hardware", "Layout", "Candidate", "Recommendation", "SCENARIOS",
-           "choose", "evaluate", "scenario", "links_fast", "TOLERANCE", "USABLE"]
+           "choose", "evaluate", "layouts", "scenario", "links_fast", "TOLERANCE", "USABLE"]
 
 #: layouts within this fraction of the fastest count as equally fast (the simplest of them wins)
 TOLERANCE = 0.05

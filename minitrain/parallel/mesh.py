@@ -118,6 +118,14 @@ class Mesh:
                     mine = group
             setattr(self, axis, comm.sub(mine, axis))
 
+    def destroy(self) -> None:
+        """Free this rank's three groups (their connections and threads): a notebook that runs
+        the strategy again builds new ones."""
+        for axis in ("tp", "dp", "pp"):
+            comm = getattr(self, axis)
+            if comm.group is not None:
+                dist.destroy_process_group(comm.group)
+
     def __repr__(self) -> str:
         c = self.coords
         return f"Mesh({self.shape.dp}x{self.shape.pp}x{self.shape.tp}, dp={c.dp}, pp={c.pp}, tp={c.tp})"
@@ -285,6 +293,8 @@ class ThreeD(Strategy):
     def fit(self, data, on_step=None):
         out = super().fit(data, on_step)
         self._gather_state()
+        dist.barrier(group=self.comm.group)  # nobody frees a group a peer still uses
+        self.mesh.destroy()  # (after a failure the launcher restarts the ranks anyway)
         return out
 
     def _gather_state(self) -> None:

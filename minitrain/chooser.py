@@ -529,3 +529,56 @@ def _reasons(model, hw, job, key, best: Candidate, feasible: list[Candidate]) ->
         out.append(f"the fastest, {feasible[0].layout}, is within {TOLERANCE:.0%}: the simpler "
                    "layout wins (less model parallelism, lower ZeRO stage)")
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Seed 003's table as cases: lesson 08 shows them, tests/test_chooser.py checks every row
+# --------------------------------------------------------------------------------------------------
+
+# public shapes (parameters, layers, hidden, heads)
+GPT2_XL = ModelSpec(1.5e9, 48, 1600, 25)
+LLAMA_7B = ModelSpec(7e9, 32, 4096, 32)
+LLAMA_13B = ModelSpec(13e9, 40, 5120, 40)
+GPT3 = ModelSpec(175e9, 96, 12288, 96)
+# two huge layers: one layer's 16 B/param (29 GB) exceeds a 24 GB device, the model fits 8 of them
+WIDE = ModelSpec(3.6e9, 2, 12288, 96)
+
+ONE_H100 = Hardware(devices_per_node=1)
+NODE = Hardware()  # 8 H100 80 GB on NVLink
+IB, ETHERNET = 400, 12.5  # GB/s per node: 8x400 Gb/s InfiniBand, one 100 Gb/s Ethernet card
+LONG = Workload(seq_len=4096, global_batch=512, micro_batch=4)  # 16k tokens per micro-batch
+
+#: Seed 003's last section, translated row by row: (situation, model, hardware, workload, the
+#: scenario key, and the sets of techniques the seed allows — a recommendation must use one of them,
+#: activation checkpointing (lesson 07) aside).
+SEED_TABLE = [
+    # 单GPU: 模型可以存储在单GPU上 → 正常训练
+    ("one GPU, the model fits: train normally", GPT2_XL, ONE_H100, Workload(),
+     "one-device-fits", [set()]),
+    # 单GPU: 模型不能存储在单GPU上 → ZeRO-Offload, the CPU holds part of the states
+    ("one GPU, the model does not fit: ZeRO-Offload", LLAMA_7B, ONE_H100, Workload(),
+     "one-device-too-big", [{"offload"}]),
+    # 单机多卡: 模型可以存储在单GPU上 → DDP (recommended), ZeRO (may help)
+    ("one machine, fits on one GPU: DDP", GPT2_XL, NODE, Workload(), "one-node-fits", [{"DP"}]),
+    # 单机多卡: 模型不能存储在单GPU上 → PP, ZeRO, TP
+    ("one machine, does not fit on one GPU: PP, ZeRO or TP", LLAMA_13B, NODE, Workload(),
+     "one-node-too-big",
+     [{"PP", "DP"}, {"TP", "DP"}, {"PP", "TP", "DP"}, {"DP", "ZeRO-1"}, {"DP", "ZeRO-2"},
+      {"DP", "ZeRO-3"}, {"PP"}, {"TP"}, {"PP", "TP"}, {"TP", "DP", "ZeRO-1"},
+      {"PP", "DP", "ZeRO-1"}, {"PP", "TP", "DP", "ZeRO-1"}]),
+    # 单机多卡: 最大层无法放在单GPU上 → only TP, ZeRO
+    ("one machine, even the largest layer does not fit on one GPU: TP or ZeRO", WIDE,
+     Hardware(device_memory_gb=24), Workload(), "one-node-layer-too-big",
+     [{"TP"}, {"TP", "DP"}, {"TP", "DP", "ZeRO-1"}, {"DP", "ZeRO-1"}, {"DP", "ZeRO-2"},
+      {"DP", "ZeRO-3"}]),
+    # 多机多卡: 节点间通讯比较快 → ZeRO, PP+TP+DP
+    ("several machines, fast links: ZeRO", LLAMA_13B, Hardware(nodes=4, inter_node_gbps=IB), LONG,
+     "nodes-fast", [{"DP", "ZeRO-1"}, {"DP", "ZeRO-2"}, {"DP", "ZeRO-3"}]),
+    ("several machines, fast links: PP+TP+DP", GPT3, Hardware(nodes=16, inter_node_gbps=IB),
+     Workload(seq_len=2048, global_batch=1536, micro_batch=8), "nodes-fast",
+     [{"PP", "TP", "DP"}, {"PP", "TP", "DP", "ZeRO-1"}]),
+    # 多机多卡: 节点间通讯比较慢 → DP+TP+PP+ZeRO-1
+    ("several machines, slow links: DP+TP+PP+ZeRO-1", GPT3,
+     Hardware(nodes=16, inter_node_gbps=ETHERNET), Workload(), "nodes-slow",
+     [{"DP", "TP", "PP", "ZeRO-1"}]),
+]

@@ -2,7 +2,7 @@
 
     python benchmarks/lesson_budget.py                 # every lesson, all cores
     python benchmarks/lesson_budget.py --cpus 1        # pinned to one CPU, like Binder
-    python benchmarks/lesson_budget.py --cpus 2 1      # the course budget: every lesson, both ways
+    python benchmarks/lesson_budget.py --cpus 0,1      # the course budget: all cores, then 1 CPU
     python benchmarks/lesson_budget.py solutions/01_*.ipynb
 
 Runs each notebook top to bottom in a fresh kernel (nbclient) and samples, every 50 ms, the memory
@@ -89,16 +89,17 @@ def pin(cpus: int | None) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("notebooks", nargs="*", type=Path)
-    parser.add_argument("--cpus", type=int, nargs="*", default=[0],
-                        help="pin to this many CPUs (Binder: 1); several values run each lesson "
-                             "once per value (0: all)")
+    parser.add_argument("--cpus", default="0",
+                        type=lambda text: [int(n) for n in text.split(",")],
+                        help="pin to this many CPUs (Binder: 1; 0: all); a list (0,1) runs each "
+                             "lesson once per value")
     args = parser.parse_args()
     paths = args.notebooks or sorted((ROOT / "solutions").glob("[0-9]*.ipynb"))
     print(f"{'lesson':40s} {'CPUs':>4s} {'wall s':>7s} {'peak RSS MiB':>13s} {'peak PSS MiB':>13s} "
           f"{'procs':>5s}  budget: {BUDGET_S} s, {BUDGET_BYTES / 2**30:g} GiB PSS")
     worst = 0
     for path in paths:
-        for cpus in args.cpus or [0]:
+        for cpus in args.cpus:
             n = pin(cpus or None)
             r = run_lesson(path)
             ok = r["error"] is None and r["seconds"] <= BUDGET_S and r["pss"] <= BUDGET_BYTES

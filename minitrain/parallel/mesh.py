@@ -43,8 +43,9 @@ from ..model import GPT
 from ..strategies import ConfigError, Strategy, TrainConfig, register
 from .pipeline import (PipelineExecutor, bubble_fraction, bubble_formula, check_pipeline,
                        make_schedule, pipeline_options, split_layers, validate)
-from .tensor import (ParallelBlock, ParallelEmbedding, ParallelHead, check_tensor_parallel,
-                     comm_per_layer, full_state_dict, padded_size, vocab_parallel_cross_entropy)
+from .tensor import (ParallelBlock, ParallelEmbedding, ParallelHead,
+                     all_reduce_sequence_parallel_grads, check_tensor_parallel, comm_per_layer,
+                     full_state_dict, padded_size, vocab_parallel_cross_entropy)
 from .zero import ZeroRedundancyOptimizer
 
 __all__ = ["Coords", "MeshShape", "Mesh", "TensorParallelStage", "mesh_shape", "check_mesh",
@@ -267,7 +268,7 @@ class ThreeD(Strategy):
         self.timelines.append(self.executor.timeline)
         if self.sequence_parallel:
             for stage in self.stages.values():
-                _all_reduce_sequence_parallel_grads(stage, self.mesh.tp)
+                all_reduce_sequence_parallel_grads(stage, self.mesh.tp)
         if self.zero_stage == 0:
             self._all_reduce_gradients()
         self.optimizer.step()  # ZeRO-1: reduce-scatter over dp, step the shard, all-gather
@@ -347,20 +348,6 @@ class ThreeD(Strategy):
             "comm_per_layer": comm_per_layer([e for e in self.comm.tracer.events
                                               if e.group == "tp"], self.cfg.steps),
         }
-
-
-@torch.no_grad()
-def _all_reduce_sequence_parallel_grads(stage: nn.Module, tp: Comm) -> None:
-    """Sequence parallel: the replicated parameters (LayerNorms, row-parallel biases, positions)
-    saw only this rank's positions; sum their gradients over the TP group."""
-    grads = [p.grad for p in stage.parameters()
-             if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    if not grads or tp.size == 1:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    tp.all_reduce(flat, tag="sequence-parallel-grads backward")
-    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(part.view_as(g))
 
 
 def _bytes_by_group(events, steps: int) -> dict:

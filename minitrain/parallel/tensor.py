@@ -564,18 +564,23 @@ class TensorParallelGPT(nn.Module):
     def sequence_parallel_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if getattr(p, "sequence_parallel", False)]
 
-    @torch.no_grad()
     def all_reduce_sequence_parallel_grads(self) -> None:
-        """Sequence parallel: sum, over the TP ranks, the gradients of the replicated parameters
-        that saw only this rank's positions (LayerNorms, row-parallel biases, positions) — one
-        all-reduce of them all, after backward and before the optimizer step."""
-        grads = [p.grad for p in self.sequence_parallel_parameters() if p.grad is not None]
-        if not grads or self.comm.size == 1:
-            return
-        flat = torch.cat([gr.reshape(-1) for gr in grads])
-        self.comm.all_reduce(flat, tag="sequence-parallel-grads backward")
-        for gr, part in zip(grads, flat.split([gr.numel() for gr in grads])):
-            gr.copy_(part.view_as(gr))
+        all_reduce_sequence_parallel_grads(self, self.comm)
+
+
+@torch.no_grad()
+def all_reduce_sequence_parallel_grads(module: nn.Module, comm: Comm) -> None:
+    """Sequence parallel: sum, over the TP ranks of ``comm``, the gradients of ``module``'s
+    replicated parameters that saw only this rank's positions (LayerNorms, row-parallel biases,
+    positions) — one all-reduce of them all, after backward and before the optimizer step."""
+    grads = [p.grad for p in module.parameters()
+             if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not grads or comm.size == 1:
+        return
+    flat = torch.cat([gr.reshape(-1) for gr in grads])
+    comm.all_reduce(flat, tag="sequence-parallel-grads backward")
+    for gr, part in zip(grads, flat.split([gr.numel() for gr in grads])):
+        gr.copy_(part.view_as(gr))
 
 
 @torch.no_grad()

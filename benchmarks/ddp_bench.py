@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minitrain import PRESETS, Cluster, GPT
+from minitrain.benchmarking import alternate
 from minitrain.data import ArithmeticData, shard
 from minitrain.parallel.data_parallel import DistributedDataParallel, overlap_fraction
 
@@ -32,19 +32,15 @@ def step_times(model_name: str, bucket_mb: float, steps: int, batch: int):
                 "torch": TorchDDP(GPT(cfg, seed=0), bucket_cap_mb=bucket_mb)}
     optims = {k: torch.optim.Adam(w.module.parameters(), lr=1e-3) for k, w in wrappers.items()}
     data, r, n = ArithmeticData(cfg.seq_len, 0), dist.get_rank(), dist.get_world_size()
-    times: dict = {k: [] for k in wrappers}
-    for step in range(steps + 2):  # two warm-up steps
-        x, y = data.batch(step, batch)
-        order = list(wrappers) if step % 2 == 0 else list(reversed(list(wrappers)))
-        for kind in order:
-            dist.barrier()
-            t0 = time.perf_counter()
-            optims[kind].zero_grad()
-            wrappers[kind](shard(x, r, n), shard(y, r, n)).backward()
-            optims[kind].step()
-            times[kind].append(time.perf_counter() - t0)
+
+    def step(kind, x, y):
+        optims[kind].zero_grad()
+        wrappers[kind](shard(x, r, n), shard(y, r, n)).backward()
+        optims[kind].step()
+
+    out = alternate(list(wrappers), step, data, batch, steps)
     overlap = [overlap_fraction(s) for s in wrappers["minitrain"].timeline[2:]]
-    return {k: v[2:] for k, v in times.items()}, overlap
+    return {k: v["times"] for k, v in out.items()}, overlap
 
 
 def main() -> None:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minitrain import PRESETS, Cluster, GPT
+from minitrain.benchmarking import alternate
 from minitrain.data import ArithmeticData
 from minitrain.model import GPTConfig, loss_fn
 from minitrain.parallel.pipeline import bubble_formula, bubble_fraction, split_layers
@@ -165,20 +166,13 @@ def step_times(model: str, schedule: str, microbatches: int, batch: int, steps: 
     cfg = MODELS[model]
     runs = {k: build(k, cfg, schedule, microbatches, batch) for k in kinds}
     data = ArithmeticData(cfg.seq_len, 0)
-    out = {k: {"times": [], "losses": [], "timelines": []} for k in kinds}
-    for step in range(steps + warmup):
-        x, y = data.batch(step, batch)
-        for kind in (kinds if step % 2 == 0 else kinds[::-1]):
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = runs[kind].train_step(x, y)
-            elapsed = time.perf_counter() - t0
-            out[kind]["losses"].append(loss)
-            if step >= warmup:
-                out[kind]["times"].append(elapsed)
-                out[kind]["timelines"].append(runs[kind].timeline)
-    return out
 
+    def step(kind, x, y):
+        return runs[kind].train_step(x, y), runs[kind].timeline
+
+    out = alternate(kinds, step, data, batch, steps, warmup)
+    return {k: {"times": v["times"], "losses": [loss for loss, _ in v["results"]],
+                "timelines": [tl for _, tl in v["results"][warmup:]]} for k, v in out.items()}
 
 def single_losses(model: str, batch: int, steps: int) -> list[float]:
     """The reference: one process, the whole model, Adam, the same batches."""

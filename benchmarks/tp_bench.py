@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -35,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minitrain import PRESETS, Cluster, GPT, train
+from minitrain.benchmarking import alternate
 from minitrain.comm import Comm
 from minitrain.data import ArithmeticData
 from minitrain.model import GPTConfig
@@ -120,19 +120,9 @@ def step_times(model: str, batch: int, steps: int, kinds: list[str], warmup: int
     cfg = MODELS[model]
     runs = {k: (TorchTP(cfg) if k == "torch" else OursTP(cfg, batch)) for k in kinds}
     data = ArithmeticData(cfg.seq_len, 0)
-    out = {k: {"times": [], "losses": []} for k in kinds}
-    for step in range(steps + warmup):
-        x, y = data.batch(step, batch)
-        for kind in (kinds if step % 2 == 0 else kinds[::-1]):
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = runs[kind].train_step(x, y)
-            elapsed = time.perf_counter() - t0
-            out[kind]["losses"].append(loss)
-            if step >= warmup:
-                out[kind]["times"].append(elapsed)
-    return out
-
+    out = alternate(kinds, lambda kind, x, y: runs[kind].train_step(x, y), data, batch, steps,
+                    warmup)
+    return {k: {"times": v["times"], "losses": v["results"]} for k, v in out.items()}
 
 def single_losses(model: str, batch: int, steps: int) -> list[float]:
     """The reference: the ``single`` strategy (one process, the whole model, Adam), same batches."""

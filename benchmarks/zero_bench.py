@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -26,6 +25,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minitrain import PRESETS, Cluster, GPT
+from minitrain.benchmarking import alternate
 from minitrain.comm import Comm
 from minitrain.data import ArithmeticData, shard
 from minitrain.memory import ledger, rss_bytes
@@ -74,21 +74,17 @@ def step_times(model_name: str, steps: int, batch: int, kinds: list[str]):
     model-state bytes after the last step."""
     runs = {k: build(k, model_name) for k in kinds}
     data, r, n = ArithmeticData(PRESETS[model_name].seq_len, 0), dist.get_rank(), dist.get_world_size()
-    times: dict = {k: [] for k in kinds}
-    for step in range(steps + 2):  # two warm-up steps
-        x, y = data.batch(step, batch)
-        order = kinds if step % 2 == 0 else kinds[::-1]
-        for kind in order:
-            model, opt, _ = runs[kind]
-            dist.barrier()
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            model(shard(x, r, n), shard(y, r, n)).backward()
-            opt.step()
-            times[kind].append(time.perf_counter() - t0)
+
+    def step(kind, x, y):
+        model, opt, _ = runs[kind]
+        opt.zero_grad()
+        model(shard(x, r, n), shard(y, r, n)).backward()
+        opt.step()
+
+    out = alternate(kinds, step, data, batch, steps)
     states = {k: {kk: v for kk, v in runs[k][2]().items()
                   if kk in ("parameters", "gradients", "optimizer_states")} for k in kinds}
-    return {k: v[2:] for k, v in times.items()}, states
+    return {k: v["times"] for k, v in out.items()}, states
 
 
 def peak_rss(model_name: str, steps: int, batch: int, kind: str) -> int:

@@ -12,7 +12,6 @@ by the bytes each rank must move: busbw = 2(N-1)/N · n / T, so it is comparable
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import numpy as np

@@ -6,7 +6,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from minitrain import GPT, ArithmeticData, Cluster, Comm, GPTConfig, PRESETS, TrainConfig, train
+from minitrain import GPT, ArithmeticData, Comm, GPTConfig, PRESETS, TrainConfig, train
 from minitrain.comm import loopback_tx_bytes
 from minitrain.data import shard
 from minitrain.parallel.data_parallel import (DistributedDataParallel, NaiveDataParallel,

@@ -5,7 +5,6 @@ import time
 
 import pytest
 import torch
-import torch.nn as nn
 
 from minitrain import PRESETS, GPT, TrainConfig, train
 from minitrain.launch import RankError

@@ -4,7 +4,7 @@ seconds)."""
 
 import pytest
 
-from minitrain.parallel.pipeline import (Action, ScheduleError, bubble_formula, bubble_fraction,
+from minitrain.parallel.pipeline import (Action, ScheduleError, bubble_fraction,
                                          make_schedule, simulate)
 from minitrain.viz.pipeline import (BubbleWidget, bar_color, bubble_summary, gantt_figure,
                                     gantt_rows, plot_gantt)

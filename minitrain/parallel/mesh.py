@@ -42,10 +42,11 @@ from ..memory import ActivationMeter, ledger, rss_bytes
 from ..model import GPT
 from ..strategies import ConfigError, Strategy, TrainConfig, register
 from .pipeline import (PipelineExecutor, bubble_fraction, bubble_formula, check_pipeline,
-                       make_schedule, pipeline_options, split_layers, validate)
+                       make_schedule, merge_stages, pipeline_options, split_layers, validate)
 from .tensor import (ParallelBlock, ParallelEmbedding, ParallelHead,
                      all_reduce_sequence_parallel_grads, check_tensor_parallel, comm_per_layer,
-                     full_state_dict, padded_size, vocab_parallel_cross_entropy)
+                     full_state_dict, merge_checkpoints, padded_size, shard_checkpoint,
+                     vocab_parallel_cross_entropy)
 from .zero import ZeroRedundancyOptimizer
 
 __all__ = ["Coords", "MeshShape", "Mesh", "TensorParallelStage", "mesh_shape", "check_mesh",
@@ -310,13 +311,50 @@ class ThreeD(Strategy):
                                group=self.mesh.pp.group)
         self._state = None
         if self.comm.rank == 0:
-            merged = {k: v for s in states for k, v in s.items()}
-            self._state = {k: merged[k] for k in GPT(self.cfg.model).state_dict()}
+            self._state = merge_stages(states, self.cfg.model)
 
     def state_dict(self) -> dict:
         if getattr(self, "_state", None) is None:
             raise RuntimeError("3d gathers the full state at the end of fit(), on rank 0 only")
         return self._state
+
+    # -- checkpoints (lesson 08): replica 0 saves its stages' tensor shards, every rank that holds
+    # Adam states of its own saves them (ZeRO-1: each dp rank its 1/dp; ZeRO-0: replica 0 only).
+    # Saves run inside fit, after a step, while the mesh's groups live; none needs a collective.
+    checkpoint_refusal = None
+
+    @classmethod
+    def checkpoint_layout(cls, cfg: TrainConfig) -> dict:
+        s = mesh_shape(cfg)
+        _, _, _, chunks = pipeline_options(cfg, s.pp)
+        return {"dp": s.dp, "pp": s.pp, "tp": s.tp, "chunks": chunks,
+                "zero_stage": cfg.options.get("zero_stage", 1)}
+
+    def _stepping_optimizer(self) -> torch.optim.Optimizer:
+        """The Adam whose states this rank holds (ZeRO-1: the one on its flat shard)."""
+        return self.optimizer.optim if self.zero_stage == 1 else self.optimizer
+
+    def checkpoint_state(self) -> dict:
+        replica0 = self.mesh.coords.dp == 0
+        out = shard_checkpoint(*self.stages.values()) if replica0 else {}
+        if replica0 or self.zero_stage == 1:
+            out["optimizer"] = self._stepping_optimizer().state_dict()
+        return out
+
+    def load_checkpoint_state(self, read) -> None:
+        c = self.mesh.coords
+        replica0 = read(self.shape.rank(Coords(0, c.pp, c.tp)))
+        for stage in self.stages.values():  # (ZeRO-1: into the flat buffers the shards view)
+            stage.load_state_dict({k: replica0["model"][k] for k in stage.state_dict()})
+        own = read(self.comm.rank) if self.zero_stage == 1 else replica0
+        self._stepping_optimizer().load_state_dict(own["optimizer"])
+
+    @classmethod
+    def consolidate_checkpoint(cls, cfg: TrainConfig, read) -> dict:
+        """Replica 0's ranks: each stage's tensor shards merged, then the stages put together."""
+        s = mesh_shape(cfg)
+        return merge_stages([merge_checkpoints([read(s.rank(Coords(0, p, t))) for t in range(s.tp)])
+                             for p in range(s.pp)], cfg.model)
 
     def memory(self) -> dict:
         if self.zero_stage == 1:

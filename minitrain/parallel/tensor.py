@@ -78,7 +78,8 @@ __all__ = ["Split", "padded_size", "shard_tensor", "merge_shards", "f", "g",
            "gather_from_sequence_parallel", "reduce_scatter_to_sequence_parallel", "sequence_shard",
            "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "vocab_parallel_cross_entropy", "TensorParallelGPT", "full_state_dict",
-           "comm_per_layer", "check_tensor_parallel", "TensorParallel"]
+           "shard_checkpoint", "merge_checkpoints", "comm_per_layer", "check_tensor_parallel",
+           "TensorParallel"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -601,6 +602,29 @@ def full_state_dict(model: nn.Module, comm: Comm) -> dict:
     return out
 
 
+def shard_checkpoint(*modules: nn.Module) -> dict:
+    """This rank's tensor-parallel shards of ``modules`` for a checkpoint file, under their
+    state_dict names: ``{"model": {name: tensor}, "splits": {name: [dim, parts, size] or None}}``
+    — how :func:`merge_checkpoints` puts the ranks' shards back together, offline (None:
+    replicated, every rank holds it whole)."""
+    model, splits = {}, {}
+    for module in modules:
+        for name, t in module.state_dict(keep_vars=True).items():
+            model[name] = t.detach().clone()
+            split = getattr(t, "tp_split", None)
+            splits[name] = list(split) if split is not None else None
+    return {"model": model, "splits": splits}
+
+
+def merge_checkpoints(states: list[dict]) -> dict:
+    """The single-process tensors from every tensor rank's :func:`shard_checkpoint`, in rank
+    order: shards merged (padding dropped), replicated tensors from rank 0."""
+    first = states[0]
+    return {name: merge_shards([s["model"][name] for s in states], Split(*split)).clone()
+            if (split := first["splits"][name]) is not None else t
+            for name, t in first["model"].items()}
+
+
 def comm_per_layer(events, steps: int = 1) -> dict:
     """Collectives per step, by where they were made and in which pass: ``{"blocks.0":
     {"all_reduce forward": {"calls", "bytes", "sent_bytes"}, ...}, "embed": ..., "head": ...,
@@ -693,6 +717,25 @@ class TensorParallel(Single):
         if getattr(self, "_state", None) is None:
             raise RuntimeError("tensor gathers the full state at the end of fit(), on rank 0 only")
         return self._state
+
+    # -- checkpoints (lesson 08): each rank saves its shards and their Adam states ----------------
+    checkpoint_refusal = None  # declared again: the state is in shards, not in Single's replica
+
+    @classmethod
+    def checkpoint_layout(cls, cfg: TrainConfig) -> dict:
+        return {"tp": cfg.options.get("tp") or cfg.world_size}
+
+    def checkpoint_state(self) -> dict:
+        return {**shard_checkpoint(self.model), "optimizer": self.optimizer.state_dict()}
+
+    def load_checkpoint_state(self, read) -> None:
+        state = read(self.comm.rank)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    @classmethod
+    def consolidate_checkpoint(cls, cfg: TrainConfig, read) -> dict:
+        return merge_checkpoints([read(r) for r in range(cfg.world_size)])
 
     def report(self) -> dict:
         """Shard shapes and the collectives per step by layer and pass (:func:`comm_per_layer`)."""

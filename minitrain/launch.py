@@ -84,6 +84,10 @@ class RankError(RuntimeError):
 
 #: seconds the other ranks get to report after the first failure, before the group is stopped
 GRACE_S = 0.3
+#: forked ranks join their group in well under a second; one that has not after this long is stuck
+#: (seen once in CI: a rank forked while a thread of the parent held a lock never got going), so
+#: the ranks are stopped and forked once more
+FORK_STARTUP_S = 20.0
 _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
 
@@ -352,9 +356,20 @@ class Cluster:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def start(self) -> "Cluster":
-        """Start the ranks (a no-op when they are already running)."""
+        """Start the ranks (a no-op when they are already running).  Forked ranks that have not
+        all joined the group within :data:`FORK_STARTUP_S` are stopped and forked once more."""
         if self.alive:
             return self
+        if self.start_method != "fork":
+            return self._start(self.timeout + 30)
+        try:
+            return self._start(min(FORK_STARTUP_S, self.timeout + 30))
+        except (TimeoutError, RankError) as exc:
+            print(f"minitrain: the ranks did not start ({str(exc).splitlines()[0]}); starting them "
+                  "again", file=sys.stderr, flush=True)
+            return self._start(self.timeout + 30)
+
+    def _start(self, limit_s: float) -> "Cluster":
         self.close()
         t0 = time.perf_counter()
         ctx = mp.get_context(self.start_method)
@@ -376,7 +391,7 @@ class Cluster:
             self._conns.append(parent_end)
         _LIVE.add(self)
         try:
-            replies = self._collect(deadline=time.monotonic() + self.timeout + 30)
+            replies = self._collect(deadline=time.monotonic() + limit_s)
         except BaseException:
             self.close()
             raise

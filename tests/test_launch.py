@@ -1,5 +1,6 @@
 """The launcher: results from every rank, failures named and cleaned up, timeouts, torchrun."""
 
+import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -83,6 +84,30 @@ def test_a_rank_that_raises_is_named_quickly_and_cleaned_up():
     assert set(c.pids).isdisjoint(pids)
     c.close()
     assert not any(pid_alive(p) for p in c.pids)
+
+
+def test_ranks_that_do_not_start_are_forked_again(monkeypatch, capsys):
+    """A forked rank stuck before joining the group (once in CI: a lock held by a parent thread
+    at fork time) — the ranks are stopped and forked again, and the cluster works."""
+    launch_module = sys.modules["minitrain.launch"]  # (minitrain.launch is also a function)
+    stuck = mp.Value("i", 0)  # shared with the forked ranks: how many got stuck so far
+    original = launch_module._die_with_parent
+
+    def first_rank_2_hangs():
+        original()
+        if mp.current_process().name == "minitrain-rank2":
+            with stuck.get_lock():
+                first = stuck.value == 0
+                stuck.value += 1
+            if first:
+                time.sleep(3600)
+
+    monkeypatch.setattr(launch_module, "_die_with_parent", first_rank_2_hangs)
+    monkeypatch.setattr(launch_module, "FORK_STARTUP_S", 2.0)
+    with Cluster(3, timeout=30) as c:
+        assert [r[2] for r in c.run(rank_and_sum)] == [6.0] * 3
+    assert stuck.value == 2  # stuck the first time, started the second
+    assert "starting them again" in capsys.readouterr().err
 
 
 def test_a_killed_rank_is_reported_and_the_rest_stopped():

@@ -47,7 +47,7 @@ def memory_of(pids: list[int]) -> tuple[int, int]:
     return rss, pss
 
 
-def run_lesson(path: Path, timeout: int = 300) -> dict:
+def run_lesson(path: Path, timeout: int = 120) -> dict:
     nb = nbformat.read(path, as_version=4)
     peak = {"rss": 0, "pss": 0, "procs": 0}
     done = threading.Event()

@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["Event", "Tracer", "Comm", "ring_all_reduce", "ring_sent_bytes", "loopback_tx_bytes"]
+__all__ = ["Event", "Tracer", "Comm", "ring_all_reduce", "all_reduce_coalesced", "ring_sent_bytes",
+           "loopback_tx_bytes"]
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the first names.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -289,6 +290,20 @@ class Comm:
 
     def barrier(self) -> None:
         self._traced("barrier", 0, lambda: dist.barrier(group=self.group))
+
+
+@torch.no_grad()
+def all_reduce_coalesced(tensors: list, comm: Comm, tag: str = "", divide_by: int = 1) -> None:
+    """Sum ``tensors`` over ``comm``'s ranks in place with one all-reduce of them flattened
+    together (one message instead of one per tensor), then divide by ``divide_by``."""
+    if not tensors or comm.size == 1:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    comm.all_reduce(flat, tag=tag)
+    if divide_by != 1:
+        flat.div_(divide_by)
+    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(part.view_as(t))
 
 
 def ring_all_reduce(tensor: torch.Tensor, comm: Comm, record: list | None = None) -> torch.Tensor:

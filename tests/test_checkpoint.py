@@ -5,11 +5,12 @@ checkpoints are refused before any process starts, naming the problem and the fi
 import json
 import os
 import shutil
+import sys
 
 import pytest
 import torch
 
-from minitrain import GPT, Cluster, GPTConfig, TrainConfig, train
+from minitrain import GPT, GPTConfig, TrainConfig, train
 from minitrain.checkpoint import CheckpointError, checkpoint_support, consolidate, find_checkpoint
 from minitrain.cli import build_parser, config_from_args, main
 from minitrain.launch import RankError
@@ -121,9 +122,14 @@ def test_save_every_and_resume_from_an_earlier_step(clusters, tmp_path):
 
 @pytest.fixture
 def no_spawn(monkeypatch):
-    def refuse(self):
-        raise AssertionError("a process was started")
-    monkeypatch.setattr(Cluster, "start", refuse)
+    """train() and the CLI may not start ranks: every refusal comes before spawning.  (The ranks
+    the `clusters` fixture keeps — and `saved` uses — are another Cluster name, left alone, so a
+    refusal test also runs on its own.)"""
+    class Refused:
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("a process was started")
+    for module in ("minitrain.train", "minitrain.cli"):  # (minitrain.train is also a function)
+        monkeypatch.setattr(sys.modules[module], "Cluster", Refused)
 
 
 @pytest.fixture

@@ -339,6 +339,13 @@ def overlap_fraction(step: dict) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
+def mean_over_ranks(loss: torch.Tensor, comm: Comm) -> float:
+    """Mean of the ranks' losses (untraced: a metric, not training traffic)."""
+    t = loss.detach().clone()
+    dist.all_reduce(t, group=comm.group)
+    return t.item() / comm.size
+
+
 class _DataParallelStrategy(Strategy):
     """Shared by ddp-naive and ddp: split the global batch, train the replica, report the mean loss.
 
@@ -365,10 +372,7 @@ class _DataParallelStrategy(Strategy):
         return shard(x, r, n).to(self.device), shard(y, r, n).to(self.device)
 
     def global_mean(self, loss: torch.Tensor) -> float:
-        """Mean of the ranks' losses (untraced: a metric, not training traffic)."""
-        t = loss.detach().clone()
-        dist.all_reduce(t, group=self.comm.group)
-        return t.item() / self.comm.size
+        return mean_over_ranks(loss, self.comm)
 
     @abc.abstractmethod
     def wrap(self, model):

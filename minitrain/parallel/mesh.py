@@ -37,10 +37,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..comm import Comm
+from ..comm import Comm, all_reduce_coalesced
+from ..data import shard
 from ..memory import ActivationMeter, ledger, rss_bytes
 from ..model import GPT
 from ..strategies import ConfigError, Strategy, TrainConfig, register
+from .data_parallel import mean_over_ranks
 from .pipeline import (PipelineExecutor, bubble_fraction, bubble_formula, check_pipeline,
                        make_schedule, merge_stages, pipeline_options, split_layers, validate)
 from .tensor import (ParallelBlock, ParallelEmbedding, ParallelHead,
@@ -262,35 +264,19 @@ class ThreeD(Strategy):
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         d, dp = self.mesh.coords.dp, self.shape.dp
-        per = x.shape[0] // dp
-        x, y = x[d * per:(d + 1) * per].to(self.device), y[d * per:(d + 1) * per].to(self.device)
+        x, y = shard(x, d, dp).to(self.device), shard(y, d, dp).to(self.device)
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.executor.step(x, y)
         self.timelines.append(self.executor.timeline)
         if self.sequence_parallel:
             for stage in self.stages.values():
                 all_reduce_sequence_parallel_grads(stage, self.mesh.tp)
-        if self.zero_stage == 0:
-            self._all_reduce_gradients()
+        if self.zero_stage == 0:  # average over the replicas; ZeRO-1's step does it itself
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            all_reduce_coalesced(grads, self.mesh.dp, tag="grad", divide_by=dp)
         self.optimizer.step()  # ZeRO-1: reduce-scatter over dp, step the shard, all-gather
-        return self._mean_over_replicas(loss)
-
-    @torch.no_grad()
-    def _all_reduce_gradients(self) -> None:
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if self.shape.dp == 1 or not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.mesh.dp.all_reduce(flat, tag="grad")
-        flat.div_(self.shape.dp)
-        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(part.view_as(g))
-
-    def _mean_over_replicas(self, loss: float) -> float:
-        """The global batch's mean loss (untraced: a metric, not training traffic)."""
-        t = torch.tensor(loss, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=self.mesh.dp.group)
-        return t.item() / self.shape.dp
+        return mean_over_ranks(torch.tensor(loss, dtype=torch.float64, device=self.device),
+                               self.mesh.dp)
 
     def fit(self, data, on_step=None):
         out = super().fit(data, on_step)
@@ -357,11 +343,8 @@ class ThreeD(Strategy):
                              for p in range(s.pp)], cfg.model)
 
     def memory(self) -> dict:
-        if self.zero_stage == 1:
-            extra, host = self.optimizer.memory_tensors()
-            out = ledger(self.model, self.optimizer, self.executor.peak_bytes, extra=extra, host=host)
-        else:
-            out = ledger(self.model, self.optimizer, self.executor.peak_bytes)
+        extra, host = self.optimizer.memory_tensors() if self.zero_stage == 1 else ({}, ())
+        out = ledger(self.model, self.optimizer, self.executor.peak_bytes, extra=extra, host=host)
         out["rss_peak"] = rss_bytes(peak=True)
         return out
 

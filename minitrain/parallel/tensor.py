@@ -70,7 +70,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..comm import Comm
+from ..comm import Comm, all_reduce_coalesced
 from ..model import GPT, Attention, Block, Embedding, GPTConfig, Head
 from ..strategies import ConfigError, Single, TrainConfig, register
 
@@ -569,19 +569,13 @@ class TensorParallelGPT(nn.Module):
         all_reduce_sequence_parallel_grads(self, self.comm)
 
 
-@torch.no_grad()
 def all_reduce_sequence_parallel_grads(module: nn.Module, comm: Comm) -> None:
     """Sequence parallel: sum, over the TP ranks of ``comm``, the gradients of ``module``'s
     replicated parameters that saw only this rank's positions (LayerNorms, row-parallel biases,
     positions) — one all-reduce of them all, after backward and before the optimizer step."""
     grads = [p.grad for p in module.parameters()
              if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    if not grads or comm.size == 1:
-        return
-    flat = torch.cat([gr.reshape(-1) for gr in grads])
-    comm.all_reduce(flat, tag="sequence-parallel-grads backward")
-    for gr, part in zip(grads, flat.split([gr.numel() for gr in grads])):
-        gr.copy_(part.view_as(gr))
+    all_reduce_coalesced(grads, comm, tag="sequence-parallel-grads backward")
 
 
 @torch.no_grad()

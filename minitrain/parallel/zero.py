@@ -59,6 +59,7 @@ sharded — they stay whole on every rank, as buffers do — and get no gradient
 
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass
 
@@ -790,9 +791,9 @@ class _ZeroStrategy(_DataParallelStrategy):
         ignore = getattr(self.sharded, "is_gathered_parameter", None)
         self.meter = ActivationMeter(self.model, ignore=ignore)
 
+    @abc.abstractmethod
     def shard(self, model) -> tuple:
         """(what to call forward on, the optimizer, the object holding the shards)."""
-        raise NotImplementedError
 
     # -- checkpoints: every rank writes its shards and its optimizer states (1/N of each) -----------
 

@@ -41,8 +41,8 @@ prices each with the course's models, and rejects or ranks it — and the table 
 The rules, and why (each rejected layout says which one it broke):
 
 * TP only inside a node: its four all-reduces per layer and micro-batch sit on the critical path;
-* ZeRO-2/3 only without TP and PP (the Hugging Face guide: combined with PP and TP, ZeRO shards only the optimizer states):
-  they would re-shard gradients or weights for every micro-batch;
+* ZeRO-2/3 only without TP and PP (the Hugging Face guide: combined with PP and TP, ZeRO shards
+  only the optimizer states): they would re-shard gradients or weights for every micro-batch;
 * a layout must fit in the device's memory (and, for offload, the optimizer states in the host's);
 * of the layouts that fit, the fastest wins; layouts within 5 % of it count as equally fast, and
   among those the simplest wins — the least model parallelism (TP·PP), then the lowest ZeRO stage,
@@ -507,7 +507,7 @@ def _gb(n: float) -> str:
 
 
 def _reasons(model, hw, job, key, best: Candidate, feasible: list[Candidate]) -> list[str]:
-    """The recommendation in sentences: the scenario table's row, memory, the time, what crosses nodes."""
+    """The recommendation in sentences: the table's row, memory, the time, what crosses nodes."""
     lay, mem, t = best.layout, best.memory, best.time
     out = [f"Hugging Face guide's table: {SCENARIOS[key][0]} → {SCENARIOS[key][1]}"]
     single = model_state_bytes(model.params, 1, 0, job.recipe)["total"]

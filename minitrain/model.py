@@ -90,7 +90,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """GeLU(XA)B — the product tensor parallelism splits by columns of A and rows of B (seed 003)."""
+    """GeLU(XA)B — the product tensor parallelism splits by columns of A and rows of B (Megatron-LM)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()

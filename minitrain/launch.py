@@ -108,9 +108,34 @@ def choose_backend(world_size: int, backend: str | None = None) -> str:
     return "gloo"
 
 
+#: what torchrun (and any env:// launcher) sets for each process
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 def launched_by_torchrun() -> bool:
-    """True inside a process started by ``torchrun`` (or any env:// launcher)."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    """True inside a process started by ``torchrun`` (or any env:// launcher): all of
+    :data:`TORCHRUN_VARS` set and consistent.  A partial or inconsistent set (variables left over
+    in a shell or a notebook) raises :class:`LaunchError` naming them and the fix."""
+    present = [k for k in TORCHRUN_VARS if k in os.environ]
+    if not present:
+        return False
+    shown = ", ".join(f"{k}={os.environ[k]}" for k in present)
+    fix = (f"if this is not a torchrun process, unset them (unset {' '.join(present)}); else "
+           "start it with torchrun")
+    missing = [k for k in TORCHRUN_VARS if k not in os.environ]
+    if missing:
+        raise LaunchError(f"the environment has {shown} but not {', '.join(missing)}: half a "
+                          f"torchrun environment; {fix}")
+    try:
+        rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+        int(os.environ["MASTER_PORT"])
+    except ValueError:
+        raise LaunchError(f"the torchrun variables are not numbers where they must be ({shown}); "
+                          f"{fix}") from None
+    if not (0 <= rank < world and 0 <= local <= rank):
+        raise LaunchError(f"the torchrun variables disagree ({shown}: need 0 <= LOCAL_RANK <= RANK "
+                          f"< WORLD_SIZE); {fix}")
+    return True
 
 
 def init_from_env(backend: str | None = None, timeout: float = 300.0) -> tuple[int, int]:

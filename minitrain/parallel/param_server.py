@@ -43,6 +43,7 @@ from ..comm import Comm
 from ..data import shard
 from ..memory import ActivationMeter
 from ..strategies import ConfigError, Strategy, TrainConfig, register
+from .flat import FlatUnit
 from .compression import (ErrorFeedback, add_compression_arguments, check_compression,
                           parse_compressor)
 
@@ -63,19 +64,6 @@ def partition(params: list[torch.Tensor], servers: int) -> list[list[int]]:
         keys[s].append(k)
         load[s] += params[k].numel()
     return [sorted(ks) for ks in keys]
-
-
-def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
-
-
-@torch.no_grad()
-def unflatten_into(vector: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    """Copy consecutive slices of ``vector`` into ``tensors`` (the inverse of :func:`flat`)."""
-    offset = 0
-    for t in tensors:
-        t.copy_(vector[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
 
 
 def parse_slow_workers(spec) -> dict[int, float]:
@@ -121,6 +109,7 @@ class ParameterServer:
         self.comm, self.workers, self.mode = comm, workers, mode
         self.bound, self.delay_comp, self.compressor = staleness, delay_comp, compressor
         self.params = [nn.Parameter(p.detach().clone()) for p in params]
+        self.unit = FlatUnit(self.params)  # the keys laid end to end: what goes on the wire
         self.optimizer = torch.optim.Adam(self.params, lr=lr)
         self.numel = sum(p.numel() for p in self.params)
         self.version = 0
@@ -135,7 +124,7 @@ class ParameterServer:
     def send_params(self, worker: int) -> None:
         """Answer a pull without blocking (a server that waited on one slow receiver would stall
         every other worker — and, with several servers, could deadlock against them)."""
-        weights = flat(self.params)
+        weights = self.unit.flatten()
         if self.delay_comp:
             self.sent_to[worker] = weights
         version = torch.tensor([float(self.version)], dtype=torch.float64)
@@ -164,14 +153,12 @@ class ParameterServer:
     def compensate(self, g: torch.Tensor, worker: int) -> torch.Tensor:
         if not self.delay_comp or worker not in self.sent_to:
             return g
-        return delay_compensated(g, flat(self.params), self.sent_to[worker], self.delay_comp)
+        return delay_compensated(g, self.unit.flatten(), self.sent_to[worker], self.delay_comp)
 
     def apply(self, g: torch.Tensor) -> None:
         """One Adam step on this server's keys with flat gradient ``g``; a new version."""
-        offset = 0
-        for p in self.params:
-            p.grad = g[offset:offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
+        for p, view in zip(self.params, self.unit.views(g)):
+            p.grad = view.clone()
         self.optimizer.step()
         self.version += 1
 
@@ -256,6 +243,7 @@ class Worker:
         self.comm, self.model, self.servers = comm, model, servers
         params = list(model.parameters())
         self.shards = [[params[k] for k in ks] for ks in keys]
+        self.units = [FlatUnit(ps) for ps in self.shards]
         self.ef = ErrorFeedback(compressor, error_feedback) if compressor is not None else None
         self.delay_s = delay_s
         self.versions = [0] * len(servers)
@@ -263,22 +251,22 @@ class Worker:
 
     def pull(self) -> None:
         t0 = time.perf_counter()
-        for i, (s, shard_params) in enumerate(zip(self.servers, self.shards)):
+        for i, (s, unit) in enumerate(zip(self.servers, self.units)):
             version = torch.zeros(1, dtype=torch.float64)
             self.comm.recv(version, s, tag="pull:version", channel=PARAMS)
-            weights = torch.empty(sum(p.numel() for p in shard_params))
+            weights = torch.empty(unit.total)
             self.comm.recv(weights, s, tag="pull", channel=PARAMS)
-            unflatten_into(weights, shard_params)
+            unit.unflatten(weights)
             self.versions[i] = int(version.item())
         self.wait_s += time.perf_counter() - t0
 
     def push(self, clock: int, loss: float) -> None:
         if self.delay_s:
             time.sleep(self.delay_s)  # a slow worker (a busy machine, a straggler GPU)
-        for i, (s, shard_params) in enumerate(zip(self.servers, self.shards)):
+        for i, (s, unit) in enumerate(zip(self.servers, self.units)):
             header = torch.tensor([clock, self.versions[i], loss], dtype=torch.float64)
             self.comm.send(header, s, tag="push:header", channel=HEADER)
-            g = flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in shard_params])
+            g = unit.flatten([p.grad for p in unit.params])  # no gradient: zeros
             if self.ef is None:
                 self.comm.send(g, s, tag="push", channel=GRAD)
                 continue
@@ -417,15 +405,16 @@ class _ParameterServerStrategy(Strategy):
             if not self.is_server:
                 return
             if self.comm.rank != 0:
-                self.comm.send(flat(self.role.params), 0, channel=FINAL)
+                self.comm.send(self.role.unit.flatten(), 0, channel=FINAL)
                 return
             self._full_model = self.build_model()
             full = list(self._full_model.parameters())
             for s in range(1, self.n_servers):
-                weights = torch.empty(sum(full[k].numel() for k in self.keys[s]))
+                unit = FlatUnit([full[k] for k in self.keys[s]])
+                weights = torch.empty(unit.total)
                 self.comm.recv(weights, s, channel=FINAL)
-                unflatten_into(weights, [full[k] for k in self.keys[s]])
-            unflatten_into(flat(self.role.params), [full[k] for k in self.keys[0]])
+                unit.unflatten(weights)
+            FlatUnit([full[k] for k in self.keys[0]]).unflatten(self.role.unit.flatten())
 
     def state_dict(self) -> dict:
         return self._full_model.state_dict()

@@ -1,4 +1,4 @@
-"""Traced collectives and a ring all-reduce built from send/recv (lesson 01; seed 002 §3.1).
+"""Traced collectives and a ring all-reduce built from send/recv (lesson 01).
 
 A :class:`Comm` is a communicator in the MPI sense: one process group plus a :class:`Tracer`.  Every
 strategy in ``minitrain.parallel`` is handed a ``Comm`` (never a global), talks through it, and so the

@@ -10,8 +10,8 @@ from minitrain import GPT, ArithmeticData, Comm, GPTConfig, PRESETS, TrainConfig
 from minitrain.comm import loopback_tx_bytes
 from minitrain.data import shard
 from minitrain.parallel.data_parallel import (DistributedDataParallel, NaiveDataParallel,
-                                              make_buckets, overlap_fraction, MIB,
-                                              FIRST_BUCKET_BYTES)
+                                              overlap_fraction)
+from minitrain.parallel.flat import FIRST_BUCKET_BYTES, MIB, make_buckets
 from conftest import assert_same_run
 
 CFG = TrainConfig(steps=20, batch_size=12, seed=0)

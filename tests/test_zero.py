@@ -15,8 +15,9 @@ from minitrain.comm import Comm
 from minitrain.data import shard
 from minitrain.memory import model_state_bytes
 from minitrain.parallel.data_parallel import DistributedDataParallel
-from minitrain.parallel.zero import (FlatUnit, FullyShardedDataParallel, ZeroRedundancyOptimizer,
-                                     shard_layout)
+from minitrain.parallel.flat import FlatUnit, shard_layout
+from minitrain.parallel.fsdp import FullyShardedDataParallel
+from minitrain.parallel.zero import ZeroRedundancyOptimizer
 from minitrain.strategies import ConfigError
 from minitrain.train import check_config
 from conftest import assert_same_run

@@ -24,11 +24,10 @@ from ..data import shard
 from ..memory import ActivationMeter
 from ..strategies import ConfigError, Strategy, TrainConfig, register
 from .compression import add_compression_arguments, check_compression
-from .flat import (FIRST_BUCKET_BYTES, MIB, Done, FlatUnit, GradientReducer, bucket_caps,
-                   copy_into_bucket, make_buckets)
+from .flat import Done, FlatUnit, GradientReducer, bucket_caps, copy_into_bucket, make_buckets
 
 __all__ = ["NaiveDataParallel", "DistributedDataParallel", "broadcast_module", "overlap_fraction",
-           "mean_over_ranks", "comm_for", "make_buckets", "MIB", "FIRST_BUCKET_BYTES"]
+           "mean_over_ranks", "comm_for"]
 
 
 def broadcast_module(module: nn.Module, comm: Comm, src: int = 0) -> None:

@@ -1,33 +1,14 @@
 """Parameter server: synchronous, asynchronous and bounded-staleness training (lesson 03).
 
-Seed 002 §3.2–3.4.  Papers: Li et al., 2014, "Scaling Distributed Machine Learning with the
-Parameter Server" (OSDI) — servers own key ranges, workers push gradients and pull parameters;
-Dean et al., 2012, "Large Scale Distributed Deep Networks" (Downpour SGD) — asynchronous updates;
+Papers: Li et al., 2014, "Scaling Distributed Machine Learning with the Parameter Server" (OSDI);
+Dean et al., 2012, "Large Scale Distributed Deep Networks" (Downpour SGD, asynchronous updates);
 Ho et al., 2013, "More Effective Distributed ML via a Stale Synchronous Parallel Parameter Server"
-(SSP) — bounded staleness; Zheng et al., 2017, "Asynchronous SGD with Delay Compensation" (DC-ASGD).
-
-Roles: ranks ``0 .. S-1`` are **servers**, ranks ``S .. S+W-1`` are **workers**.  The model's
-parameters (the *keys*) are partitioned over the servers (:func:`partition`); each server keeps its
-keys and the Adam state for them.  Every message is a real point-to-point send:
-
-* worker → each server: a header ``[clock, version used, loss]`` on channel ``HEADER``, then the
-  gradient of that server's keys (or its compressed payload) on channel ``GRAD``;
-* server → worker: ``[version]`` then the server's keys, flat, on channel ``PARAMS`` (the *pull*).
-
-Modes (``mode=``):
-
-* ``"sync"`` — each clock, a server waits for all W gradients, averages them in worker order, takes
-  one Adam step and answers every pull: equal to one process on the global batch.
-* ``"ssp"`` with bound ``s`` — a server takes whichever worker's gradient arrives first (receive from
-  any source).  Gradients are still averaged per clock (clock c is applied once all W workers pushed
-  their c-th gradient), but a worker may run up to ``s`` clocks ahead of the applied version: its pull
-  is answered only when ``clock − version ≤ s``.  ``s = 0`` is exactly ``"sync"``.
-* ``"async"`` — no bound, no averaging: each gradient is one update, applied the moment it arrives.
-
-In the asynchronous modes every applied gradient is logged with its **staleness** (the server's
-version when it is applied minus the version the worker computed it on).  **Delay compensation**
-(``delay_comp=λ``) replaces a stale gradient g by g + λ·g⊙g⊙(w_now − w_used), a first-order Taylor
-correction towards the gradient at the current weights.
+(SSP); Zheng et al., 2017, "Asynchronous SGD with Delay Compensation" (DC-ASGD).  Ranks 0..S-1
+are servers owning a partition of the parameters (:func:`partition`) and their Adam state; the
+others are workers that push gradients (a header on ``HEADER``, the gradient on ``GRAD``) and pull
+weights (``PARAMS``) with real point-to-point messages.  Modes: ``sync`` (average all W gradients
+per clock), ``ssp`` with bound s (a pull is answered when clock − version ≤ s; s = 0 is sync),
+``async`` (each gradient applied on arrival, with its staleness logged; optional delay compensation).
 """
 
 from __future__ import annotations
@@ -44,7 +25,7 @@ from ..data import shard
 from ..memory import ActivationMeter
 from ..strategies import ConfigError, Strategy, TrainConfig, register
 from .flat import FlatUnit
-from .compression import (ErrorFeedback, add_compression_arguments, check_compression,
+from .compression import (add_compression_arguments, as_error_feedback, check_compression,
                           parse_compressor)
 
 __all__ = ["partition", "ParameterServer", "Worker", "delay_compensated", "parse_slow_workers",
@@ -244,7 +225,7 @@ class Worker:
         params = list(model.parameters())
         self.shards = [[params[k] for k in ks] for ks in keys]
         self.units = [FlatUnit(ps) for ps in self.shards]
-        self.ef = ErrorFeedback(compressor, error_feedback) if compressor is not None else None
+        self.ef = as_error_feedback(compressor, error_feedback)
         self.delay_s = delay_s
         self.versions = [0] * len(servers)
         self.wait_s = 0.0

@@ -1,15 +1,12 @@
 """The bubble widget of lesson 05: a pipeline schedule drawn as a Gantt chart, ideal and measured.
 
-Seeds 000 and 003 / Huang et al., 2019 (GPipe); Narayanan et al., 2021 (1F1B, interleaved);
-Qi et al., 2023 (zero bubble).  A pipeline of P stages idles while it fills and drains: with M
-micro-batches and V model chunks per rank the idle ("bubble") fraction is (P−1)/(V·M+P−1).
-
-A schedule is data (:func:`minitrain.parallel.pipeline.make_schedule`: rank → ordered actions);
-:func:`~minitrain.parallel.pipeline.simulate` turns it into an ideal timeline and the executor
-records a measured one in the same format (``[{"rank", "action", "start", "end"}]``), so one
-drawing serves both.  ``gantt_rows``, ``bubble_summary`` and ``summary_html`` are pure
-(unit-tested); ``plot_gantt`` draws on a matplotlib axis; ``BubbleWidget`` only wires ipywidgets
-to them.
+Papers: Huang et al., 2019, "GPipe"; Narayanan et al., 2019, "PipeDream" (1F1B) and 2021,
+"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM" (interleaved);
+Qi et al., 2023, "Zero Bubble Pipeline Parallelism".  A schedule is data
+(:func:`minitrain.parallel.schedules.make_schedule`), :func:`~minitrain.parallel.schedules.simulate`
+gives its ideal timeline and the executor records a measured one in the same format, so one drawing
+serves both.  ``gantt_rows``, ``bubble_summary`` and ``summary_html`` are pure (unit-tested);
+``plot_gantt`` draws on a matplotlib axis; ``BubbleWidget`` wires ipywidgets to them.
 """
 
 from __future__ import annotations

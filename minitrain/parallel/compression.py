@@ -17,11 +17,9 @@ import math
 import torch
 
 from ..comm import Comm
-from ..strategies import ConfigError, TrainConfig
 
 __all__ = ["Compressor", "TopK", "Int8", "Sign", "PowerSGD", "ErrorFeedback", "parse_compressor",
-           "as_error_feedback", "compressed_all_reduce", "payload_bytes",
-           "add_compression_arguments", "check_compression", "FORMS"]
+           "as_error_feedback", "compressed_all_reduce", "payload_bytes", "FORMS"]
 
 FORMS = "topk:RATIO (e.g. topk:0.01), int8, sign or powersgd:RANK (e.g. powersgd:4)"
 
@@ -333,31 +331,3 @@ def _powersgd_all_reduce(x, comm: Comm, ef: ErrorFeedback, key, average: bool):
     ps._q[key] = q  # warm start for the next step, equal on every rank
     ef.remember(key, corrected, (p @ q_mine.t()).reshape(-1)[:n])  # this rank's share: P Pᵀ M_r
     return x.copy_((p @ q.t()).reshape(-1)[:n].view(x.shape))
-
-
-# --------------------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------------------
-
-
-def add_compression_arguments(parser) -> None:
-    """Add ``--compress SPEC`` and ``--no-error-feedback`` to ``parser`` (a parser or an argument
-    group).  Several strategies call it on one command line: after the first, it does nothing."""
-    if "--compress" in parser._option_string_actions:  # shared with the groups' parent parser
-        return
-    parser.add_argument("--compress", metavar="SPEC", default=None,
-                        help=f"ddp, ps-*: compress gradients with {FORMS} (default: none)")
-    parser.add_argument("--no-error-feedback", dest="error_feedback", action="store_false",
-                        help="ddp, ps-*: drop what compression leaves out instead of adding it to "
-                             "the next gradient")
-
-
-def check_compression(cfg: TrainConfig) -> None:
-    """Raise :class:`ConfigError`, naming the fix, for a bad ``compress`` / ``error_feedback``."""
-    try:
-        compressor = parse_compressor(cfg.options.get("compress"))
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    if compressor is None and not cfg.options.get("error_feedback", True):
-        raise ConfigError("--no-error-feedback only applies to compressed gradients; add "
-                          "--compress SPEC (e.g. --compress topk:0.01) or leave it out")

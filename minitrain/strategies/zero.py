@@ -21,7 +21,7 @@ from ..parallel.zero import HostOffload, ZeroRedundancyOptimizer, shard_optimize
 from .base import ConfigError, Options, TrainConfig, option, register
 from .data_parallel import Buckets, DataParallel, check_batch_split
 
-__all__ = ["Offload", "Zero2Options", "Zero1", "Zero2", "Zero3", "shard_state", "unshard_state"]
+__all__ = ["Offload", "ZeroOptions", "Zero2Options", "Zero1", "Zero2", "Zero3", "shard_state", "unshard_state"]
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,13 @@ class Offload(Options):
 
 
 @dataclass(frozen=True)
+class ZeroOptions(Offload):
+    """zero1's and zero3's (a record of its own: zero2's, which adds bucket_mb, is not one)."""
+
+
+@dataclass(frozen=True)
 class Zero2Options(Buckets, Offload):
-    pass
+    """zero2's: the gradient buckets too."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -85,7 +90,7 @@ class _ZeroStrategy(DataParallel):
 
     stage = 0
     precisions = ("fp32", "bf16-mixed")
-    options = Offload
+    options = ZeroOptions
     checkpoint_refusal = None
 
     @classmethod

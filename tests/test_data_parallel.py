@@ -217,5 +217,5 @@ def test_cli_runs_ddp_and_refuses_bad_batches(clusters):
     from minitrain.train import check_config
     with pytest.raises(ConfigError, match="does not split over 3 ranks; use a multiple of 3"):
         check_config(TrainConfig(strategy="ddp", world_size=3, batch_size=16))
-    with pytest.raises(ConfigError, match="--bucket-mb must be > 0"):
+    with pytest.raises(ConfigError, match="--bucket-mb must be a positive number"):
         check_config(TrainConfig(strategy="ddp", world_size=2, options={"bucket_mb": 0}))

@@ -1,0 +1,102 @@
+"""Every invalid input is refused before any rank starts: non-zero exit, no traceback, and a
+message that names the flag to fix (the table is the learner's and the engineer's usual mistakes)."""
+
+import pytest
+
+from minitrain import Cluster
+from minitrain.cli import main
+
+FILE = __file__  # a regular file: nothing can be saved under it
+
+TABLE = [  # (arguments after "train", the flag or name the message must contain)
+    (["--world-size", "0"], "--world-size"),
+    (["--world-size", "-1"], "--world-size"),
+    (["--steps", "0"], "--steps"),
+    (["--steps", "-5"], "--steps"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--lr", "0"], "--lr"),
+    (["--lr", "-1"], "--lr"),
+    (["--lr", "inf"], "--lr"),
+    (["--lr", "nan"], "--lr"),
+    (["--timeout", "0"], "--timeout"),
+    (["--timeout", "-3"], "--timeout"),
+    (["--timeout", "nan"], "--timeout"),
+    (["--precision", "bf16"], "--precision"),
+    (["--precision", "fp16-mixed", "--loss-scale", "-1"], "--loss-scale"),
+    (["--precision", "fp16-mixed", "--loss-scale", "nan"], "--loss-scale"),
+    (["--loss-scale", "1024"], "--loss-scale"),
+    (["--strategy", "nope"], "strategy"),
+    (["--model", "huge"], "--model"),
+    (["--n-head", "3"], "n_head"),
+    (["--seq-len", "0"], "seq_len"),
+    (["--strategy", "single", "--world-size", "2"], "--world-size"),
+    (["--strategy", "ddp", "--world-size", "3"], "--batch-size"),
+    (["--strategy", "ddp", "--world-size", "2", "--bucket-mb", "0"], "--bucket-mb"),
+    (["--strategy", "ddp", "--world-size", "2", "--bucket-mb", "nan"], "--bucket-mb"),
+    (["--strategy", "ddp", "--world-size", "2", "--bucket-mb", "-1"], "--bucket-mb"),
+    (["--strategy", "ddp", "--world-size", "2", "--compress", "zip"], "--compress"),
+    (["--strategy", "ddp", "--world-size", "2", "--compress", "topk:0"], "--compress"),
+    (["--strategy", "ddp", "--world-size", "2", "--compress", "topk:2"], "--compress"),
+    (["--strategy", "ddp", "--world-size", "2", "--tp", "2"], "--tp"),
+    (["--strategy", "zero2", "--world-size", "2", "--chunks", "2"], "--chunks"),
+    (["--strategy", "zero3", "--world-size", "2", "--checkpoint-activations"], "--checkpoint-activations"),
+    (["--strategy", "zero1", "--world-size", "2", "--precision", "fp16-mixed"], "--precision"),
+    (["--strategy", "ps-sync", "--world-size", "2", "--servers", "0"], "--servers"),
+    (["--strategy", "ps-async", "--world-size", "3", "--batch-size", "12", "--staleness", "-1"],
+     "--staleness"),
+    (["--strategy", "ps-async", "--world-size", "3", "--batch-size", "12", "--delay-comp", "nan"],
+     "--delay-comp"),
+    (["--strategy", "ps-async", "--world-size", "3", "--batch-size", "12", "--slow-worker", "x"],
+     "--slow-worker"),
+    (["--strategy", "pipeline", "--world-size", "2", "--microbatches", "0"], "--microbatches"),
+    (["--strategy", "pipeline", "--world-size", "2", "--chunks", "0"], "--chunks"),
+    (["--strategy", "pipeline", "--world-size", "2", "--schedule", "dualpipe"], "--schedule"),
+    (["--strategy", "pipeline", "--world-size", "8"], "--world-size"),
+    (["--strategy", "tensor", "--world-size", "2", "--tp", "0"], "--tp"),
+    (["--strategy", "tensor", "--world-size", "3"], "--tp"),
+    (["--strategy", "3d", "--world-size", "8", "--dp", "3", "--pp", "2", "--tp", "2"], "--dp"),
+    (["--strategy", "3d", "--world-size", "4", "--zero-stage", "2"], "--zero-stage"),
+    (["--save-dir", FILE + "/ck"], "--save-dir"),
+    (["--save-dir", "/proc/minitrain-ck"], "--save-dir"),
+    (["--save-every", "2"], "--save-dir"),
+    (["--resume", "/nonexistent/minitrain-ck"], "no checkpoint at"),
+    (["--strategy", "ps-sync", "--world-size", "3", "--batch-size", "12", "--save-dir", "x"], "--save-dir"),
+]
+
+
+def test_the_table_is_long_enough():
+    assert len(TABLE) >= 40
+
+
+@pytest.mark.parametrize("args, names", TABLE, ids=[" ".join(a) for a, _ in TABLE])
+def test_refused_before_any_rank_starts_naming_the_flag(monkeypatch, capsys, args, names):
+    def no_spawn(self):
+        raise AssertionError("a rank was started")
+    monkeypatch.setattr(Cluster, "start", no_spawn)
+    with pytest.raises(SystemExit) as info:
+        main(["train", *args, "--steps" if "--steps" not in args else "--seed", "2"])
+    err = capsys.readouterr().err
+    assert info.value.code not in (0, None), err
+    assert "Traceback" not in err
+    assert names in err, err
+
+
+def test_stale_torchrun_variables_are_refused_not_waited_on(monkeypatch, capsys):
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1")):
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--steps", "1"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "half a torchrun environment" in err and "unset RANK WORLD_SIZE MASTER_ADDR" in err
+
+
+def test_oversubscription_is_warned(monkeypatch, capsys):
+    import os
+
+    from minitrain import TrainConfig
+    from minitrain.train import check_config
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    check_config(TrainConfig(strategy="ddp", world_size=16, batch_size=16))
+    assert "16 ranks on 2 CPU cores" in capsys.readouterr().err

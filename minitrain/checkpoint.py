@@ -35,6 +35,7 @@ consolidate and start a new run from the weights.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -86,6 +87,10 @@ def checkpoint_support(cls: type[Strategy]) -> str | None:
     return inherited or (f"strategy {cls.name!r} does not implement checkpoints yet (it needs "
                          "checkpoint_state, load_checkpoint_state and consolidate_checkpoint, and "
                          "checkpoint_refusal = None on its class)")
+
+
+def _options(options) -> dict:
+    return dataclasses.asdict(options) if dataclasses.is_dataclass(options) else dict(options)
 
 
 def _json(value):
@@ -281,7 +286,8 @@ def save_checkpoint(strategy: Strategy, steps_done: int) -> Path:
     dist.gather_object(mine, files, dst=comm.global_rank(0), group=comm.group)
     if comm.rank == 0:
         meta = {"format": FORMAT, "version": VERSION, "step": steps_done, "layout": layout_of(cfg),
-                "config": _json({**cfg.__dict__, "model": cfg.model.to_dict()}),
+                "config": _json({**cfg.__dict__, "model": cfg.model.to_dict(),
+                                 "options": _options(cfg.options)}),
                 "files": dict(files), "torch": torch.__version__,
                 "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
         _write_atomically(path / META, lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))

@@ -1,4 +1,4 @@
-"""``minitrain train`` (also ``python -m minitrain train``): the command-line face of ``train.run_rank``.
+"""``minitrain train`` (also ``python -m minitrain train``): train the tiny GPT with any strategy, on N ranks.
 
 Contract every strategy keeps (``--json``): one JSON object per line, ``{"step": i, "loss": x}`` per
 step, then ``{"summary": {...}}`` with at least ``final_loss``, ``step_time_s`` (median), ``params``,
@@ -11,9 +11,11 @@ starts ``--world-size`` ranks itself.  Bad configurations are refused before any
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
+import typing
 from dataclasses import replace
 
 import torch.distributed as dist
@@ -21,9 +23,60 @@ import torch.distributed as dist
 from .launch import Cluster, init_from_env, launched_by_torchrun
 from .model import PRESETS
 from .strategies import ConfigError, TrainConfig, get_strategy, strategy_names
+from .strategies.base import flag, option_fields
 from .train import check_config, run_rank
 
 __all__ = ["main", "build_parser", "config_from_args"]
+
+
+_SHAPE = ("n_layer", "n_head", "d_model", "seq_len")
+#: TrainConfig fields the CLI sets in its own way (the strategy's options, the model preset)
+_SPECIAL = {"options", "model"}
+
+
+def _arg_type(hint) -> type:
+    """The argparse type of a field annotated ``int``, ``float | None``, ``str | None``..."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    return args[0]
+
+
+def _add_field(group, name: str, hint, default, meta: dict, *, suppress: bool = False,
+               used_by: str = "") -> None:
+    """One flag for one dataclass field: its help, its type, its default shown."""
+    kind = _arg_type(hint)
+    shown = f" (default: {default})" if default is not None else ""
+    help = meta.get("help", "") + (f" [{used_by}]" if used_by else "") + shown
+    kw = dict(help=help.replace("%", "%%"), dest=name)
+    if suppress:
+        kw["default"] = argparse.SUPPRESS
+    else:
+        kw["default"] = default
+    if kind is bool:
+        kw["action"] = "store_true" if not default else argparse.BooleanOptionalAction
+    else:
+        kw["type"] = kind
+        if meta.get("choices"):
+            kw["choices"] = list(meta["choices"])
+        if meta.get("metavar"):
+            kw["metavar"] = meta["metavar"]
+    group.add_argument(flag(name), **kw)
+
+
+def _strategy_options() -> dict:
+    """``{option name: (field, type, [strategies that take it])}`` over every strategy."""
+    out: dict = {}
+    for name in strategy_names():
+        record = get_strategy(name).options
+        for f, hint in (option_fields(record) if record is not None else []):
+            if f.name in out:
+                first = out[f.name][0]
+                if (first.default, first.metadata.get("help")) != (f.default, f.metadata.get("help")):
+                    raise TypeError(f"option {f.name!r} is defined twice with different defaults "
+                                    "or help: define it once and share the record")
+                out[f.name][2].append(name)
+            else:
+                out[f.name] = (f, hint, [name])
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,42 +84,34 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train the tiny GPT with a strategy",
                        description="Train the tiny GPT with one strategy; see 'minitrain strategies'.")
-    t.add_argument("--strategy", default="single", help="a name from 'minitrain strategies'")
-    t.add_argument("--world-size", type=int, default=None,
-                   help="number of ranks to start (default 1; under torchrun: its WORLD_SIZE)")
-    t.add_argument("--steps", type=int, default=20)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--batch-size", type=int, default=16,
-                   help="global batch, split across data-parallel ranks")
-    t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--model", choices=sorted(PRESETS), default="tiny", help="model size preset")
-    for name in ("n_layer", "n_head", "d_model", "seq_len"):
-        t.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
-                       help=f"override the preset's {name}")
-    t.add_argument("--backend", choices=["gloo", "nccl"], default=None,
-                   help="default: nccl with enough GPUs, else gloo")
-    t.add_argument("--timeout", type=float, default=120.0,
-                   help="seconds a collective may wait before the run fails")
-    t.add_argument("--precision", default="fp32",
-                   help="fp32 (default), bf16-mixed or fp16-mixed: 16-bit weights and gradients, "
-                        "fp32 master weights and Adam states (lesson 07)")
-    t.add_argument("--loss-scale", type=float, default=None,
-                   help="initial dynamic loss scale (default 65536 with fp16-mixed, off otherwise; "
-                        "0: off)")
-    t.add_argument("--checkpoint-activations", action="store_true",
-                   help="recompute each transformer block's activations in backward (lesson 07)")
+    groups = {None: t, "checkpoints": t.add_argument_group("checkpoints (lesson 08)")}
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in _SPECIAL:
+            continue
+        default = None if f.name == "world_size" else f.default  # None: 1, or torchrun's
+        _add_field(groups[f.metadata.get("group")], f.name, hints[f.name], default, f.metadata)
+        if f.name == "lr":
+            t.add_argument("--model", choices=sorted(PRESETS), default="tiny",
+                           help="model size preset (default: tiny)")
+            for name in _SHAPE:
+                t.add_argument(flag(name), type=int, default=None,
+                               help=f"override the preset's {name}")
     t.add_argument("--json", action="store_true", help="JSON lines on stdout")
-    ck = t.add_argument_group("checkpoints (lesson 08)")
-    ck.add_argument("--save-dir", default=None,
-                    help="save sharded checkpoints under DIR/step-NNNNNN/ (one file per rank, then "
-                         "meta.json) after the last step")
-    ck.add_argument("--save-every", type=int, default=None,
-                    help="... and every K steps (needs --save-dir)")
-    ck.add_argument("--resume", default=None,
-                    help="resume from a checkpoint directory, or a --save-dir's latest; --steps "
-                         "counts from the start of the original run")
-    for name in strategy_names():
-        get_strategy(name).add_arguments(t.add_argument_group(f"strategy {name}"))
+    opts = t.add_argument_group("strategy options (each refused by the strategies that do not "
+                                "take it)")
+    for name, (f, hint, users) in _strategy_options().items():
+        _add_field(opts, name, hint, f.default, f.metadata, suppress=True,
+                   used_by=", ".join(users))
+    for name in strategy_names():  # TRANSITION: strategies not yet ported add their own flags
+        cls = get_strategy(name)
+        if cls.options is None and hasattr(cls, "add_arguments"):
+            group = t.add_argument_group(f"strategy {name}")
+            group.conflict_handler = "resolve"
+            try:
+                cls.add_arguments(group)
+            except argparse.ArgumentError:
+                pass
     sub.add_parser("strategies", help="list the strategies")
     c = sub.add_parser("consolidate", help="a checkpoint as one plain state_dict file",
                        description="Put a sharded checkpoint back together as the single-process "
@@ -76,19 +121,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    get_strategy(args.strategy)  # ConfigError naming the choices
-    shape = {k: getattr(args, k) for k in ("n_layer", "n_head", "d_model", "seq_len")
-             if getattr(args, k) is not None}
+def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> TrainConfig:
+    cls = get_strategy(args.strategy)  # ConfigError naming the choices
+    shape = {k: getattr(args, k) for k in _SHAPE if getattr(args, k) is not None}
     try:
         model = replace(PRESETS[args.model], **shape)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    base = {"strategy", "world_size", "steps", "seed", "batch_size", "lr", "model", "backend",
-            "timeout", "json", "command", "n_layer", "n_head", "d_model", "seq_len",
-            "precision", "loss_scale", "checkpoint_activations", "save_dir", "save_every",
-            "resume"}
-    options = {k: v for k, v in vars(args).items() if k not in base}
+    fields = {f.name for f in dataclasses.fields(TrainConfig)} - _SPECIAL
+    base = fields | set(_SHAPE) | {"json", "command", "model"}
+    values = {k: v for k, v in vars(args).items() if k not in base}
+    if cls.options is not None:  # typed: only what was given (a flag's default is not "given")
+        defaults = parser or build_parser()
+        values = {k: v for k, v in values.items() if v != _default(defaults, k)}
     world = args.world_size
     if launched_by_torchrun():
         env_world = int(os.environ["WORLD_SIZE"])
@@ -96,13 +141,16 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             raise ConfigError(f"--world-size {world} disagrees with torchrun's WORLD_SIZE={env_world}; "
                               "leave --world-size out under torchrun")
         world = env_world
-    return TrainConfig(strategy=args.strategy, world_size=world or 1, steps=args.steps,
-                       seed=args.seed, batch_size=args.batch_size, lr=args.lr, model=model,
-                       backend=args.backend, timeout=args.timeout, options=options,
-                       precision=args.precision, loss_scale=args.loss_scale,
-                       checkpoint_activations=args.checkpoint_activations,
-                       save_dir=_absolute(args.save_dir), save_every=args.save_every,
-                       resume=_absolute(args.resume))
+    config = {k: getattr(args, k) for k in fields}
+    config.update(world_size=world or 1, model=model, options=values,
+                  save_dir=_absolute(args.save_dir), resume=_absolute(args.resume))
+    return TrainConfig(**config)
+
+
+def _default(parser: argparse.ArgumentParser, dest: str):
+    """A flag's default in the ``train`` sub-parser (SUPPRESS for the typed strategy options)."""
+    train = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return train.choices["train"].get_default(dest)
 
 
 def _absolute(path: str | None) -> str | None:
@@ -165,8 +213,8 @@ def format_summary(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _train(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
+def _train(args: argparse.Namespace, parser=None) -> int:
+    cfg = config_from_args(args, parser)
     check_config(cfg)  # everything that can be refused is refused here, before any process starts
     report = _Reporter(args.json, cfg.steps)
     if launched_by_torchrun():
@@ -207,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out}: the single-process state_dict of {args.checkpoint}")
         return 0
     try:
-        return _train(args)
+        return _train(args, parser)
     except ConfigError as exc:
         parser.exit(2, f"minitrain train: error: {exc}\n")
     return 0

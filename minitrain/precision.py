@@ -83,16 +83,20 @@ class DynamicLossScaler:
     ``growth_interval`` consecutive good steps, doubles it.  Everything is inspectable: ``scale``,
     ``skipped_steps``, ``good_steps`` (since the last change), ``steps`` and ``history`` (the scale
     used at each step, and whether that step was skipped).
+
+    ``update=`` is a seam (lesson 07's exercise): ``fn(scale, good_steps, found_inf,
+    growth_interval) -> (new_scale, new_good_steps, take_step)`` replaces the rule below.
     """
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000):
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, update=None):
         if init_scale <= 0 or growth_factor <= 1 or not 0 < backoff_factor < 1 or growth_interval < 1:
             raise ValueError("need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and "
                              "growth_interval >= 1")
         self.scale = float(init_scale)
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval = growth_interval
+        self.rule = update
         self.steps = self.skipped_steps = self.good_steps = 0
         self.history: list[tuple[float, bool]] = []  # (scale used, skipped?) per step
 
@@ -113,6 +117,11 @@ class DynamicLossScaler:
         """After a step: on overflow skip it and back off; after enough good steps, grow."""
         self.history.append((self.scale, bool(found_inf)))
         self.steps += 1
+        if self.rule is not None:
+            self.scale, self.good_steps, take = self.rule(self.scale, self.good_steps,
+                                                          bool(found_inf), self.growth_interval)
+            self.skipped_steps += not take
+            return
         if found_inf:
             self.skipped_steps += 1
             self.good_steps = 0

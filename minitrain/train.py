@@ -1,5 +1,7 @@
-"""The training loop every strategy shares, and ``train()``, its Python entry point (lessons 00–08).
+"""The one training loop, and ``train()``, its Python entry point (lessons 00–08).
 
+:func:`fit` steps a :class:`~minitrain.strategies.Lockstep` strategy through ``cfg.steps`` batches
+(saving checkpoints as asked); a :class:`~minitrain.strategies.FreeRunning` one runs its own loop.
 ``run_rank(cfg)`` is what each rank executes — from :class:`minitrain.launch.Cluster`, from
 ``launch``, or directly under ``torchrun`` — so the same code path serves notebooks, scripts and real
 clusters.  Rank 0 reports each step through ``on_step``; at the end every rank's tracer summary and
@@ -9,26 +11,59 @@ memory ledger are gathered to rank 0 (outside the tracer, so they do not count a
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch.distributed as dist
 
-from .checkpoint import check_checkpoint_config, load_checkpoint
+from .checkpoint import check_checkpoint_config, load_checkpoint, maybe_save
 from .comm import Comm, Tracer
 from .data import ArithmeticData
 from .launch import Cluster
-from .strategies import TrainConfig, get_strategy
+from .strategies import FreeRunning, Seams, Strategy, TrainConfig, check_common, get_strategy
 
-__all__ = ["run_rank", "train", "check_config"]
+__all__ = ["run_rank", "train", "check_config", "fit"]
 
 
-def check_config(cfg: TrainConfig) -> None:
-    """Refuse a configuration that cannot run (unknown strategy, bad sizes, a checkpoint that does
-    not match) before spawning."""
-    get_strategy(cfg.strategy).check(cfg)
+def check_config(cfg: TrainConfig, seams=None) -> None:
+    """Refuse a configuration that cannot run (unknown strategy, bad sizes or options, a seam the
+    strategy does not have, a checkpoint that does not match) before spawning."""
+    cls = get_strategy(cfg.strategy)
+    check_common(cls, cfg, Seams.of(seams))
+    cls.check(cfg)
     check_checkpoint_config(cfg)
 
 
-def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False) -> dict:
+def fit(strategy: Strategy, data, on_step=None) -> tuple[list[float], list[float]]:
+    """Train ``cfg.steps`` steps (from ``strategy.start_step``); return (losses, seconds per step).
+
+    ``on_step(step, loss)`` follows each step; checkpoints are saved as ``cfg.save_dir`` and
+    ``cfg.save_every`` ask.  A free-running strategy (its ranks do not step together) runs its own
+    loop instead."""
+    if isinstance(strategy, FreeRunning):
+        return strategy.run(data, on_step)
+    cfg = strategy.cfg
+    losses, times = [], []
+    for step in range(strategy.start_step, cfg.steps):
+        x, y = data.batch(step, cfg.batch_size)
+        t0 = time.perf_counter()
+        loss = strategy.train_step(x, y)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss)
+        if on_step is not None:
+            on_step(step, loss)
+        if cfg.save_dir:
+            maybe_save(strategy, step)
+    return losses, times
+
+
+def _build(cfg: TrainConfig, comm: Comm, seams) -> Strategy:
+    cls = get_strategy(cfg.strategy)
+    if cls.__module__.startswith("minitrain.parallel"):  # TRANSITION: not yet ported
+        return cls(cfg, comm)
+    return cls(cfg, comm, Seams.of(seams))
+
+
+def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False, seams=None) -> dict:
     """Train on this rank (the process group must exist); rank 0 returns the run's summary.
 
     ``on_step(step, loss)`` is called on rank 0 after every step.  Returns, on rank 0,
@@ -41,11 +76,18 @@ def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False) -> dict
         load_checkpoint(strategy, cfg.resume)  # before the tracer is cleared: not training traffic
     data = ArithmeticData(cfg.model.seq_len, cfg.seed)
     comm.tracer.clear()
-    losses, times = strategy.fit(data, on_step if comm.rank == 0 else None)
+    report = on_step if comm.rank == 0 else None
+    if type(strategy).fit is not Strategy.fit:  # TRANSITION: a strategy not yet ported
+        losses, times = strategy.fit(data, report)
+    else:
+        losses, times = fit(strategy, data, report)
+    with comm.tracer.paused():  # gathering the result is not training traffic
+        final = strategy.final_state()
     mine = {"comm": comm.tracer.summary(), "memory": strategy.memory(), "report": strategy.report(),
             "precision": strategy.precision_report()}
     gathered = [None] * comm.size if comm.rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
+    strategy.close()
     if comm.rank != 0:
         return {"rank": comm.rank}
     summary = {
@@ -72,24 +114,27 @@ def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False) -> dict
         summary["report"] = [g["report"] for g in gathered]
     out = {"losses": losses, "summary": summary}
     if return_state:
-        out["state"] = {k: v.detach().cpu().clone() for k, v in strategy.state_dict().items()}
+        state = final if final is not None else strategy.state_dict()
+        out["state"] = {k: v.detach().cpu().clone() for k, v in state.items()}
     return out
 
 
 def train(cfg: TrainConfig | None = None, *, cluster: Cluster | None = None, on_step=None,
-          return_state: bool = False, **overrides) -> dict:
+          return_state: bool = False, seams=None, **overrides) -> dict:
     """Train from Python (a notebook, a test) and return rank 0's ``{"losses", "summary"}``.
 
     ``train(strategy="single", steps=50)`` builds a :class:`TrainConfig` from keywords.  Pass a
     running ``cluster`` of the right size to reuse its ranks (fast: no start-up); otherwise one is
     started for the call and stopped after it.  ``on_step`` runs on rank 0 (its prints are forwarded).
+    ``seams={"ring_all_reduce": my_ring, ...}`` runs the strategy with your functions in its seams
+    (:class:`~minitrain.strategies.Seams`).
     """
     cfg = (cfg or TrainConfig()).with_(**overrides) if overrides else (cfg or TrainConfig())
-    check_config(cfg)
+    check_config(cfg, seams)
     if cluster is not None:
         if cluster.world_size != cfg.world_size:
             raise ValueError(f"the cluster has {cluster.world_size} ranks but the config asks for "
                              f"world_size={cfg.world_size}; use a matching Cluster or world_size")
-        return cluster.run(run_rank, cfg, on_step, return_state)[0]
+        return cluster.run(run_rank, cfg, on_step, return_state, seams)[0]
     with Cluster(cfg.world_size, cfg.backend, timeout=cfg.timeout) as c:
-        return c.run(run_rank, cfg, on_step, return_state)[0]
+        return c.run(run_rank, cfg, on_step, return_state, seams)[0]

@@ -1,0 +1,443 @@
+"""The harness's base: a run's configuration, typed strategy options, the learner's seams, and the
+:class:`Strategy` every ``--strategy NAME`` is.
+
+A strategy *composes* technique wrappers from :mod:`minitrain.parallel` on one rank; the harness around
+it (this package, :mod:`minitrain.train`, :mod:`minitrain.cli`, :mod:`minitrain.checkpoint`) names
+it on the command line, validates its options once, runs the one training loop, and reports.
+
+* :class:`Options` — a strategy's own options as a frozen dataclass; each field is made with
+  :func:`option` (default, help, an optional check) and becomes one CLI flag.
+* :class:`Seams` — where a learner's function replaces the package's inside a real strategy
+  (``train(cfg, seams={"ring_all_reduce": my_ring})``); a strategy lists the seams it honours.
+* :class:`Lockstep` — ranks step together: the loop calls ``train_step(x, y)``.  :class:`FreeRunning`
+  — ranks do not (the asynchronous parameter server): the strategy runs its own ``run(data, on_step)``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import importlib
+import math
+import pkgutil
+import typing
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+
+from ..comm import Comm
+from ..memory import ActivationMeter, ledger, rss_bytes
+from ..model import GPT, GPTConfig, PRESETS
+from ..precision import PRECISIONS, DynamicLossScaler, MixedPrecisionOptimizer, cast_model_
+
+__all__ = ["ConfigError", "TrainConfig", "Options", "NoOptions", "option", "positive",
+           "at_least", "Seams", "Strategy", "Lockstep", "FreeRunning", "register", "get_strategy",
+           "strategy_names", "check_common", "option_fields"]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; raised before any process starts, with the fix in it."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Typed options
+# --------------------------------------------------------------------------------------------------
+
+
+def positive(value) -> str | None:
+    """A check for :func:`option`: None (unset) or a positive finite number."""
+    if value is None or (math.isfinite(value) and value > 0):
+        return None
+    return "must be a positive number"
+
+
+def at_least(low: int):
+    """A check for :func:`option`: None (unset) or an integer >= ``low``."""
+    def check(value) -> str | None:
+        return None if value is None or value >= low else f"must be at least {low}"
+    return check
+
+
+def option(default, help: str, *, check=None, choices=None, metavar: str | None = None):
+    """One field of an :class:`Options` record: its default, its ``--help`` text, and optionally a
+    ``check(value) -> problem or None`` and the allowed ``choices``."""
+    return field(default=default, metadata={"help": help, "check": check, "choices": choices,
+                                            "metavar": metavar})
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Base of a strategy's typed options.  Combine shared fields by inheritance, so each is
+    defined once (``class Zero2Options(Buckets, Offload)``)."""
+
+    @classmethod
+    def from_mapping(cls, values, strategy: str) -> "Options":
+        """The record from a ``{name: value}`` mapping; a name this record does not have is refused,
+        naming the strategies that take it."""
+        names = {f.name for f in fields(cls)}
+        for key in values:
+            if key not in names:
+                raise ConfigError(_not_taken(key, strategy))
+        return cls(**values)
+
+    def validate(self) -> None:
+        """Each field's own check and choices; a :class:`ConfigError` naming the flag."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            choices = f.metadata.get("choices")
+            if choices is not None and value is not None and value not in choices:
+                raise ConfigError(f"{flag(f.name)} must be one of {', '.join(map(str, choices))}, "
+                                  f"got {value!r}")
+            check = f.metadata.get("check")
+            problem = check(value) if check is not None else None
+            if problem:
+                raise ConfigError(f"{flag(f.name)} {problem}, got {value!r}")
+
+    def given(self) -> dict:
+        """The fields that differ from their defaults."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) != f.default}
+
+
+@dataclass(frozen=True)
+class NoOptions(Options):
+    """A strategy without options of its own."""
+
+
+def option_fields(cls: type[Options]) -> list[tuple[dataclasses.Field, type]]:
+    """``(field, its resolved type)`` for every field of an options record (for the CLI)."""
+    hints = typing.get_type_hints(cls)
+    return [(f, hints[f.name]) for f in fields(cls)]
+
+
+def _not_taken(name: str, strategy: str) -> str:
+    takers = [n for n in strategy_names()
+              if _REGISTRY[n].options is not None
+              and name in {f.name for f in fields(_REGISTRY[n].options)}]
+    where = (f"strategies that take it: {', '.join(takers)}; leave it out or use one of those"
+             if takers else "no strategy takes it; see 'minitrain train --help'")
+    return f"{flag(name)} is not an option of strategy {strategy!r} ({where})"
+
+
+# --------------------------------------------------------------------------------------------------
+# The run's configuration
+# --------------------------------------------------------------------------------------------------
+
+
+def _cli(help: str, default=None, **more):
+    return field(default=default, metadata={"help": help, **more})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run needs; the same object reaches every rank.  ``options`` is the strategy's
+    typed :class:`Options` record (a plain dict is turned into it)."""
+
+    strategy: str = _cli("a name from 'minitrain strategies'", "single")
+    world_size: int = _cli("number of ranks to start (under torchrun: its WORLD_SIZE)", 1)
+    steps: int = _cli("optimizer steps (counted from the start of the original run when resuming)", 20)
+    seed: int = _cli("decides the initial weights and the data stream", 0)
+    batch_size: int = _cli("global batch, split across data-parallel ranks", 16)
+    lr: float = _cli("Adam's learning rate", 1e-3)
+    model: GPTConfig = field(default_factory=lambda: PRESETS["tiny"])
+    backend: str | None = _cli("gloo or nccl (default: nccl with enough GPUs, else gloo)",
+                               choices=("gloo", "nccl"))
+    timeout: float = _cli("seconds a collective may wait before the run fails", 120.0)
+    options: typing.Any = field(default_factory=dict)
+    precision: str = _cli("fp32, bf16-mixed or fp16-mixed: 16-bit weights and gradients, fp32 master "
+                          "weights and Adam states (lesson 07)", "fp32", choices=tuple(PRECISIONS))
+    checkpoint_activations: bool = _cli("recompute each transformer block's activations in "
+                                        "backward (lesson 07)", False)
+    loss_scale: float | None = _cli("initial dynamic loss scale (default: 65536 with fp16-mixed, "
+                                    "off otherwise; 0: off)")
+    save_dir: str | None = _cli("save sharded checkpoints under DIR/step-NNNNNN/ (one file per "
+                                "rank, then meta.json) after the last step", group="checkpoints")
+    save_every: int | None = _cli("... and every K steps (needs --save-dir)", group="checkpoints")
+    resume: str | None = _cli("resume from a checkpoint directory, or a --save-dir's latest",
+                              group="checkpoints")
+
+    def __post_init__(self):
+        cls = _REGISTRY.get(self.strategy) or _find(self.strategy)
+        if cls is None or cls.options is None or isinstance(self.options, cls.options):
+            return  # an unknown strategy is refused by check_config
+        given = self.options.given() if isinstance(self.options, Options) else dict(self.options)
+        object.__setattr__(self, "options", cls.options.from_mapping(given, self.strategy))
+
+    def with_(self, **changes) -> "TrainConfig":
+        return replace(self, **changes)
+
+
+# --------------------------------------------------------------------------------------------------
+# Seams: the learner's functions inside the real strategies
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Seams:
+    """Functions that replace the package's own inside a strategy (None: the package's).  Each
+    has the signature of its lesson's exercise; a strategy lists in ``seams`` the ones it honours."""
+
+    ring_all_reduce: typing.Callable | None = None         # (tensor, comm) -> tensor: lesson 01
+    sync_gradients: typing.Callable | None = None          # (model, comm): lesson 02, naive DP
+    bucket_hook: typing.Callable | None = None             # DDP's overlapped bucket hook: lesson 02
+    topk_error_feedback: typing.Callable | None = None     # lesson 03
+    zero1_step: typing.Callable | None = None              # (flat, grad, shard, optimizer, comm): 04
+    zero3_gather: typing.Callable | None = None            # ZeRO-3's gather / free: lesson 04
+    one_f_one_b: typing.Callable | None = None             # (rank, P, M) -> ["F0", "B0", ...]: 05
+    stage_step: typing.Callable | None = None              # a pipeline stage's send/recv step: 05
+    column_parallel_linear: typing.Callable | None = None  # lesson 06
+    row_parallel_linear: typing.Callable | None = None     # lesson 06
+    loss_scale_update: typing.Callable | None = None       # lesson 07
+    mesh_groups: typing.Callable | None = None             # (dp, pp, tp, axis) -> groups: lesson 08
+
+    @classmethod
+    def of(cls, seams) -> "Seams":
+        if seams is None or isinstance(seams, Seams):
+            return seams or cls()
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(seams) - names)
+        if unknown:
+            raise ConfigError(f"no seam called {unknown[0]!r}; the seams are: {', '.join(sorted(names))}")
+        return cls(**seams)
+
+    def given(self) -> list[str]:
+        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
+
+
+# --------------------------------------------------------------------------------------------------
+# The registry
+# --------------------------------------------------------------------------------------------------
+
+_REGISTRY: dict[str, type["Strategy"]] = {}
+
+
+def register(cls: type["Strategy"]) -> type["Strategy"]:
+    """Class decorator: make ``cls`` available as ``--strategy cls.name``."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} needs a non-empty 'name'")
+    if cls.__module__.startswith("minitrain.parallel"):  # TRANSITION: not yet ported (dict options)
+        cls.options = None
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def _load() -> None:
+    """Import every strategy module so that their ``@register`` decorators run."""
+    from .. import parallel, strategies
+    for package in (strategies, parallel):  # TRANSITION: parallel until every strategy is ported
+        for mod in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"{package.__name__}.{mod.name}")
+
+
+def _find(name: str):
+    _load()
+    return _REGISTRY.get(name)
+
+
+def strategy_names() -> list[str]:
+    _load()
+    return sorted(_REGISTRY)
+
+
+def get_strategy(name: str) -> type["Strategy"]:
+    """The class registered as ``name``; a :class:`ConfigError` listing the choices otherwise."""
+    cls = _find(name)
+    if cls is None:
+        raise ConfigError(f"unknown strategy {name!r}; choose one of: {', '.join(strategy_names())}")
+    return cls
+
+
+# --------------------------------------------------------------------------------------------------
+# Checks every strategy gets (before its own)
+# --------------------------------------------------------------------------------------------------
+
+
+def check_common(cls: type["Strategy"], cfg: TrainConfig, seams: Seams | None = None) -> None:
+    """Sizes, learning rate, precision, backend, the options' own checks and the seams."""
+    for name in ("world_size", "steps", "batch_size"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    if not (math.isfinite(cfg.lr) and cfg.lr > 0):
+        raise ConfigError(f"--lr must be a positive number, got {cfg.lr}")
+    _check_precision(cls, cfg)
+    if cfg.backend == "nccl" and torch.cuda.device_count() < cfg.world_size:
+        raise ConfigError(f"--backend nccl needs {cfg.world_size} GPUs, found "
+                          f"{torch.cuda.device_count()}; use --backend gloo")
+    if isinstance(cfg.options, Options):
+        cfg.options.validate()
+    for name in (seams.given() if seams else []):
+        if name not in cls.seams:
+            takers = [n for n in strategy_names() if name in _REGISTRY[n].seams]
+            raise ConfigError(f"strategy {cls.name!r} has no seam {name!r}; strategies that take it: "
+                              f"{', '.join(takers) or 'none'}")
+
+
+def _check_precision(cls: type["Strategy"], cfg: TrainConfig) -> None:
+    if cfg.precision not in PRECISIONS:
+        raise ConfigError(f"unknown --precision {cfg.precision!r}; choose one of: "
+                          f"{', '.join(PRECISIONS)}")
+    if cfg.precision not in cls.precisions:
+        able = [n for n in strategy_names() if cfg.precision in _REGISTRY[n].precisions]
+        raise ConfigError(f"strategy {cls.name!r} supports --precision "
+                          f"{' or '.join(cls.precisions)} only, got {cfg.precision}; use "
+                          f"--precision fp32, or a strategy that supports {cfg.precision} "
+                          f"({', '.join(able) or 'none'})")
+    if cfg.loss_scale is not None:
+        if not (cfg.loss_scale >= 0 and math.isfinite(cfg.loss_scale)):
+            raise ConfigError(f"--loss-scale must be >= 0 (0 turns loss scaling off), "
+                              f"got {cfg.loss_scale}")
+        if cfg.loss_scale > 0 and cfg.precision == "fp32":
+            raise ConfigError("--loss-scale applies to mixed precision; add --precision "
+                              "fp16-mixed (or bf16-mixed)")
+    if cfg.checkpoint_activations and not cls.checkpointing:
+        raise ConfigError(f"strategy {cls.name!r} cannot checkpoint activations; leave out "
+                          "--checkpoint-activations")
+
+
+# --------------------------------------------------------------------------------------------------
+# Strategies
+# --------------------------------------------------------------------------------------------------
+
+
+class Strategy(abc.ABC):
+    """One rank's part of a run: the model, the technique wrappers around it, the optimizer.
+
+    Class attributes: ``name`` and ``help`` (the CLI's), ``options`` (the :class:`Options` record),
+    ``precisions`` it honours, ``checkpointing`` (activation recomputation honoured), ``seams`` it
+    honours.  ``check(cfg)`` refuses what only this strategy cannot run (the harness has already
+    done :func:`check_common`).  Checkpoint methods: see :mod:`minitrain.checkpoint`.
+    """
+
+    name = ""
+    help = ""
+    options: type[Options] | None = NoOptions
+    precisions: tuple = ("fp32",)
+    checkpointing: bool = True
+    seams: tuple = ()
+
+    @classmethod
+    def check(cls, cfg: TrainConfig) -> None:
+        """Raise :class:`ConfigError` if this strategy cannot run ``cfg`` (its own rules only)."""
+
+    def __init__(self, cfg: TrainConfig, comm: Comm, seams: Seams | None = None):
+        self.cfg, self.comm, self.seams = cfg, comm, seams or Seams()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if (
+            torch.distributed.get_backend() == "nccl") else torch.device("cpu")
+        self.meter = ActivationMeter()
+        self.master_weights: dict = {}  # {16-bit parameter: fp32 copy}, filled by build_model
+        self.loss_scaler: DynamicLossScaler | None = None  # set by make_optimizer (fp16-mixed)
+        self.start_step = 0  # where the loop starts: set by minitrain.checkpoint.load_checkpoint
+        self.saved_checkpoints: list[str] = []
+
+    # -- precision and recomputation (lesson 07): every strategy builds its model with these -------
+
+    def build_model(self) -> GPT:
+        """The tiny GPT, bit-equal on every rank (deterministic init from the seed); recomputed
+        blocks with ``cfg.checkpoint_activations``; under mixed precision cast to 16 bits, the fp32
+        weights from before the cast kept in ``self.master_weights`` for :meth:`make_optimizer`."""
+        model = GPT(self.cfg.model, seed=self.cfg.seed,
+                    checkpoint_activations=self.cfg.checkpoint_activations).to(self.device)
+        if self.cfg.precision != "fp32":
+            self.master_weights.update(cast_model_(model, PRECISIONS[self.cfg.precision]))
+        return model
+
+    def make_optimizer(self, params) -> torch.optim.Optimizer:
+        """Adam; under mixed precision, Adam on fp32 masters (plus a loss scaler for fp16)."""
+        if self.cfg.precision == "fp32":
+            return torch.optim.Adam(params, lr=self.cfg.lr)
+        scale = self.cfg.loss_scale
+        if scale is None and self.cfg.precision == "fp16-mixed":
+            scale = 2.0 ** 16
+        self.loss_scaler = DynamicLossScaler(scale, update=self.seams.loss_scale_update) \
+            if scale else None
+        params = list(params)
+        masters = {p: self.master_weights.pop(p) for p in params if p in self.master_weights}
+        return MixedPrecisionOptimizer(params, torch.optim.Adam, master_weights=masters,
+                                       loss_scaler=self.loss_scaler, lr=self.cfg.lr)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, with the loss multiplied by the loss scale when there is one."""
+        if self.loss_scaler is not None:
+            loss = self.loss_scaler.scale_loss(loss)
+        loss.backward()
+
+    def precision_report(self) -> dict:
+        scaler = self.loss_scaler
+        return {"precision": self.cfg.precision,
+                "checkpoint_activations": self.cfg.checkpoint_activations,
+                "loss_scaler": scaler.state_dict() if scaler else None}
+
+    def fit(self, data, on_step=None):  # TRANSITION: for the strategies not yet ported
+        from ..train import fit
+        return fit(self, data, on_step)
+
+    # -- after training --------------------------------------------------------------------------
+
+    def final_state(self) -> dict | None:
+        """Called once on every rank after the last step (it may be a collective): the full model
+        as a single-process state_dict on rank 0, or None where :meth:`state_dict` serves."""
+        return None
+
+    def state_dict(self) -> dict:
+        """This rank's full model (for a replica: the model's own state_dict)."""
+        return self.model.state_dict()
+
+    def close(self) -> None:
+        """Free what the strategy built (process groups); called once after the run."""
+
+    def report(self) -> dict:
+        """Strategy-specific facts for the summary (bucket sizes, timelines, bubbles...)."""
+        return {}
+
+    def memory(self) -> dict:
+        out = ledger(self.model, self.optimizer, self.meter.peak)
+        out["rss_peak"] = rss_bytes(peak=True)
+        return out
+
+    # -- checkpoints (minitrain.checkpoint): defaults for ranks holding identical replicas ---------
+    #: None where the class saves and resumes checkpoints, else why not (only a class's *own* None
+    #: counts: a subclass whose state lies differently must implement the methods and say so again)
+    checkpoint_refusal: str | None = None
+
+    @classmethod
+    def checkpoint_layout(cls, cfg: TrainConfig) -> dict:
+        """The options that decide how the state is cut (JSON values)."""
+        return {}
+
+    def checkpoint_state(self) -> dict:
+        """This rank's part of the training state; default: rank 0 writes the replica once."""
+        if self.comm.rank != 0:
+            return {}
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_checkpoint_state(self, read) -> None:
+        """Restore what :meth:`checkpoint_state` saved; ``read(r)`` is rank r's saved part."""
+        state = read(0)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    @classmethod
+    def consolidate_checkpoint(cls, cfg: TrainConfig, read) -> dict:
+        """The full model as a single-process state_dict from the saved parts, offline."""
+        return read(0)["model"]
+
+
+class Lockstep(Strategy):
+    """Every rank steps together: the loop gives each step the *global* batch."""
+
+    @abc.abstractmethod
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One optimizer step on the global batch ``(x, y)`` (each rank takes the slice it needs);
+        returns the global mean loss."""
+
+
+class FreeRunning(Strategy):
+    """Ranks that do not step together (an asynchronous parameter server) run their own loop."""
+
+    @abc.abstractmethod
+    def run(self, data, on_step=None) -> tuple[list[float], list[float]]:
+        """Train ``cfg.steps`` steps from ``data``; return (losses, seconds per step) on rank 0."""

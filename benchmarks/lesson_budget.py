@@ -8,7 +8,7 @@
 Runs each notebook top to bottom in a fresh kernel (nbclient) and samples, every 50 ms, the memory
 of every process below this one (the kernel and the ranks it forks).  RSS counts pages shared between
 processes once per process (an upper bound); PSS splits them fairly (what the machine really spends).
-Budget (COURSE.md): <= 60 s and <= 2 GB total per lesson.  The memory verdict is on PSS: forked
+Budget: <= 60 s and <= 2 GB total per lesson (Binder's limit).  The memory verdict is on PSS: forked
 ranks map the kernel's pages (torch alone is ~200 MB resident), so RSS summed over 8 ranks counts
 the same pages 9 times and passes 2 GB before a rank has done anything; PSS gives each shared page
 to its sharers once, which is what a container's memory limit (Binder's 2 GB) charges.  Both are

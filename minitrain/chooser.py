@@ -1,7 +1,7 @@
-"""Which layout for which cluster: the strategy chooser of lesson 08 (seed 003's last section).
+"""Which layout for which cluster: the strategy chooser of lesson 08.
 
-Seed 003 ends with a table of situations and what to use in each (after the Hugging Face guide
-"Efficient training on multiple GPUs"):
+The Hugging Face Transformers guide "Efficient Training on Multiple GPUs" (perf_train_gpu_many)
+ends with a table of situations and what to use in each — the scenario table:
 
 ======================================  ===================================================
 situation                               what to use
@@ -25,7 +25,7 @@ prices each with the course's models, and rejects or ranks it — and the table 
   parameters a model-parallel rank holds, plus :func:`~minitrain.memory.activation_bytes_per_layer`
   (Korthikanti et al., 2022) for the micro-batches 1F1B keeps in flight on the first stage
   (min(PP, m) of them: as many layers' worth as the whole model), plus ZeRO-3's gathered layer;
-  10 % of the device is kept free for the seed's "temporary buffers and fragments";
+  10 % of the device is kept free for temporary buffers and fragmentation;
 * **communication per step** — the ring model of lesson 01 (:mod:`minitrain.costmodel`, α-β):
   DP's all-reduce moves 2(N−1)/N·Ψ once per step (gradients accumulate locally over the m
   micro-batches), ZeRO-2 reduce-scatters each micro-batch's gradients and ZeRO-3 also gathers
@@ -41,8 +41,8 @@ prices each with the course's models, and rejects or ranks it — and the table 
 The rules, and why (each rejected layout says which one it broke):
 
 * TP only inside a node: its four all-reduces per layer and micro-batch sit on the critical path;
-* ZeRO-2/3 only without TP and PP (seed 003: with TP or PP "only shard the optimizer states"):
-  they would re-shard gradients or weights for every micro-batch;
+* ZeRO-2/3 only without TP and PP (the Hugging Face guide: combined with PP and TP, ZeRO shards
+  only the optimizer states): they would re-shard gradients or weights for every micro-batch;
 * a layout must fit in the device's memory (and, for offload, the optimizer states in the host's);
 * of the layouts that fit, the fastest wins; layouts within 5 % of it count as equally fast, and
   among those the simplest wins — the least model parallelism (TP·PP), then the lowest ZeRO stage,
@@ -67,15 +67,16 @@ from .costmodel import predict
 from .memory import GB, activation_bytes_per_layer, model_state_bytes
 
 __all__ = ["ModelSpec", "Workload", "Hardware", "Layout", "Candidate", "Recommendation", "SCENARIOS",
+           "SCENARIO_TABLE",
            "choose", "evaluate", "layouts", "scenario", "links_fast", "TOLERANCE", "USABLE"]
 
 #: layouts within this fraction of the fastest count as equally fast (the simplest of them wins)
 TOLERANCE = 0.05
-#: fraction of device memory a layout may use; the rest is the seed's buffers and fragments
+#: fraction of device memory a layout may use; the rest is temporary buffers and fragmentation
 USABLE = 0.9
 BYTES_16 = 2  # bf16 weights, gradients and activations on the wire
 
-#: the rows of seed 003's table: key → (situation, what the seed says to use)
+#: the rows of the Hugging Face guide's scenario table: key → (situation, what the guide says to use)
 SCENARIOS = {
     "one-device-fits": ("one device; the model fits", "train normally"),
     "one-device-too-big": ("one device; the model does not fit",
@@ -160,7 +161,7 @@ class Layout:
     outer: str = ""
 
     def techniques(self) -> set[str]:
-        """The seed's vocabulary: {"DP", "PP", "TP", "ZeRO-k", "offload", "checkpointing"}."""
+        """The scenario table's vocabulary: {"DP", "PP", "TP", "ZeRO-k", "offload", "checkpointing"}."""
         out = {name for name, k in (("DP", self.dp), ("PP", self.pp), ("TP", self.tp)) if k > 1}
         if self.zero:
             out.add(f"ZeRO-{self.zero}")
@@ -214,8 +215,8 @@ class Candidate:
 
 @dataclass
 class Recommendation:
-    """What :func:`choose` returns: the ``layout`` (None if nothing fits), the seed's
-    ``scenario`` key and its ``advice``, ``reasons`` in words, the ``best`` :class:`Candidate`,
+    """What :func:`choose` returns: the ``layout`` (None if nothing fits), the scenario
+    table's ``scenario`` key and its ``advice``, ``reasons`` in words, the ``best`` :class:`Candidate`,
     equally fast ``alternatives``, and every candidate (feasible ones first, fastest first)."""
 
     layout: Layout | None
@@ -375,7 +376,7 @@ def _rule_broken(model: ModelSpec, hw: Hardware, layout: Layout) -> str | None:
     if layout.zero >= 2 and (layout.tp > 1 or layout.pp > 1):
         return (f"ZeRO-{layout.zero} with TP/PP: it would re-shard "
                 f"{'gradients' if layout.zero == 2 else 'weights and gradients'} every micro-batch "
-                "(seed 003: with TP or PP shard only the optimizer states, ZeRO-1)")
+                "(with TP or PP shard only the optimizer states, ZeRO-1)")
     return None
 
 
@@ -454,7 +455,7 @@ def _layer_fits(model: ModelSpec, hw: Hardware, job: Workload) -> bool:
 
 
 def scenario(model: ModelSpec, hw: Hardware, job: Workload = Workload()) -> str:
-    """Which row of seed 003's table the inputs fall in (a key of :data:`SCENARIOS`)."""
+    """Which row of the scenario table the inputs fall in (a key of :data:`SCENARIOS`)."""
     if hw.nodes > 1:
         return "nodes-fast" if links_fast(hw, job)[0] else "nodes-slow"
     fits = _one_device_fits(model, hw, job)
@@ -506,9 +507,9 @@ def _gb(n: float) -> str:
 
 
 def _reasons(model, hw, job, key, best: Candidate, feasible: list[Candidate]) -> list[str]:
-    """The recommendation in sentences: the seed's row, memory, the time, what crosses nodes."""
+    """The recommendation in sentences: the table's row, memory, the time, what crosses nodes."""
     lay, mem, t = best.layout, best.memory, best.time
-    out = [f"seed 003: {SCENARIOS[key][0]} → {SCENARIOS[key][1]}"]
+    out = [f"Hugging Face guide's table: {SCENARIOS[key][0]} → {SCENARIOS[key][1]}"]
     single = model_state_bytes(model.params, 1, 0, job.recipe)["total"]
     out.append(f"model states: 16 B/param × {model.params / 1e9:,.2f}B = {_gb(single)}; one device "
                f"has {hw.device_memory_gb:g} GB ({USABLE:.0%} usable)")
@@ -532,7 +533,7 @@ def _reasons(model, hw, job, key, best: Candidate, feasible: list[Candidate]) ->
 
 
 # --------------------------------------------------------------------------------------------------
-# Seed 003's table as cases: lesson 08 shows them, tests/test_chooser.py checks every row
+# The scenario table as cases: lesson 08 shows them, tests/test_chooser.py checks every row
 # --------------------------------------------------------------------------------------------------
 
 # public shapes (parameters, layers, hidden, heads)
@@ -548,10 +549,11 @@ NODE = Hardware()  # 8 H100 80 GB on NVLink
 IB, ETHERNET = 400, 12.5  # GB/s per node: 8x400 Gb/s InfiniBand, one 100 Gb/s Ethernet card
 LONG = Workload(seq_len=4096, global_batch=512, micro_batch=4)  # 16k tokens per micro-batch
 
-#: Seed 003's last section, translated row by row: (situation, model, hardware, workload, the
-#: scenario key, and the sets of techniques the seed allows — a recommendation must use one of them,
-#: activation checkpointing (lesson 07) aside).
-SEED_TABLE = [
+#: The scenario table of the Hugging Face guide "Efficient Training on Multiple GPUs", row by row
+#: (the Chinese comments quote the article that retells it): (situation, model, hardware, workload,
+#: the scenario key, and the sets of techniques the guide allows — a recommendation must use one of
+#: them, activation checkpointing (lesson 07) aside).
+SCENARIO_TABLE = [
     # 单GPU: 模型可以存储在单GPU上 → 正常训练
     ("one GPU, the model fits: train normally", GPT2_XL, ONE_H100, Workload(),
      "one-device-fits", [set()]),

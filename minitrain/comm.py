@@ -1,27 +1,12 @@
-"""Traced collectives and a ring all-reduce built from send/recv (lesson 01; seed 002 §3.1).
+"""Traced collectives and a ring all-reduce built from send/recv (lesson 01).
 
-A :class:`Comm` is a communicator in the MPI sense: one process group plus a :class:`Tracer`.  Every
-strategy in ``minitrain.parallel`` is handed a ``Comm`` (never a global), talks through it, and so the
-tracer sees every byte the strategy moves.  Ranks passed to a ``Comm`` (``dst``, ``src``, ``peer``) are
-ranks *inside its group*, as in MPI; ``comm.sub(group)`` makes a communicator for a sub-group that
-shares the tracer (used by the 3D mesh).
-
-What the tracer records per call: the op, the payload bytes handed to it, ``sent_bytes`` — what this
-rank puts on the wire under the ring algorithms of the cost model (lesson 01) — start/end times and
-the group's name.  The ring model, for a payload of B bytes on N ranks:
-
-====================  ===================  ====================================================
-op                    payload (``bytes``)  sent by each rank (``sent_bytes``)
-====================  ===================  ====================================================
-all_reduce            B                    2(N-1)/N · B   (reduce-scatter, then all-gather)
-reduce_scatter        B (the full input)   (N-1)/N · B
-all_gather            B (the full output)  (N-1)/N · B
-broadcast / reduce    B                    B on every rank but the last of the chain / the root
-send / recv           B                    B / 0
-====================  ===================  ====================================================
-
-``ring_all_reduce`` is the same ring written out with point-to-point sends, so the learner can watch
-the 2(N-1) steps happen and check it equals ``dist.all_reduce``.
+A :class:`Comm` is a communicator in the MPI sense: one process group plus a :class:`Tracer` that
+records every call and the bytes this rank puts on the wire under the ring algorithms of the cost
+model (:func:`ring_sent_bytes`).  Every technique in ``minitrain.parallel`` is handed a ``Comm``
+(never a global), so the tracer sees every byte it moves; ``comm.sub(group)`` is a sub-group's
+communicator sharing the tracer.  :func:`ring_all_reduce` is the ring written out with point-to-point
+sends (Patarasuk and Yuan, 2009, "Bandwidth Optimal All-reduce Algorithms for Clusters of
+Workstations"; Li et al., 2020, "PyTorch Distributed").
 """
 
 from __future__ import annotations
@@ -65,7 +50,19 @@ def loopback_tx_bytes() -> int | None:
 
 
 def ring_sent_bytes(op: str, nbytes: int, n: int, rank: int = 0, root: int = 0) -> float:
-    """Bytes one rank sends for ``op`` on ``n`` ranks under the ring model (see module docstring).
+    """Bytes one rank sends for ``op`` on ``n`` ranks under the ring model (lesson 01).
+
+    For a payload of B bytes (what the tracer records as ``bytes``; ``sent_bytes`` is this):
+
+    ====================  ===================  ====================================================
+    op                    payload (``bytes``)  sent by each rank (``sent_bytes``)
+    ====================  ===================  ====================================================
+    all_reduce            B                    2(N-1)/N · B   (reduce-scatter, then all-gather)
+    reduce_scatter        B (the full input)   (N-1)/N · B
+    all_gather            B (the full output)  (N-1)/N · B
+    broadcast / reduce    B                    B on every rank but the last of the chain / the root
+    send / recv           B                    B / 0
+    ====================  ===================  ====================================================
 
     ``broadcast`` and ``reduce`` are modelled as a chain around the ring: a broadcast starts at the
     root and stops at the rank before it; a reduce starts after the root and ends at it.
@@ -179,6 +176,8 @@ class _TracedWork:
 
 class Comm:
     """A process group and a tracer: the only way strategies in minitrain communicate.
+
+    Ranks passed to a ``Comm`` (``dst``, ``src``, ``peer``) are ranks *inside its group*, as in MPI.
 
     Arguments:
         group: a ``torch.distributed`` process group (``None``: the default, whole-world group).

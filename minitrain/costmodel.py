@@ -1,13 +1,10 @@
-"""The α-β cost model of communication, fitted to measured all-reduce times (lesson 01; seed 002 §3.1).
+"""The α-β cost model of communication, fitted to measured all-reduce times (lesson 01).
 
-Sending n bytes costs α + n·β: a latency α paid per message and a time β per byte (1/β is the
-bandwidth).  A ring all-reduce on N ranks takes 2(N-1) steps, each moving n/N bytes:
-
-    T(n) = 2(N-1)·α + 2(N-1)/N · n · β
-
-Small messages are latency-bound (the α term dominates), large ones bandwidth-bound; the two terms
-are equal at n* = N·α/β.  "Bus bandwidth" — what nccl-tests reports — normalises the measured time
-by the bytes each rank must move: busbw = 2(N-1)/N · n / T, so it is comparable across N.
+Sending n bytes costs α + n·β (a latency per message, a time per byte); a ring all-reduce on N ranks
+takes T(n) = 2(N-1)·α + 2(N-1)/N · n · β, and "bus bandwidth" (what nccl-tests reports) is
+2(N-1)/N · n / T.  Paper: Thakur, Rabenseifner and Gropp, 2005, "Optimization of Collective
+Communication Operations in MPICH"; the article "大语言模型LLM分布式训练:大规模数据集上的并行技术全景探索
+(LLM系列03)" (a panorama of parallel techniques) §3.1.  Lesson 01 derives and fits it.
 """
 
 from __future__ import annotations

@@ -1,30 +1,11 @@
 """Start N ranks and run a function on each of them (lesson 01).
 
-Three ways in, one set of semantics:
-
-* ``Cluster(n)`` — a *persistent* group of ranks for notebooks.  The ranks are forked once (on Linux;
-  spawned elsewhere or when CUDA is in use), join one ``torch.distributed`` process group, and then
-  wait for work.  ``cluster.run(fn, *args)`` ships ``fn`` to every rank with cloudpickle (so functions
-  defined in a notebook work), runs ``fn(*args)`` on each, and returns the list of results by rank.
-* ``launch(fn, n, *args)`` — a one-shot ``Cluster``: start, run, shut down.
-* ``init_from_env()`` — for code started by ``torchrun`` (env:// rendezvous), which is how the same
-  training entry point goes multi-GPU and multi-node.
-
-Why our own small pool and not ipyparallel: forked ranks start in ~0.05 s instead of seconds, share the
-kernel's already-imported torch pages (which matters on Binder's 2 GB), need no extra server
-processes, and the whole mechanism fits in this one file a learner can read.
-
-Failure rules (the reliability promise in COURSE.md):
-
-* a rank that raises → :class:`RankError` naming the rank, with its traceback; the group is torn
-  down (the other ranks may be stuck in a collective) and restarted on the next ``run``;
-* a rank that dies (e.g. SIGKILL) → :class:`RankError` within the poll interval;
-* a collective that never completes → the process group's ``timeout`` fires inside the rank and comes
-  back as :class:`CollectiveTimeout`; a ``run(..., timeout=s)`` wall-clock limit is a second guard;
-* the ranks die with the parent (``PR_SET_PDEATHSIG`` on Linux), so no orphan is left behind —
-  strictly, with the parent *thread* that started them, so start a Cluster from the main thread;
-* the rendezvous store is created by the parent on a free port chosen by the OS, on loopback
-  unless another ``host`` is given, so the next launch never sees "address already in use".
+``Cluster(n)`` is a persistent group of forked ranks for notebooks (``cluster.run(fn, *args)`` runs
+``fn`` on every rank, shipped with cloudpickle, and returns the results by rank); ``launch(fn, n,
+*args)`` is a one-shot ``Cluster``; ``init_from_env()`` joins a group started by ``torchrun``, which is
+how the same entry point goes multi-GPU and multi-node.  Our own small pool rather than ipyparallel:
+forked ranks start in ~0.05 s, share the kernel's imported torch pages (Binder's 2 GB), need no extra
+server, and the mechanism fits in this one file.  How failures surface: see :class:`Cluster`.
 """
 
 from __future__ import annotations
@@ -323,6 +304,19 @@ class Cluster:
         start_method: ``"fork"`` (default on Linux without CUDA) or ``"spawn"``.
         forward_output: print what the ranks print, prefixed with ``[rank r]`` (``prefix=False``
             prints it as it is).
+
+    Failure rules (what the lessons rely on):
+
+    * a rank that raises → :class:`RankError` naming the rank, with its traceback; the group is torn
+      down (the other ranks may be stuck in a collective) and restarted on the next ``run``;
+    * a rank that dies (e.g. SIGKILL) → :class:`RankError` within the poll interval;
+    * a collective that never completes → the process group's ``timeout`` fires inside the rank and
+      comes back as :class:`CollectiveTimeout`; a ``run(..., timeout=s)`` wall-clock limit is a
+      second guard;
+    * the ranks die with the parent (``PR_SET_PDEATHSIG`` on Linux), so no orphan is left behind —
+      strictly, with the parent *thread* that started them, so start a Cluster from the main thread;
+    * the rendezvous store is created by the parent on a free port chosen by the OS, on loopback
+      unless another ``host`` is given, so the next launch never sees "address already in use".
     """
 
     def __init__(self, world_size: int, backend: str | None = None, *, timeout: float = 60.0,

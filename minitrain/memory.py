@@ -1,18 +1,11 @@
 """The memory ledger: bytes per rank by kind and dtype, read from real tensors, beside the formulas.
 
-Lessons 00, 04 and 07; seed 001 (16 bytes per parameter), the ZeRO paper (Rajbhandari et al., 2020,
-"ZeRO: Memory Optimizations Toward Training Trillion Parameter Models") and, for activations,
-Korthikanti et al., 2022, "Reducing Activation Recomputation in Large Transformer Models".
-
-Formulas (Ψ parameters, N data-parallel ranks, K bytes of optimizer state per parameter):
-
-* mixed-precision Adam: 2 (bf16 weights) + 2 (bf16 gradients) + 12 (fp32 master, momentum,
-  variance) = 16 bytes per parameter; plain fp32 Adam: 4 + 4 + 8 = 16 as well;
-* ZeRO-1: 4Ψ + 12Ψ/N; ZeRO-2: 2Ψ + 14Ψ/N; ZeRO-3: 16Ψ/N (mixed-precision Adam);
-* activations of one transformer layer, 16-bit, no recomputation: s·b·h·(34 + 5·a·s/h) bytes.
-
-The ledger (:func:`ledger`) reads what the tensors really hold, so a test can put the two side by
-side: for the tiny model in fp32 with Adam, measured bytes equal 16Ψ exactly.
+Lessons 00, 04 and 07.  Formulas (Ψ parameters, N data-parallel ranks): 16 bytes per parameter for
+mixed-precision Adam (2 + 2 + 12); ZeRO-1 4Ψ + 12Ψ/N, ZeRO-2 2Ψ + 14Ψ/N, ZeRO-3 16Ψ/N (Rajbhandari et
+al., 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"); one transformer
+layer's 16-bit activations s·b·h·(34 + 5·a·s/h) bytes (Korthikanti et al., 2022, "Reducing Activation
+Recomputation in Large Transformer Models").  :func:`ledger` reads what the tensors really hold, so a
+test can put the two side by side.
 """
 
 from __future__ import annotations
@@ -27,7 +20,7 @@ __all__ = [
     "ledger", "ActivationMeter", "rss_bytes", "GB",
 ]
 
-GB = 1e9  # the ZeRO paper and the seeds use decimal gigabytes
+GB = 1e9  # the ZeRO paper and the lessons use decimal gigabytes
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
 

@@ -1,20 +1,14 @@
 """A tiny decoder-only transformer (GPT-2 shaped) that every lesson trains (lessons 00, 02–08).
 
-Built so the parallel strategies can take it apart along the lines the seeds describe:
-
-* ``embed``  — token + position embeddings      (first pipeline stage; vocab-parallel in TP);
-* ``blocks`` — ``n_layer`` transformer blocks   (split across pipeline stages; Megatron-split in TP);
-* ``head``   — final LayerNorm + output layer   (last pipeline stage, where the loss is computed).
-
-Initialisation is deterministic from a seed (GPT-2's: normal(0, 0.02), residual projections scaled by
-1/sqrt(2·n_layer)), independent of the global RNG, so every rank and every strategy builds bit-equal
-weights without a broadcast.  Dropout is left out: it would make strategies differ by RNG draws.
-
-**Activation checkpointing** (lesson 07; seed 001; Chen et al., 2016, "Training Deep Nets with
-Sublinear Memory Cost"): with ``GPT(..., checkpoint_activations=True)`` each block keeps only its
-input for backward and recomputes its inside during backward (one extra block forward per step):
-per layer s·b·h values instead of all the intermediates (see ``memory.activation_bytes_per_layer``).
-The loss is computed in fp32 even from 16-bit logits (mixed precision, ``minitrain.precision``).
+Three parts, the lines along which the techniques cut it: ``embed`` (token + position embeddings:
+the first pipeline stage, vocab-parallel in tensor parallelism), ``blocks`` (``n_layer`` transformer
+blocks: split across pipeline stages, Megatron-split in tensor parallelism) and ``head`` (final
+LayerNorm + output layer: the last stage, where the loss is computed).  Initialisation is GPT-2's
+(Radford et al., 2019), deterministic from a seed and independent of the global RNG, so every rank
+and every strategy builds bit-equal weights without a broadcast; no dropout, so strategies cannot
+differ by RNG draws.  ``GPT(..., checkpoint_activations=True)`` recomputes each block during backward
+(activation checkpointing, lesson 07; Chen et al., 2016, "Training Deep Nets with Sublinear Memory
+Cost").
 """
 
 from __future__ import annotations
@@ -96,7 +90,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """GeLU(XA)B — the product tensor parallelism splits by columns of A and rows of B (seed 003)."""
+    """GeLU(XA)B — the product tensor parallelism splits by columns of A and rows of B (Megatron-LM)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()

@@ -1,43 +1,10 @@
 """Mixed precision from scratch: 16-bit weights and gradients, fp32 master weights, loss scaling.
 
-Lesson 07; seed 001 (16 bytes per parameter).  Paper: Micikevicius et al., 2018, "Mixed Precision
-Training" (ICLR) — fp32 master weights, loss scaling, and fp32 where precision matters.
-
-What each byte of a parameter is for (Ψ parameters; the memory ledger reads these real tensors):
-
-=======================  =====  ==============================================================
-tensor                   bytes  why it is there
-=======================  =====  ==============================================================
-weight, bf16 or fp16       2    forward and backward run on it (half the traffic, fast units)
-gradient, bf16 or fp16     2    what backward produces, and what data parallel all-reduces
-master weight, fp32        4    the weight Adam updates: an update lr·m/√v of ~1e-3 of the
-                                weight is below half a bf16 ulp (2⁻⁹) and would round away
-Adam momentum, fp32        4    \\ the optimizer states
-Adam variance, fp32        4    /
-=======================  =====  ==============================================================
-
-2 + 2 + 12 = 16 bytes per parameter: as many as plain fp32 Adam (4 + 4 + 8), but the weights and
-gradients that forward, backward and the all-reduce touch are half the size.  The 12 are the
-optimizer's, and live in ``optimizer.state`` (so ZeRO can shard them).
-
-One step, as this module does it:
-
-1. :func:`cast_model_` — take fp32 copies of the weights *before* casting the model to 16 bits:
-   they become the masters, so the masters start at the exact fp32 initialisation, not at its
-   16-bit rounding;
-2. forward and backward in 16 bits (the model computes the loss in fp32 from 16-bit logits);
-3. :meth:`MixedPrecisionOptimizer.step` — copy the 16-bit gradients to fp32, (unscale them and
-   check for inf/NaN,) step Adam on the fp32 masters, and write the masters back into the 16-bit
-   weights, rounded to nearest.  The fp32 gradient copies exist only during the step.
-
-bf16 or fp16?  bf16 keeps fp32's 8 exponent bits (range 1e-38 … 3e38) and pays with precision (8
-significant bits); fp16 has 11 significant bits but 5 exponent bits: nothing above 65504, and
-nothing below 2⁻²⁴ ≈ 6e-8 — small gradients *underflow* to zero.  Hence **loss scaling** for fp16:
-multiply the loss by S before backward (by the chain rule every gradient is S times larger, lifted
-out of the underflow zone), divide the fp32 copies by S before the step.  A power of two S makes
-both exact.  :class:`DynamicLossScaler` picks S as ``torch.amp.GradScaler`` does: when a gradient
-overflows (inf/NaN), skip the step and halve S; after ``growth_interval`` good steps, double it.
-bf16 does not need it (same range as fp32), which is why it is the usual choice where supported.
+Lesson 07 (the 16 bytes per parameter, bf16 or fp16, why loss scaling); paper: Micikevicius et al.,
+2018, "Mixed Precision Training".  :func:`cast_model_` takes fp32 masters and casts the model to 16
+bits; :class:`MixedPrecisionOptimizer` steps Adam on the masters and writes them back (2 + 2 + 12 =
+16 bytes per parameter, the 12 in ``optimizer.state`` so ZeRO can shard them);
+:class:`DynamicLossScaler` is fp16's loss scale, with the rule of ``torch.amp.GradScaler``.
 """
 
 from __future__ import annotations

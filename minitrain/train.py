@@ -68,10 +68,12 @@ def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False, seams=N
 
     ``on_step(step, loss)`` is called on rank 0 after every step.  Returns, on rank 0,
     ``{"losses": [...], "summary": {...}}`` (plus ``"state"``, the trained weights as a plain
-    state_dict, with ``return_state``); on the other ranks ``{"rank": r}``.
+    state_dict, with ``return_state``); on the other ranks ``{"rank": r}``.  ``seams`` (a
+    :class:`~minitrain.strategies.Seams` or ``{name: function}``) puts a learner's functions in
+    the strategy's seams.
     """
     comm = Comm(None, Tracer(), "world")
-    strategy = get_strategy(cfg.strategy)(cfg, comm)
+    strategy = _build(cfg, comm, seams)
     if cfg.resume:
         load_checkpoint(strategy, cfg.resume)  # before the tracer is cleared: not training traffic
     data = ArithmeticData(cfg.model.seq_len, cfg.seed)

@@ -1,24 +1,25 @@
-"""The strategy chooser (lesson 08): seed 003's scenario table, row by row, from the memory and cost
-models — not looked up — plus the formulas it prices with, its rules, and the widget's pure parts."""
+"""The strategy chooser (lesson 08): the scenario table of the Hugging Face guide "Efficient Training
+on Multiple GPUs", row by row, from the memory and cost models — not looked up — plus the formulas it
+prices with, its rules, and the widget's pure parts."""
 
 import pytest
 
 from minitrain.chooser import (ETHERNET, GPT2_XL, GPT3, IB, LLAMA_7B, LLAMA_13B, LONG, NODE,
-                               ONE_H100, SCENARIOS, SEED_TABLE, Hardware, Layout, ModelSpec, Workload,
-                               choose, evaluate, layouts, links_fast, scenario)
+                               ONE_H100, SCENARIO_TABLE, SCENARIOS, Hardware, Layout, ModelSpec,
+                               Workload, choose, evaluate, layouts, links_fast, scenario)
 from minitrain.memory import GB, activation_bytes_per_layer, model_state_bytes
 from minitrain.viz.chooser import candidate_rows, recommendation_html
 
 
-@pytest.mark.parametrize("row", SEED_TABLE, ids=[r[0] for r in SEED_TABLE])
-def test_the_seed_scenario_table(row):
+@pytest.mark.parametrize("row", SCENARIO_TABLE, ids=[r[0] for r in SCENARIO_TABLE])
+def test_the_hugging_face_scenario_table(row):
     _, model, hw, job, key, allowed = row
     rec = choose(model, hw, job)
     assert rec.scenario == key and rec.advice == SCENARIOS[key][1]
     assert rec.layout is not None and rec.best.feasible
     assert rec.layout.dp * rec.layout.pp * rec.layout.tp == hw.devices
     assert rec.layout.techniques() - {"checkpointing"} in allowed, str(rec.layout)
-    assert rec.reasons[0].startswith(f"seed 003: {SCENARIOS[key][0]}")
+    assert rec.reasons[0].startswith(f"Hugging Face guide's table: {SCENARIOS[key][0]}")
 
 
 def test_one_machine_that_fits_prefers_ddp_and_names_zero_as_an_alternative():
@@ -150,7 +151,7 @@ def test_bad_inputs_are_refused_naming_the_fix(bad, message):
 
 
 def test_scenario_alone_matches_choose():
-    for _, model, hw, job, key, _ in SEED_TABLE:
+    for _, model, hw, job, key, _ in SCENARIO_TABLE:
         assert scenario(model, hw, job) == key
 
 

@@ -1,4 +1,5 @@
-"""The memory ledger against the formulas (seed 001, the ZeRO paper)."""
+"""The memory ledger against the formulas (16 bytes per parameter; the ZeRO paper, Rajbhandari et al.,
+2020)."""
 
 import pytest
 import torch
@@ -44,7 +45,7 @@ def test_zero_formulas_reproduce_the_papers_7_5b_on_64_gpus():
     assert model_state_bytes(psi, n, 3)["total"] == 16 * psi / n
 
 
-def test_seed_001_arithmetic():
+def test_sixteen_bytes_per_parameter_arithmetic():
     assert 7e9 * bytes_per_param("bf16") / GB == 14
     assert model_state_bytes(7e9)["total"] / GB == 112 > 80  # more than an 80 GB H100
 

@@ -62,7 +62,7 @@ def _cell(value, fmt: str) -> str:
 
 
 def recommendation_html(rec: Recommendation, fastest: int = 3) -> str:
-    """The recommendation, the seed's row, the reasons, and the candidates' table, as HTML."""
+    """The recommendation, the scenario table's row, the reasons, and the candidates' table, as HTML."""
     if rec.layout is not None:
         head = (f'<b class="mt-recommended">{html.escape(str(rec.layout))}</b> '
                 f'(<code>--strategy {rec.layout.strategy()}</code>)')
@@ -83,7 +83,7 @@ def recommendation_html(rec: Recommendation, fastest: int = 3) -> str:
              '<th>verdict</th></tr>' + "".join(body) + "</table>")
     situation, advice = SCENARIOS[rec.scenario]
     return (f'<div class="mt-chooser" style="font-family:sans-serif;max-width:980px">'
-            f'<div>{head}</div><div class="mt-seed-row">seed 003 — {html.escape(situation)}: '
+            f'<div>{head}</div><div class="mt-scenario-row">Hugging Face guide — {html.escape(situation)}: '
             f'<i>{html.escape(advice)}</i></div><ul>{reasons}</ul>{table}'
             f'<div style="font-size:80%">GB sent per device per step (ring model); s / step '
             f'estimated from compute, bubble and the traffic that cannot hide.</div></div>')

@@ -1,13 +1,11 @@
 """The memory calculator of lesson 00: what one device must hold to train a model.
 
-Seed 001: weights, gradients and Adam states take 16 bytes per parameter in mixed precision, so a 7B
-model needs 112 GB before a single activation — more than an 80 GB H100.  The calculator puts the
-formulas of :mod:`minitrain.memory` behind controls (model, recipe, devices, ZeRO stage, activation
-checkpointing) and draws one device's memory as a stacked bar against its capacity.  Later lessons
-add tensor and pipeline parallel degrees.
-
-``per_device`` and ``bar_html`` are pure functions (unit-tested); ``MemoryCalculator`` only wires
-ipywidgets to them.
+Weights, gradients and Adam states take 16 bytes per parameter in mixed precision (Rajbhandari et
+al., 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"), so a 7B model
+needs 112 GB before a single activation — more than an 80 GB H100.  The calculator puts the formulas
+of :mod:`minitrain.memory` behind controls (model, recipe, devices, ZeRO stage, activation
+checkpointing) and draws one device's memory as a stacked bar against its capacity.
+``per_device`` and ``bar_html`` are pure (unit-tested); ``MemoryCalculator`` wires ipywidgets to them.
 """
 
 from __future__ import annotations

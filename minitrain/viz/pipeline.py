@@ -1,15 +1,12 @@
 """The bubble widget of lesson 05: a pipeline schedule drawn as a Gantt chart, ideal and measured.
 
-Seeds 000 and 003 / Huang et al., 2019 (GPipe); Narayanan et al., 2021 (1F1B, interleaved);
-Qi et al., 2023 (zero bubble).  A pipeline of P stages idles while it fills and drains: with M
-micro-batches and V model chunks per rank the idle ("bubble") fraction is (P−1)/(V·M+P−1).
-
-A schedule is data (:func:`minitrain.parallel.schedules.make_schedule`: rank → ordered actions);
-:func:`~minitrain.parallel.schedules.simulate` turns it into an ideal timeline and the executor
-records a measured one in the same format (``[{"rank", "action", "start", "end"}]``), so one
-drawing serves both.  ``gantt_rows``, ``bubble_summary`` and ``summary_html`` are pure
-(unit-tested); ``plot_gantt`` draws on a matplotlib axis; ``BubbleWidget`` only wires ipywidgets
-to them.
+Papers: Huang et al., 2019, "GPipe"; Narayanan et al., 2019, "PipeDream" (1F1B) and 2021,
+"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM" (interleaved);
+Qi et al., 2023, "Zero Bubble Pipeline Parallelism".  A schedule is data
+(:func:`minitrain.parallel.schedules.make_schedule`), :func:`~minitrain.parallel.schedules.simulate`
+gives its ideal timeline and the executor records a measured one in the same format, so one drawing
+serves both.  ``gantt_rows``, ``bubble_summary`` and ``summary_html`` are pure (unit-tested);
+``plot_gantt`` draws on a matplotlib axis; ``BubbleWidget`` wires ipywidgets to them.
 """
 
 from __future__ import annotations
@@ -49,12 +46,12 @@ def _as_actions(timeline: list[dict]) -> list[dict]:
     """The timeline with string actions turned into pipeline.Action (for pipeline's own helpers)."""
     if not any(isinstance(e["action"], str) for e in timeline):
         return timeline
-    from ..parallel.schedules import Action
+    from ..parallel.pipeline import Action
     return [dict(e, action=Action(*_parts(e["action"]))) for e in timeline]
 
 
 def _window(timeline: list[dict]) -> tuple[float, float]:
-    """The span the bubble is measured over, as :func:`~minitrain.parallel.schedules.bubble_fraction`
+    """The span the bubble is measured over, as :func:`~minitrain.parallel.pipeline.bubble_fraction`
     does: from the first start to the last end (of any rank)."""
     return min(e["start"] for e in timeline), max(e["end"] for e in timeline)
 
@@ -116,7 +113,7 @@ def gantt_rows(timeline: list[dict], stages: int) -> list[dict]:
 def bubble_summary(timeline: list[dict], stages: int, microbatches: int, chunks: int = 1) -> dict:
     """Bubble measured on ``timeline`` (ideal or measured) beside (p−1)/(v·m+p−1), the makespan,
     busy and idle time per rank and the peak number of micro-batches in flight per rank."""
-    from ..parallel.schedules import bubble_formula, bubble_fraction, peak_in_flight
+    from ..parallel.pipeline import bubble_formula, bubble_fraction, peak_in_flight
 
     timeline = _as_actions(timeline)
     rows = gantt_rows(timeline, stages)
@@ -237,7 +234,7 @@ class BubbleWidget:
                  schedule: str = "1f1b", ranks: int | None = None):
         import ipywidgets as w
 
-        from ..parallel.schedules import SCHEDULES
+        from ..parallel.pipeline import SCHEDULES
 
         self.run, self.ranks = run, ranks
         self.schedule = w.Dropdown(options=list(SCHEDULES), value=schedule, description="schedule")
@@ -295,7 +292,7 @@ class BubbleWidget:
     # -- drawing ------------------------------------------------------------------------------
     def update(self) -> None:
         """Recompute the ideal schedule and redraw it (or show why it is invalid)."""
-        from ..parallel.schedules import make_schedule, simulate
+        from ..parallel.pipeline import make_schedule, simulate
 
         name, p, m, v = self.config()
         try:

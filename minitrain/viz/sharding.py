@@ -1,12 +1,11 @@
 """The sharding widget of lesson 04: which rank holds which part of the model states, per ZeRO stage.
 
-Seed 003 / Rajbhandari et al., 2020 (ZeRO): flatten every parameter into one vector, pad it to a
-multiple of N and give rank r the r-th 1/N of it.  Stage 1 shards only the optimizer states, stage 2
-also the gradients, stage 3 also the parameters; everything not sharded is replicated on every rank.
-
-The picture is drawn from a real partition — the ``owned`` ranges that
-:func:`minitrain.parallel.zero.shard_layout` computes for a real model — not from a formula.
-``grid`` and ``grid_html`` are pure functions (unit-tested); ``ShardingWidget`` wires ipywidgets to them.
+Rajbhandari et al., 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models":
+every parameter flattened into one vector, padded to a multiple of N, rank r holding the r-th 1/N of
+it — stage 1 the optimizer states, stage 2 also the gradients, stage 3 also the parameters.  The
+picture is drawn from a real partition (the ``owned`` ranges of a real model's shard layout), not
+from a formula.  ``grid`` and ``grid_html`` are pure (unit-tested); ``ShardingWidget`` wires
+ipywidgets to them.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """The split widget of lesson 06: which rank holds which block of A and B in GeLU(XA)B, what each
 computes, and where the ranks must add up.
 
-Seed 003 / Shoeybi et al., 2019 (Megatron-LM).  The MLP is Z = GeLU(XA)B with A (d × ff) and
-B (ff × d).  Split A by **columns**: every rank has the whole X, computes its columns of XA and
-applies GeLU on its own; B split by **rows** then takes exactly those columns, and the ranks' partial
-products add up to Z — one all-reduce (g) forward, one (f) backward.  Split A by **rows** instead:
-rank r needs only X's columns r, but XA = Σ_r X_r A_r must be summed *before* GeLU (GeLU of a sum
-is not the sum of GeLUs), an all-reduce of the ff-wide hidden layer, and B must then be split by
-columns and the outputs gathered — two collectives, the first 4× wider.
-
-The blocks are read from the real shards: :func:`split_plan` cuts the model's own ``fc`` and
-``proj`` weights with :func:`minitrain.parallel.tensor.shard_tensor`, the function the ``tensor``
-strategy shards with, and reports their shapes.  ``split_plan`` and ``split_html`` are pure
+Shoeybi et al., 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model
+Parallelism": A split by columns and B by rows needs one all-reduce forward and one backward; the
+other way round needs two collectives, the first 4× wider (lesson 06 works it through).  The blocks
+are read from the real shards (:func:`split_plan` cuts the model's own ``fc`` and ``proj`` weights
+with the function the ``tensor`` strategy shards with).  ``split_plan`` and ``split_html`` are pure
 (unit-tested); ``TensorSplitWidget`` wires ipywidgets to them.
 """
 

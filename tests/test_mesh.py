@@ -74,7 +74,7 @@ def test_3d_with_sequence_parallel_interleaving_or_without_zero(clusters, single
 def test_tensor_collectives_per_layer_and_zero1_shards_over_dp(clusters):
     steps, M = 2, 3
     cfg = mesh_cfg(2, 2, 2).with_(steps=steps)
-    reports = {z: train(cfg.with_(options={**cfg.options, "zero_stage": z}),
+    reports = {z: train(cfg.with_(options={**cfg.options.given(), "zero_stage": z}),
                         cluster=clusters(8))["summary"] for z in (0, 1)}
     rep = reports[1]["report"][0]  # rank 0: replica 0, stage 0 (blocks 0 and 1), tensor rank 0
     assert rep["stages"] == {0: [0, 1]}

@@ -39,7 +39,7 @@ class PipelineStage(nn.Module):
     stages' state_dicts put together are the single-process state_dict.
 
     ``parts(kind, module)``, if given, builds each piece from the GPT's (``kind`` is "embed",
-    "block" or "head"): e.g. :class:`~minitrain.parallel.tensor.TensorParallelParts`, whose
+    "block" or "head"): e.g. :class:`~minitrain.parallel.tensor_gpt.TensorParallelParts`, whose
     tensor-parallel layers make the stages of the 3D mesh.
     """
 

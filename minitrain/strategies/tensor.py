@@ -14,7 +14,8 @@ import torch.nn as nn
 from ..comm import Comm
 from ..memory import ActivationMeter
 from ..model import GPTConfig
-from ..parallel.tensor import Split, TensorParallelGPT, merge_shards
+from ..parallel.tensor import Split, merge_shards
+from ..parallel.tensor_gpt import TensorParallelGPT
 from .base import ConfigError, Lockstep, Options, TrainConfig, at_least, option, register
 
 __all__ = ["TensorOptions", "TensorParallel", "check_tensor_parallel", "full_state_dict",

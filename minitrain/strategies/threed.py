@@ -2,9 +2,9 @@
 
 It composes the pieces that run alone: the mesh's groups (:class:`~minitrain.parallel.mesh.Mesh`),
 the same :class:`~minitrain.parallel.pipeline.PipelineStage` and executor as ``pipeline``, holding
-the same tensor-parallel layers as ``tensor`` (:class:`~minitrain.parallel.tensor.TensorParallelParts`)
-over the mesh's tp group, and :class:`~minitrain.parallel.zero.ZeroRedundancyOptimizer` over its dp
-group.  Each replica takes its 1/dp of the batch; tensor rank t of stage s talks to tensor rank t of
+the same tensor-parallel layers as ``tensor``
+(:class:`~minitrain.parallel.tensor_gpt.TensorParallelParts`) over the mesh's tp group, and
+:class:`~minitrain.parallel.zero.ZeroRedundancyOptimizer` over its dp group.  Each replica takes its 1/dp of the batch; tensor rank t of stage s talks to tensor rank t of
 stage s+1.  After the flush: sequence-parallel gradients are summed over tp, then gradients are
 averaged over dp (ZeRO-1: by its reduce-scatter; ``--zero-stage 0``: an all-reduce).
 """
@@ -24,9 +24,10 @@ from ..memory import ActivationMeter, ledger, rss_bytes
 from ..parallel.data_parallel import mean_over_ranks
 from ..parallel.mesh import Coords, Mesh, MeshShape
 from ..parallel.pipeline import PipelineExecutor, PipelineStage
-from ..parallel.schedules import bubble_fraction, bubble_formula, make_schedule, split_layers, validate
-from ..parallel.tensor import (TensorParallelParts, all_reduce_sequence_parallel_grads,
-                               tag_collectives)
+from ..parallel.schedules import (bubble_fraction, bubble_formula, make_schedule, split_layers,
+                                  validate)
+from ..parallel.tensor_gpt import (TensorParallelParts, all_reduce_sequence_parallel_grads,
+                                   tag_collectives)
 from ..parallel.zero import ZeroRedundancyOptimizer
 from .base import ConfigError, Lockstep, Options, TrainConfig, at_least, option, register
 from .pipeline import ScheduleOptions, check_pipeline, merge_stages, schedule_shape

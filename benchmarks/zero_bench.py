@@ -29,7 +29,8 @@ from minitrain.benchmarking import alternate
 from minitrain.comm import Comm
 from minitrain.data import ArithmeticData, shard
 from minitrain.memory import ledger, rss_bytes
-from minitrain.parallel.zero import FullyShardedDataParallel, ZeroRedundancyOptimizer
+from minitrain.parallel.fsdp import FullyShardedDataParallel
+from minitrain.parallel.zero import ZeroRedundancyOptimizer
 
 KINDS = ["zero3", "fsdp2", "zero1", "torch-zero1"]
 

@@ -10,7 +10,9 @@ On disk, one directory per saved step under ``--save-dir DIR``::
                                    for (strategy, world size, model, precision, the strategy's own
                                    options), the whole config, and each rank file's size and SHA-256
 
-A directory without ``meta.json`` is a save that did not finish and is refused; a rank file that is
+A step is written as ``step-000005.tmp/`` and renamed when complete (``meta.json`` last), so a save
+that did not finish is never taken for one: resuming from a save dir takes its latest complete step
+and says which unfinished ones it skipped.  A directory without ``meta.json`` is refused; a rank file that is
 missing, shorter or longer than ``meta.json`` says, or whose SHA-256 differs, is refused naming the
 file.  Loading uses ``torch.load(..., weights_only=True)``: only tensors and plain containers.
 
@@ -19,7 +21,11 @@ so a run resumed at step k reads exactly the batches the uninterrupted run read 
 The RNG states (torch, CUDA, Python's ``random``) are saved per rank and restored, although the
 course's training draws no random numbers.
 
-What a strategy implements (``minitrain/strategies.py``; defaults there are for ranks that hold
+A save dir that holds another run's steps is refused (unless this run resumes from it, or
+``--overwrite`` deletes them); the seed and the global batch (the data stream) are compared on
+resume like the layout.
+
+What a strategy implements (``minitrain/strategies/base.py``; defaults there are for ranks that hold
 identical replicas, as single and ddp do):
 
 * ``checkpoint_refusal = None`` on the registered class itself (not inherited) — else ``check``
@@ -42,6 +48,8 @@ import json
 import os
 import random
 import re
+import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -102,7 +110,9 @@ def layout_of(cfg: TrainConfig) -> dict:
     cls = get_strategy(cfg.strategy)
     return _json({"strategy": cfg.strategy, "world_size": cfg.world_size,
                   "model": cfg.model.to_dict(), "precision": cfg.precision,
-                  "options": cls.checkpoint_layout(cfg)})
+                  "options": cls.checkpoint_layout(cfg),
+                  # the data stream: batch k is a function of (seed, k, global batch)
+                  "data": {"seed": cfg.seed, "batch_size": cfg.batch_size}})
 
 
 def _mismatch(saved: dict, now: dict, where: Path) -> str | None:
@@ -132,12 +142,33 @@ def _mismatch(saved: dict, now: dict, where: Path) -> str | None:
                             for k in diffs)
                 + "; resume with the checkpoint's (--" + ", --".join(k.replace("_", "-") for k in diffs)
                 + ")")
+    data = saved.get("data")
+    if data is not None and data != now["data"]:
+        key = next(k for k in data if data[k] != now["data"].get(k))
+        return (f"{where} was trained with --{key.replace('_', '-')} {data[key]}, this run has "
+                f"{now['data'].get(key)}: the data stream would differ from the interrupted run's; "
+                f"resume with --{key.replace('_', '-')} {data[key]}")
     return None
 
 
 # --------------------------------------------------------------------------------------------------
 # Finding and checking a checkpoint (before any process starts)
 # --------------------------------------------------------------------------------------------------
+
+
+def skipped_saves(where) -> list[str]:
+    """Saves in the save dir ``where`` newer than the step a resume takes, that did not finish."""
+    path = Path(where)
+    if not path.is_dir() or (path / META).is_file():
+        return []
+    chosen = find_checkpoint(path)
+    out = []
+    for p in sorted(path.iterdir()):
+        m = _STEP_DIR.match(p.name.removesuffix(".tmp"))
+        if m and p.is_dir() and (p.name.endswith(".tmp") or not (p / META).is_file()) \
+                and p != chosen and int(m.group(1)) >= int(_STEP_DIR.match(chosen.name).group(1)):
+            out.append(p.name)
+    return out
 
 
 def find_checkpoint(where) -> Path:
@@ -210,11 +241,14 @@ def check_checkpoint_config(cfg: TrainConfig) -> dict | None:
     why = checkpoint_support(get_strategy(cfg.strategy))
     if why:
         raise CheckpointError(f"{'--resume' if cfg.resume else '--save-dir'}: {why}")
-    if cfg.save_dir and Path(cfg.save_dir).exists() and not Path(cfg.save_dir).is_dir():
-        raise CheckpointError(f"--save-dir {cfg.save_dir} is a file; pass a directory")
+    if cfg.save_dir:
+        _check_save_dir(cfg)
     if not cfg.resume:
         return None
     path = find_checkpoint(cfg.resume)
+    for name in skipped_saves(cfg.resume):
+        print(f"minitrain: {Path(cfg.resume) / name} did not finish saving (no {META}); resuming "
+              f"from {path.name}", file=sys.stderr, flush=True)
     meta = read_meta(path)
     problem = _mismatch(meta["layout"], layout_of(cfg), path)
     if problem:
@@ -225,6 +259,50 @@ def check_checkpoint_config(cfg: TrainConfig) -> dict | None:
                               f"{meta['step'] + cfg.steps} to train {cfg.steps} more")
     check_files(path, meta)
     return {**meta, "path": str(path)}
+
+
+def _previous_saves(save_dir: Path) -> list[str]:
+    return sorted(p.name for p in save_dir.iterdir() if _STEP_DIR.match(p.name.removesuffix(".tmp"))) \
+        if save_dir.is_dir() else []
+
+
+def _check_save_dir(cfg: TrainConfig) -> None:
+    """``--save-dir`` must be writable (probed now, not after training) and hold no other run's
+    checkpoints, unless this run resumes from it or ``--overwrite`` is given."""
+    where = Path(cfg.save_dir)
+    existing = where
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise CheckpointError(f"--save-dir {where}: {existing} is a file, not a directory; choose a "
+                              "path in a directory")
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        probe = where / f".minitrain-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise CheckpointError(f"--save-dir {where} cannot be written ({exc.strerror or exc}); "
+                              "choose a writable directory") from None
+    old = _previous_saves(where)
+    if old and not (_resuming_here(cfg) or cfg.overwrite):
+        shown = ", ".join(old[:3]) + (" ..." if len(old) > 3 else "")
+        raise CheckpointError(f"--save-dir {where} already holds checkpoints ({shown}) of an earlier "
+                              f"run; resume it (--resume {where}), pass --overwrite to delete them, "
+                              "or choose an empty directory")
+
+
+def _resuming_here(cfg: TrainConfig) -> bool:
+    here = Path(cfg.save_dir).resolve()
+    return bool(cfg.resume) and here in (Path(cfg.resume).resolve(), Path(cfg.resume).resolve().parent)
+
+
+def clear_save_dir(cfg: TrainConfig) -> None:
+    """With ``--overwrite`` (and not resuming from it): delete the earlier run's steps (rank 0)."""
+    where = Path(cfg.save_dir)
+    if cfg.overwrite and not _resuming_here(cfg):
+        for name in _previous_saves(where):
+            shutil.rmtree(where / name, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -271,10 +349,11 @@ def maybe_save(strategy: Strategy, step: int) -> None:
 def save_checkpoint(strategy: Strategy, steps_done: int) -> Path:
     """Every rank writes its file, then rank 0 writes ``meta.json`` (a collective; untraced)."""
     cfg, comm = strategy.cfg, strategy.comm
-    path = step_dir(cfg.save_dir, steps_done)
-    path.mkdir(parents=True, exist_ok=True)
+    final = step_dir(cfg.save_dir, steps_done)
+    path = final.with_name(final.name + ".tmp")  # the step appears, complete, by one rename
     if comm.rank == 0:
-        (path / META).unlink(missing_ok=True)  # until the new meta.json, the step is unfinished
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
     dist.barrier(group=comm.group)
     name = rank_file(comm.rank)
     payload = {"format": FORMAT, "rank": comm.rank, "step": steps_done, "rng": _rng_state(),
@@ -291,9 +370,12 @@ def save_checkpoint(strategy: Strategy, steps_done: int) -> Path:
                 "files": dict(files), "torch": torch.__version__,
                 "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
         _write_atomically(path / META, lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(path, final)
     dist.barrier(group=comm.group)
-    strategy.saved_checkpoints.append(str(path))
-    return path
+    strategy.saved_checkpoints.append(str(final))
+    return final
 
 
 # --------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import typing
@@ -20,7 +21,7 @@ from dataclasses import replace
 
 import torch.distributed as dist
 
-from .launch import Cluster, init_from_env, launched_by_torchrun
+from .launch import Cluster, LaunchError, RankError, init_from_env, launched_by_torchrun
 from .model import PRESETS
 from .strategies import ConfigError, TrainConfig, get_strategy, strategy_names
 from .strategies.base import flag, option_fields
@@ -142,7 +143,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser |
                               "leave --world-size out under torchrun")
         world = env_world
     config = {k: getattr(args, k) for k in fields}
-    config.update(world_size=world or 1, model=model, options=values,
+    config.update(world_size=1 if world is None else world, model=model, options=values,
                   save_dir=_absolute(args.save_dir), resume=_absolute(args.resume))
     return TrainConfig(**config)
 
@@ -166,7 +167,7 @@ class _Reporter:
 
     def __call__(self, step: int, loss: float) -> None:
         if self.as_json:
-            print(json.dumps({"step": step, "loss": loss}), flush=True)
+            print(dumps({"step": step, "loss": loss}), flush=True)
             return
         if self.bar is None:  # a resumed run starts past 0
             from tqdm.auto import tqdm
@@ -176,6 +177,22 @@ class _Reporter:
         self.bar.set_postfix(loss=f"{loss:.4f}")
         if step + 1 == self.steps:
             self.bar.close()
+
+
+def _finite(value):
+    """``value`` with every NaN or infinity replaced by None (JSON's null)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def dumps(value) -> str:
+    """JSON that every parser reads: a non-finite number becomes ``null``, never ``NaN``."""
+    return json.dumps(_finite(value), allow_nan=False)
 
 
 def _kb(n: float) -> str:
@@ -232,7 +249,7 @@ def _train(args: argparse.Namespace, parser=None) -> int:
         with Cluster(cfg.world_size, cfg.backend, timeout=cfg.timeout, prefix=False) as cluster:
             result = cluster.run(run_rank, cfg, report)[0]
     if args.json:
-        print(json.dumps({"summary": result["summary"]}), flush=True)
+        print(dumps({"summary": result["summary"]}), flush=True)
     else:
         print(format_summary(result))
     return 0
@@ -256,6 +273,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return _train(args, parser)
-    except ConfigError as exc:
+    except (ConfigError, LaunchError) as exc:
         parser.exit(2, f"minitrain train: error: {exc}\n")
+    except RankError as exc:  # the ranks' story, not the launcher's traceback
+        text = str(exc)
+        if exc.exc_type == "Diverged":
+            text = text.split("\n\n--- traceback", 1)[0].replace("Diverged: ", "")
+        parser.exit(1, f"minitrain train: error: {text}\n")
     return 0

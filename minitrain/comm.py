@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .parallel.flat import FlatUnit
+
 __all__ = ["Event", "Tracer", "Comm", "ring_all_reduce", "all_reduce_coalesced", "ring_sent_bytes",
            "loopback_tx_bytes"]
 
@@ -297,12 +299,12 @@ def all_reduce_coalesced(tensors: list, comm: Comm, tag: str = "", divide_by: in
     together (one message instead of one per tensor), then divide by ``divide_by``."""
     if not tensors or comm.size == 1:
         return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
+    unit = FlatUnit(tensors)
+    flat = unit.flatten(tensors)
     comm.all_reduce(flat, tag=tag)
     if divide_by != 1:
         flat.div_(divide_by)
-    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
-        t.copy_(part.view_as(t))
+    unit.unflatten(flat)
 
 
 def ring_all_reduce(tensor: torch.Tensor, comm: Comm, record: list | None = None) -> torch.Tensor:

@@ -116,14 +116,34 @@ def _check_sync_gradients(fn) -> str | None:
     return _on_clusters(_sync_rank, fn, sizes=(2, 3))
 
 
+_RANKS: dict = {}  # (world size, collective timeout) -> a running Cluster, kept between checks
+
+
+def ranks(n: int, timeout: float = 5):
+    """A running cluster of ``n`` ranks for the checkers, started once and reused by every check
+    (starting ranks is most of a check's time).  A check that fails or times out leaves it to be
+    restarted by its next run; :func:`release` stops them all."""
+    from .launch import Cluster
+
+    key = (n, timeout)
+    if key not in _RANKS:
+        _RANKS[key] = Cluster(n, timeout=timeout, threads=1, forward_output=False)
+    return _RANKS[key]
+
+
+def release() -> None:
+    """Stop the checkers' ranks (they are also stopped when the kernel exits)."""
+    while _RANKS:
+        _RANKS.popitem()[1].close()
+
+
 def _on_clusters(rank_fn, fn, sizes=(2, 3, 4), *args) -> str | None:
-    """Run ``rank_fn(fn, *args)`` on fresh clusters of each size; the first problem found, or None."""
-    from .launch import Cluster, RankError
+    """Run ``rank_fn(fn, *args)`` on running clusters of each size; the first problem found, or None."""
+    from .launch import RankError
 
     for n in sizes:
         try:
-            with Cluster(n, timeout=5, threads=1, forward_output=False) as cluster:
-                problems = [p for p in cluster.run(rank_fn, fn, *args, timeout=60) if p]
+            problems = [p for p in ranks(n).run(rank_fn, fn, *args, timeout=60) if p]
         except RankError as exc:
             return f"with {n} ranks: {str(exc).splitlines()[0]}"
         except TimeoutError:
@@ -382,7 +402,7 @@ def _one_f_one_b_single(batch: int) -> list[float]:
 
 def _check_one_f_one_b(fn) -> str | None:
     """Valid (the validator), 1F1B's memory bound, 1F1B's order or makespan, then run for real."""
-    from .launch import Cluster, RankError
+    from .launch import RankError
     from .parallel.schedules import ScheduleError, orders, peak_in_flight, simulate, validate
 
     tables = {}
@@ -421,8 +441,7 @@ def _check_one_f_one_b(fn) -> str | None:
                 return table
             tables[P] = table
         try:
-            with Cluster(P, timeout=5, threads=1, forward_output=False) as cluster:
-                losses = cluster.run(_one_f_one_b_rank, tables, timeout=60)[0]
+            losses = ranks(P).run(_one_f_one_b_rank, tables, timeout=60)[0]
         except RankError as exc:
             return f"run on {P} ranks: {str(exc).splitlines()[0]}"
         except TimeoutError:
@@ -475,7 +494,7 @@ def _mesh_groups_rank(groups: dict) -> dict:
 
 def _check_mesh_groups(fn) -> str | None:
     """The groups of every axis for several meshes, then used for real on 4 ranks (2 x 1 x 2)."""
-    from .launch import Cluster, RankError
+    from .launch import RankError
     from .parallel.mesh import MeshShape
 
     for dp, pp, tp in _MESH_SHAPES:
@@ -497,8 +516,7 @@ def _check_mesh_groups(fn) -> str | None:
     s = MeshShape(2, 1, 2)
     groups = {axis: _mesh_groups_of(fn, 2, 1, 2, axis) for axis in ("dp", "tp")}
     try:
-        with Cluster(4, timeout=10, threads=1, forward_output=False) as cluster:
-            sums = cluster.run(_mesh_groups_rank, groups, timeout=60)
+        sums = ranks(4, timeout=10).run(_mesh_groups_rank, groups, timeout=60)
     except RankError as exc:
         return f"on 4 ranks: {str(exc).splitlines()[0]}"
     for r, got in enumerate(sums):

@@ -39,6 +39,7 @@ __all__ = [
     "choose_backend",
     "RankError",
     "CollectiveTimeout",
+    "Deadlock",
     "LaunchError",
 ]
 
@@ -57,6 +58,8 @@ class RankError(RuntimeError):
         self.exc_type = exc_type
         self.remote_traceback = remote_traceback
         self.secondary = False  # True when it only reports that another rank went away
+        self.priority = 0  # which failure is reported first: 0 cause, 1 timeout, 2 peer gone
+        self.others: list = []  # the other ranks' errors of the same run
         text = f"rank {rank} failed: {message}"
         if remote_traceback:
             text += f"\n\n--- traceback from rank {rank} ---\n{remote_traceback.rstrip()}"
@@ -76,6 +79,19 @@ class CollectiveTimeout(RankError):
     """A collective or point-to-point op did not complete within the process group's timeout."""
 
 
+class Deadlock(RankError):
+    """Some ranks returned while the others wait in a collective that can never complete (a
+    learner's skipped collective, a wrong peer, mismatched calls): found within seconds."""
+
+
+#: a rank reports where its main thread is every HEARTBEAT_S while a task has run REPORT_AFTER_S
+HEARTBEAT_S, REPORT_AFTER_S = 0.5, 1.0
+#: a rank whose stack has not moved for STUCK_S while using under IDLE_CPU of a core is waiting
+STUCK_S, IDLE_CPU = 2.0, 0.05
+#: when every rank waits (recv against recv), their lines are shown after this long
+ALL_WAITING_S = 6.0
+
+
 def choose_backend(world_size: int, backend: str | None = None) -> str:
     """``nccl`` when there are at least ``world_size`` GPUs, else ``gloo`` (CPU)."""
     if backend is not None:
@@ -92,9 +108,34 @@ def choose_backend(world_size: int, backend: str | None = None) -> str:
     return "gloo"
 
 
+#: what torchrun (and any env:// launcher) sets for each process
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 def launched_by_torchrun() -> bool:
-    """True inside a process started by ``torchrun`` (or any env:// launcher)."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    """True inside a process started by ``torchrun`` (or any env:// launcher): all of
+    :data:`TORCHRUN_VARS` set and consistent.  A partial or inconsistent set (variables left over
+    in a shell or a notebook) raises :class:`LaunchError` naming them and the fix."""
+    present = [k for k in TORCHRUN_VARS if k in os.environ]
+    if not present:
+        return False
+    shown = ", ".join(f"{k}={os.environ[k]}" for k in present)
+    fix = (f"if this is not a torchrun process, unset them (unset {' '.join(present)}); else "
+           "start it with torchrun")
+    missing = [k for k in TORCHRUN_VARS if k not in os.environ]
+    if missing:
+        raise LaunchError(f"the environment has {shown} but not {', '.join(missing)}: half a "
+                          f"torchrun environment; {fix}")
+    try:
+        rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+        int(os.environ["MASTER_PORT"])
+    except ValueError:
+        raise LaunchError(f"the torchrun variables are not numbers where they must be ({shown}); "
+                          f"{fix}") from None
+    if not (0 <= rank < world and 0 <= local <= rank):
+        raise LaunchError(f"the torchrun variables disagree ({shown}: need 0 <= LOCAL_RANK <= RANK "
+                          f"< WORLD_SIZE); {fix}")
+    return True
 
 
 def init_from_env(backend: str | None = None, timeout: float = 300.0) -> tuple[int, int]:
@@ -179,9 +220,73 @@ def _is_timeout(exc: BaseException) -> bool:
     return isinstance(exc, TimeoutError) or "timed out" in str(exc).lower()
 
 
+def _where(frame) -> tuple[str, str]:
+    """(the torch.distributed call a stack is in, or "", the user's line) of a rank's main thread."""
+    op, user, inner = "", "", ""
+    for fs in reversed(traceback.extract_stack(frame)):
+        path = fs.filename.replace(os.sep, "/")
+        if not op and "torch/distributed/" in path and not fs.name.startswith(("_", "wrapper")):
+            op = fs.name
+        if "/torch/" in path or path.endswith("minitrain/launch.py"):
+            continue
+        if not inner:
+            inner = _line(fs)
+            if not op and ".wait(" in (fs.line or ""):
+                op = "wait"  # an asynchronous op's wait(): the innermost Python frame is ours
+        if not user and "/minitrain/" not in path:
+            user = _line(fs)
+    return op, user or inner
+
+
+def _line(fs) -> str:
+    """``cell line 3: dist.all_reduce(t)`` for a notebook cell, ``file.py:12: ...`` otherwise."""
+    name = os.path.basename(fs.filename)
+    cell = "ipykernel" in fs.filename or fs.filename.startswith("<ipython-input")
+    head = f"cell line {fs.lineno}" if cell else f"{name}:{fs.lineno}"
+    return f"{head}: {fs.line}" if fs.line else head
+
+
+def _heartbeat(send, task: dict) -> None:
+    """In each rank: while a task runs, tell the parent where the main thread is (when it moves)."""
+    main = threading.main_thread().ident
+    last = None
+    while True:
+        time.sleep(HEARTBEAT_S)
+        started, number = task.get("since"), task.get("number")
+        if started is None or time.monotonic() - started < REPORT_AFTER_S:
+            last = None
+            continue
+        frame = sys._current_frames().get(main)
+        if frame is None:
+            continue
+        frames = traceback.extract_stack(frame)
+        mine = [i for i, fs in enumerate(frames) if fs.name == "_worker_main"]
+        stack = "".join(traceback.format_list(frames[mine[-1] + 1:] if mine else frames))
+        if (number, stack) != last:
+            last = (number, stack)
+            send(("status", number, _where(frame), stack))
+
+
+def _stderr_file(port: int, rank: int) -> str:
+    """Where a rank's native stderr (gloo's and the C++ runtime's messages) is kept."""
+    import tempfile
+    return os.path.join(tempfile.gettempdir(), f"minitrain-{port}-rank{rank}.stderr")
+
+
 def _worker_main(rank: int, world_size: int, conn, opts: dict) -> None:
     """Entry point of every rank: join the group, then run what the parent sends until told to stop."""
     _die_with_parent()
+    for fd in opts.get("close_fds", ()):  # other clusters' rendezvous sockets: not ours to hold
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    try:  # native messages (a C++ abort's reason) land in a file the parent reads if we die
+        err = os.open(_stderr_file(opts["port"], rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(err, 2)
+        os.close(err)
+    except OSError:
+        pass
     lock = threading.Lock()
 
     def send(msg):
@@ -209,6 +314,9 @@ def _worker_main(rank: int, world_size: int, conn, opts: dict) -> None:
         send(("error", type(exc).__name__, str(exc), traceback.format_exc(), False))
         os._exit(1)
     send(("ready", os.getpid()))
+    task: dict = {"number": 0, "since": None}
+    threading.Thread(target=_heartbeat, args=(send, task), daemon=True,
+                     name="minitrain-heartbeat").start()
 
     def _flush():
         for stream in (sys.stdout, sys.stderr):
@@ -224,14 +332,25 @@ def _worker_main(rank: int, world_size: int, conn, opts: dict) -> None:
             break
         if not payload:
             break
+        task["number"] += 1
+        task["since"] = time.monotonic()
         try:
             fn, args, kwargs = cloudpickle.loads(payload)
             result = fn(*args, **kwargs)
+            task["since"] = None
             _flush()
+            if not dist.is_initialized():
+                raise RuntimeError(
+                    "your code called dist.destroy_process_group(): a Cluster's ranks keep their "
+                    "group between runs; remove that call (Cluster.close() ends the group). The "
+                    "ranks are restarted for the next run")
             send(("ok", result))
         except BaseException as exc:  # noqa: BLE001
+            task["since"] = None
             _flush()
             send(("error", type(exc).__name__, str(exc), traceback.format_exc(), _is_timeout(exc)))
+            if not dist.is_initialized():
+                break
     try:
         dist.destroy_process_group()
     finally:
@@ -342,6 +461,9 @@ class Cluster:
         self.port: int | None = None
         self.pids: list[int] = []
         self.started_in_s: float | None = None
+        self._task = 0  # runs sent to the current ranks (their heartbeats carry the number)
+        self._watching = None
+        self._listen_fd: int | None = None
 
     # -- life cycle ---------------------------------------------------------------------------------
 
@@ -369,12 +491,16 @@ class Cluster:
         ctx = mp.get_context(self.start_method)
         sock = _listen(self.host)
         self.port = port = sock.getsockname()[1]
+        self._listen_fd = sock.detach()
         self._store = dist.TCPStore(self.host, port, self.world_size + 1, is_master=True,
-                                    wait_for_workers=False, master_listen_fd=sock.detach(),
+                                    wait_for_workers=False, master_listen_fd=self._listen_fd,
                                     timeout=datetime.timedelta(seconds=self.timeout))
+        self._task = 0
+        others = [c._listen_fd for c in _LIVE if c is not self and c._listen_fd is not None]
         opts = dict(host=self.host, port=port, backend=self.backend,
                     timeout=self.timeout, threads=self.threads, forward_output=self.forward_output,
-                    tty=(_isatty(sys.stdout), _isatty(sys.stderr)))
+                    tty=(_isatty(sys.stdout), _isatty(sys.stderr)),
+                    close_fds=others + [self._listen_fd])
         for rank in range(self.world_size):
             parent_end, child_end = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, args=(rank, self.world_size, child_end, opts),
@@ -394,24 +520,42 @@ class Cluster:
         return self
 
     def close(self) -> None:
-        """Stop every rank (politely, then by force) and free the rendezvous port."""
-        for conn in self._conns:
-            try:
-                conn.send_bytes(b"")
-            except (OSError, ValueError):
-                pass
-        deadline = time.monotonic() + 1.0
-        for proc in self._procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
+        """Stop every rank (politely, then by force), and whatever it started; free the port."""
+        stragglers = [pid for proc in self._procs for pid in descendants(proc.pid)]
+        try:  # politely: an empty message ends a rank's loop
+            for conn in self._conns:
+                try:
+                    conn.send_bytes(b"")
+                except (OSError, ValueError):
+                    pass
+            deadline = time.monotonic() + 1.0
+            for proc in self._procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
+        finally:  # then by force, even when interrupted
+            self._stop(stragglers)
+
+    def _stop(self, stragglers: list) -> None:
         for proc in self._procs:
             if proc.is_alive():
                 proc.kill()
+        for pid in stragglers:  # what a rank started (a subprocess) goes with it
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
         for proc in self._procs:
             proc.join(5)
         for conn in self._conns:
             conn.close()
+        if self.port is not None and self._procs:
+            for rank in range(self.world_size):
+                try:
+                    os.unlink(_stderr_file(self.port, rank))
+                except OSError:
+                    pass
         self._procs, self._conns, self.pids = [], [], []
         self._store = None  # the store owns the listening socket and closes it
+        self._listen_fd = None
         _LIVE.discard(self)
 
     def __enter__(self) -> "Cluster":
@@ -441,15 +585,18 @@ class Cluster:
         the next ``run`` starts fresh ranks.
         """
         self.start()
-        payload = cloudpickle.dumps((fn, args, kwargs))
-        for conn in self._conns:
-            conn.send_bytes(payload)
+        payload = cloudpickle.dumps((fn, args, kwargs))  # a function that cannot be sent: no harm
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
+            self._task += 1
+            for conn in self._conns:
+                conn.send_bytes(payload)
             replies = self._collect(deadline)
-        except BaseException:
+        except BaseException:  # a failure, an interrupt, anything: never leave the ranks half-fed
             self.close()
             raise
+        finally:
+            self._watching = None
         return [r[1] for r in replies]
 
     def _print(self, rank: int, stream: str, text: str) -> None:
@@ -463,16 +610,18 @@ class Cluster:
     def _collect(self, deadline: float | None) -> list:
         """Wait for one final reply per rank, printing forwarded output as it arrives.
 
-        When a rank fails, the others get :data:`GRACE_S` to report too (a rank blocked in a
-        collective with the failed one usually errors a moment later); then the most likely root
-        cause — a rank that died or raised an ordinary exception, before one whose peer vanished —
-        is raised, and the caller stops the group.
+        When a rank fails, the others get :data:`GRACE_S` to report too; then the most likely root
+        cause is raised (a rank that died or raised an ordinary exception, then a timeout, then a
+        rank whose peer vanished), carrying the other ranks' errors, and the caller stops the group.
+        While waiting, the watchdog (:meth:`_watch`) turns a deadlock into an error within seconds.
         """
         replies: list = [None] * self.world_size
         failures: list[RankError] = []
         grace_end = None
         conn_rank = {id(c): r for r, c in enumerate(self._conns)}
         sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
+        watch = _Watch(self.world_size, [p.pid for p in self._procs])
+        self._watching = watch
         while any(r is None for r in replies):
             until = grace_end if grace_end is not None else deadline
             wait_s = 0.5 if until is None else min(0.5, max(0.0, until - time.monotonic()))
@@ -492,13 +641,44 @@ class Cluster:
                 grace_end = now + GRACE_S
             if grace_end is not None and now >= grace_end:
                 break
+            if not failures:
+                self._watch(watch, replies)
             if not failures and deadline is not None and now >= deadline:
                 waiting = [r for r, rep in enumerate(replies) if rep is None]
                 raise TimeoutError(f"ranks {waiting} did not finish within the call's timeout; "
-                                   "the group was stopped (pass a larger timeout= to run())")
+                                   "the group was stopped (pass a larger timeout= to run())"
+                                   + watch.describe(replies, stacks=True))
         if failures:
-            raise min(failures, key=lambda e: e.secondary)
+            failures.sort(key=lambda e: e.priority)
+            first = failures[0]
+            first.others = failures[1:]
+            extra = "".join(f"\n\nrank {e.rank} also failed: {str(e).splitlines()[0].split(': ', 1)[-1]}"
+                            for e in failures[1:])
+            first.args = (first.args[0] + extra + watch.describe(replies, stacks=True,
+                                                                  only_waiting=True),)
+            raise first
         return replies
+
+    def _watch(self, watch: "_Watch", replies: list) -> None:
+        """Raise :class:`Deadlock` when ranks have returned and every other one waits; show each
+        rank's line once when all of them have waited for :data:`ALL_WAITING_S`."""
+        watch.sample()
+        pending = [r for r, rep in enumerate(replies) if rep is None]
+        stuck = [r for r in pending if watch.where.get(r, ("",))[0] and watch.stuck_for(r) >= STUCK_S]
+        if len(stuck) < len(pending) or not pending:
+            return
+        if len(pending) < self.world_size:
+            rank = stuck[0]
+            raise Deadlock(rank, "the ranks wait for each other and never will:"
+                           + watch.describe(replies, stacks=True)
+                           + "\nEvery rank must make the same collective calls in the same order "
+                           "(a send needs its recv on the peer; a rank that returns early leaves "
+                           "the others waiting).")
+        if not watch.announced and min(watch.stuck_for(r) for r in pending) >= ALL_WAITING_S:
+            watch.announced = True
+            print("minitrain: every rank is waiting for another (a deadlock?); still waiting until "
+                  f"the group's timeout of {self.timeout:g} s:" + watch.describe(replies),
+                  file=sys.stderr, flush=True)
 
     def _receive(self, rank: int, replies: list, failures: list) -> bool:
         """Handle one message from ``rank``; False when there is nothing (more) to read."""
@@ -509,8 +689,17 @@ class Cluster:
             msg = cloudpickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             return False  # the sentinel will tell how it ended
+        except Exception as exc:  # noqa: BLE001 - a result the parent cannot unpickle
+            replies[rank] = ("error",)
+            failures.append(RankError(rank, f"its result could not be unpickled here: "
+                                            f"{type(exc).__name__}: {exc}; return plain values "
+                                            "(numbers, lists, tensors) from the function"))
+            return True
         if msg[0] == "print":
             self._print(rank, msg[1], msg[2])
+        elif msg[0] == "status":
+            if msg[1] == self._task and getattr(self, "_watching", None) is not None:
+                self._watching.status(rank, msg[2], msg[3])
         else:
             replies[rank] = msg
             if msg[0] == "error":
@@ -523,7 +712,21 @@ class Cluster:
         code = proc.exitcode
         how = (f"was killed by signal {-code}" if code is not None and code < 0
                else f"exited with code {code}")
-        return RankError(rank, f"the process {how} (pid {proc.pid})")
+        hint = ""
+        if code == -signal.SIGABRT:
+            hint = ("\nSignal 6 (abort) in a rank is most often a collective mismatch: the ranks "
+                    "called different collectives, or the same one with different shapes or dtypes.")
+        elif code == -signal.SIGKILL:
+            rss = self._watching.rss.get(rank) if getattr(self, "_watching", None) else None
+            hint = ("\nSignal 9 usually means the kernel's out-of-memory killer stopped it"
+                    + (f" (its last resident memory: {rss / 2**20:,.0f} MiB)" if rss else "")
+                    + ": use a smaller model or batch, or fewer ranks.")
+        native = _tail(_stderr_file(self.port, rank))
+        if native:
+            hint += f"\n--- what rank {rank} printed last (native stderr) ---\n{native}"
+        err = RankError(rank, f"the process {how} (pid {proc.pid}){hint}")
+        err.priority = 0
+        return err
 
     def _error(self, rank: int, name: str, text: str, tb: str, timed_out: bool) -> RankError:
         if timed_out:
@@ -533,9 +736,97 @@ class Cluster:
                 "different one; raise Cluster(timeout=...) if the work is just slow)", tb, name)
         else:
             err = RankError(rank, f"{name}: {text}", tb, name)
-        # a rank whose peer vanished is a symptom, not the cause
-        err.secondary = timed_out or any(k in text for k in _PEER_LOST)
+        # a rank whose peer vanished is a symptom, not the cause; a timeout comes before it
+        err.priority = 2 if any(k in text for k in _PEER_LOST) else 1 if timed_out else 0
+        err.secondary = err.priority > 0
         return err
+
+
+def _tail(path: str, limit: int = 2000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - limit))
+            return f.read().decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _cpu_ticks(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime + stime
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _rss(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class _Watch:
+    """The parent's view of a run: where each rank's main thread is (from its heartbeat), since
+    when it has not moved, how much CPU it used since then (from /proc), and its memory."""
+
+    def __init__(self, world_size: int, pids: list[int]):
+        self.pids = pids
+        self.where: dict[int, tuple] = {}   # rank -> (op, user line)
+        self.stack: dict[int, str] = {}
+        self.since: dict[int, tuple] = {}   # rank -> (time, cpu ticks) when its stack last moved
+        self.rss: dict[int, int] = {}
+        self.announced = False
+        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.sample()
+
+    def status(self, rank: int, where: tuple, stack: str) -> None:
+        self.where[rank], self.stack[rank] = where, stack
+        self.since[rank] = (time.monotonic(), _cpu_ticks(self.pids[rank]))
+
+    def sample(self) -> None:
+        for rank, pid in enumerate(self.pids):
+            rss = _rss(pid)
+            if rss:
+                self.rss[rank] = rss
+
+    def stuck_for(self, rank: int) -> float:
+        """Seconds rank has not moved while (nearly) idle; 0 when it is computing or unknown."""
+        if rank not in self.since:
+            return 0.0
+        t0, ticks0 = self.since[rank]
+        elapsed = time.monotonic() - t0
+        ticks = _cpu_ticks(self.pids[rank])
+        if ticks is not None and ticks0 is not None and elapsed > 0:
+            if (ticks - ticks0) / self._tick > IDLE_CPU * elapsed + 0.05:
+                return 0.0  # it is computing (or moving data): not stuck
+        return elapsed
+
+    def describe(self, replies: list, stacks: bool = False, only_waiting: bool = False) -> str:
+        """A line per rank (returned, or where it waits), then the waiting ranks' stacks.  With
+        ``only_waiting`` (for a failure): only the ranks that were waiting when it happened."""
+        lines, stack_text = [], []
+        for rank, reply in enumerate(replies):
+            finished = reply is not None and not (only_waiting and rank in self.where)
+            if finished:
+                if not only_waiting:
+                    lines.append(f"  rank {rank} {'returned' if reply[0] == 'ok' else 'failed'}")
+                continue
+            if rank not in self.where:
+                lines.append(f"  rank {rank} still running (no report yet)")
+                continue
+            op, user = self.where[rank]
+            state = f"waiting in {op}" if op else "waiting"
+            lines.append(f"  rank {rank} {'was ' if reply else ''}{state} at {user or '?'}")
+            if stacks:
+                stack_text.append(f"\n--- stack of rank {rank} ---\n{self.stack[rank].rstrip()}")
+        if not lines:
+            return ""
+        head = "\n\nwhere the ranks were:" if only_waiting else ""
+        return head + "\n" + "\n".join(lines) + "".join(stack_text)
 
 
 def launch(fn, world_size: int, *args, backend: str | None = None, timeout: float = 60.0,

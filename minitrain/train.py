@@ -10,18 +10,33 @@ memory ledger are gathered to rank 0 (outside the tracer, so they do not count a
 
 from __future__ import annotations
 
+import math
+import os
 import statistics
+import sys
 import time
 
 import torch.distributed as dist
 
-from .checkpoint import check_checkpoint_config, load_checkpoint, maybe_save
+from .checkpoint import check_checkpoint_config, clear_save_dir, load_checkpoint, maybe_save
 from .comm import Comm, Tracer
 from .data import ArithmeticData
 from .launch import Cluster
 from .strategies import FreeRunning, Seams, Strategy, TrainConfig, check_common, get_strategy
 
-__all__ = ["run_rank", "train", "check_config", "fit"]
+__all__ = ["run_rank", "train", "check_config", "fit", "Diverged"]
+
+
+class Diverged(RuntimeError):
+    """The loss became NaN or infinite: the run stops (``allow_nonfinite=True`` goes on)."""
+
+
+def _diverged(cfg: TrainConfig, step: int, loss: float) -> Diverged:
+    fix = f"lower --lr (now {cfg.lr:g})"
+    if cfg.precision == "fp16-mixed":
+        fix += ", or keep loss scaling on (leave out --loss-scale 0) or use --precision bf16-mixed"
+    return Diverged(f"step {step}: the loss is {loss} — training diverged; {fix}. "
+                    "(--allow-nonfinite keeps training)")
 
 
 def check_config(cfg: TrainConfig, seams=None) -> None:
@@ -31,6 +46,11 @@ def check_config(cfg: TrainConfig, seams=None) -> None:
     check_common(cls, cfg, Seams.of(seams))
     cls.check(cfg)
     check_checkpoint_config(cfg)
+    cores = os.cpu_count() or 1
+    if cfg.world_size > 4 * cores and cfg.backend != "nccl":
+        print(f"minitrain: {cfg.world_size} ranks on {cores} CPU cores ({cfg.world_size / cores:.0f} "
+              f"per core): expect each step to take roughly {cfg.world_size / cores:.0f} times as long "
+              "as with one rank per core", file=sys.stderr, flush=True)
 
 
 def fit(strategy: Strategy, data, on_step=None) -> tuple[list[float], list[float]]:
@@ -51,6 +71,8 @@ def fit(strategy: Strategy, data, on_step=None) -> tuple[list[float], list[float
         losses.append(loss)
         if on_step is not None:
             on_step(step, loss)
+        if not math.isfinite(loss) and not cfg.allow_nonfinite:
+            raise _diverged(cfg, step, loss)  # the loss is the global mean: every rank stops here
         if cfg.save_dir:
             maybe_save(strategy, step)
     return losses, times
@@ -73,6 +95,8 @@ def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False, seams=N
     the strategy's seams.
     """
     comm = Comm(None, Tracer(), "world")
+    if cfg.save_dir and comm.rank == 0:
+        clear_save_dir(cfg)  # --overwrite: the earlier run's steps go before this run saves any
     strategy = _build(cfg, comm, seams)
     if cfg.resume:
         load_checkpoint(strategy, cfg.resume)  # before the tracer is cleared: not training traffic

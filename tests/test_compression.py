@@ -10,9 +10,9 @@ import torch.distributed as dist
 from minitrain import Cluster, Comm, TrainConfig, train
 from minitrain.cli import main
 from minitrain.parallel.compression import (FORMS, ErrorFeedback, Int8, PowerSGD, Sign, TopK,
-                                            _pack, _unpack, add_compression_arguments,
-                                            as_error_feedback, check_compression,
+                                            _pack, _unpack, as_error_feedback,
                                             compressed_all_reduce, parse_compressor, payload_bytes)
+from minitrain.strategies.data_parallel import check_compression
 from minitrain.strategies import ConfigError
 
 SPECS = ["topk:1.0", "topk:0.1", "int8", "sign", "powersgd:2"]
@@ -272,14 +272,16 @@ def test_parse_compressor():
             parse_compressor(bad)
 
 
-def test_compression_arguments_can_be_added_by_several_strategies():
-    parser = argparse.ArgumentParser()
-    for group in ("ddp", "ps-sync", "ps-async"):
-        add_compression_arguments(parser.add_argument_group(group))
-    args = parser.parse_args([])
-    assert args.compress is None and args.error_feedback is True
-    args = parser.parse_args(["--compress", "int8", "--no-error-feedback"])
-    assert args.compress == "int8" and args.error_feedback is False
+def test_compression_flags_are_shared_by_the_strategies_that_compress():
+    from minitrain.cli import config_from_args, build_parser
+    for strategy in ("ddp", "ps-sync", "ps-async"):
+        args = build_parser().parse_args(["train", "--strategy", strategy, "--world-size", "3"])
+        o = config_from_args(args).options
+        assert o.compress is None and o.error_feedback is True
+        args = build_parser().parse_args(["train", "--strategy", strategy, "--world-size", "3",
+                                          "--compress", "int8", "--no-error-feedback"])
+        o = config_from_args(args).options
+        assert o.compress == "int8" and o.error_feedback is False
 
 
 @pytest.mark.parametrize("options, message", [
@@ -291,7 +293,7 @@ def test_check_compression_names_the_fix(options, message):
     with pytest.raises(ConfigError) as info:
         check_compression(CFG.with_(strategy="ddp", world_size=2, options=options))
     assert message in str(info.value)
-    check_compression(CFG.with_(options={"compress": "sign", "error_feedback": False}))
+    check_compression(CFG.with_(strategy="ddp", options={"compress": "sign", "error_feedback": False}))
 
 
 @pytest.mark.parametrize("args, message", [

@@ -10,8 +10,8 @@ from minitrain import GPT, ArithmeticData, Comm, GPTConfig, PRESETS, TrainConfig
 from minitrain.comm import loopback_tx_bytes
 from minitrain.data import shard
 from minitrain.parallel.data_parallel import (DistributedDataParallel, NaiveDataParallel,
-                                              make_buckets, overlap_fraction, MIB,
-                                              FIRST_BUCKET_BYTES)
+                                              overlap_fraction)
+from minitrain.parallel.flat import FIRST_BUCKET_BYTES, MIB, make_buckets
 from conftest import assert_same_run
 
 CFG = TrainConfig(steps=20, batch_size=12, seed=0)
@@ -217,5 +217,5 @@ def test_cli_runs_ddp_and_refuses_bad_batches(clusters):
     from minitrain.train import check_config
     with pytest.raises(ConfigError, match="does not split over 3 ranks; use a multiple of 3"):
         check_config(TrainConfig(strategy="ddp", world_size=3, batch_size=16))
-    with pytest.raises(ConfigError, match="--bucket-mb must be > 0"):
+    with pytest.raises(ConfigError, match="--bucket-mb must be a positive number"):
         check_config(TrainConfig(strategy="ddp", world_size=2, options={"bucket_mb": 0}))

@@ -8,7 +8,8 @@ import torch
 
 from minitrain import PRESETS, GPT, TrainConfig, train
 from minitrain.launch import RankError
-from minitrain.parallel.param_server import delay_compensated, partition, parse_slow_workers
+from minitrain.parallel.param_server import delay_compensated, partition
+from minitrain.strategies.param_server import parse_slow_workers
 from minitrain.strategies import ConfigError
 from minitrain.train import check_config
 

@@ -15,8 +15,9 @@ from minitrain.comm import Comm
 from minitrain.data import shard
 from minitrain.memory import model_state_bytes
 from minitrain.parallel.data_parallel import DistributedDataParallel
-from minitrain.parallel.zero import (FlatUnit, FullyShardedDataParallel, ZeroRedundancyOptimizer,
-                                     shard_layout)
+from minitrain.parallel.flat import FlatUnit, shard_layout
+from minitrain.parallel.fsdp import FullyShardedDataParallel
+from minitrain.parallel.zero import ZeroRedundancyOptimizer
 from minitrain.strategies import ConfigError
 from minitrain.train import check_config
 from conftest import assert_same_run
@@ -297,12 +298,12 @@ def test_shard_layout_pads_and_partitions():
 def test_bad_configurations_are_refused_before_spawning():
     with pytest.raises(ConfigError, match="does not split over 3 ranks"):
         check_config(CFG.with_(strategy="zero2", world_size=3, batch_size=16))
-    with pytest.raises(ConfigError, match="--bucket-mb must be > 0"):
+    with pytest.raises(ConfigError, match="--bucket-mb must be a positive number"):
         check_config(CFG.with_(strategy="zero2", world_size=2, options={"bucket_mb": 0}))
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     if "precision" in fields:
         for strategy in STAGES:  # loss scaling would need a global overflow check
-            with pytest.raises(ConfigError, match="use --precision bf16-mixed"):
+            with pytest.raises(ConfigError, match="supports --precision fp32 or bf16-mixed only"):
                 check_config(CFG.with_(strategy=strategy, world_size=2, precision="fp16-mixed"))
         with pytest.raises(ConfigError, match="leave out --loss-scale"):
             check_config(CFG.with_(strategy="zero2", world_size=2, precision="bf16-mixed",

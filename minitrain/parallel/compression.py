@@ -1,37 +1,12 @@
 """Gradient compression with error feedback, for DDP and the parameter server (lesson 03).
 
-Seed 002 §3.4: when the network is the bottleneck, send fewer bytes — sparsify or quantise the
-gradients.  What goes on the wire here is the compressed payload itself, so the tracer's byte counts
-are the real saving.  For n gradient entries:
-
-* ``topk:RATIO`` — the k = ⌈RATIO·n⌉ largest-magnitude entries, as int32 indices + fp32 values,
-  8k bytes (Lin et al., 2018, "Deep Gradient Compression");
-* ``int8`` — entries scaled by max|x|/127 and rounded to int8, plus that fp32 scale: n + 4 bytes
-  (deterministic linear quantisation; QSGD, Alistarh et al., 2017, rounds stochastically instead);
-* ``sign`` — one bit per entry, packed 8 to a byte, times one fp32 scale mean|x|: ⌈n/8⌉ + 4 bytes
-  (Seide et al., 2014, "1-bit SGD"; Bernstein et al., 2018, "signSGD");
-* ``powersgd:RANK`` — the entries seen as a near-square rows × cols matrix M (padded with zeros),
-  approximated by P Qᵀ of rank r = min(RANK, cols) by one step of power iteration, warm-started
-  from the previous step's Q: (rows + cols)·r·4 bytes (Vogels et al., 2019, "PowerSGD").
-
-**Error feedback** (Seide et al., 2014; Karimireddy et al., 2019, "Error Feedback Fixes SignSGD"):
-what compression dropped is kept in a residual and added to the next gradient, so nothing is lost
-for good — the sum of everything sent plus the current residual equals the sum of the raw gradients.
-
-``Compressor.compress`` returns the payload (a list of contiguous tensors, laid out as ``layout(n)``
-says, so a receiver can allocate it); ``decompress`` rebuilds a dense fp32 tensor.  Gradients of any
-floating dtype are compressed in fp32.  ``ErrorFeedback`` wraps a compressor with per-key residuals.
-
-``compressed_all_reduce`` averages a tensor over a communicator.  Sparse and quantised payloads
-cannot be summed on the wire (the ranks' indices and scales differ), so each rank's payload is
-packed into one byte buffer and all-gathered, then every rank decompresses all N and adds them up.
-PowerSGD's factors *can* be summed: P = Σ M_r Q is all-reduced and orthonormalised, then
-Q = Σ M_rᵀ P, so the mean is P Qᵀ / N = (1/N) Σ P Pᵀ M_r.  Rank r's share of it is P Pᵀ M_r, its
-local projection: that is what it "sent", and its residual is M_r − P Pᵀ M_r (Vogels et al.,
-Algorithm 2) — not M_r minus the mean, which would count the other ranks' gradients as its own.
-
-The command line takes ``--compress SPEC`` and ``--no-error-feedback``
-(:func:`add_compression_arguments`), checked before any process starts (:func:`check_compression`).
+Papers: Lin et al., 2018, "Deep Gradient Compression" (top-k); Alistarh et al., 2017, "QSGD"
+(quantisation; ``int8`` here is its deterministic cousin); Seide et al., 2014, "1-Bit Stochastic
+Gradient Descent" and Bernstein et al., 2018, "signSGD" (``sign``); Vogels et al., 2019, "PowerSGD";
+Karimireddy et al., 2019, "Error Feedback Fixes SignSGD" (error feedback).  The compressed payload
+itself goes on the wire, so the tracer's bytes are the real saving.  Sparse and quantised payloads
+cannot be summed on the wire: :func:`compressed_all_reduce` all-gathers them and every rank adds
+them up; PowerSGD's factors are all-reduced (its residual is M_r − P Pᵀ M_r, Vogels et al., Alg. 2).
 """
 
 from __future__ import annotations
@@ -42,11 +17,9 @@ import math
 import torch
 
 from ..comm import Comm
-from ..strategies import ConfigError, TrainConfig
 
 __all__ = ["Compressor", "TopK", "Int8", "Sign", "PowerSGD", "ErrorFeedback", "parse_compressor",
-           "as_error_feedback", "compressed_all_reduce", "payload_bytes",
-           "add_compression_arguments", "check_compression", "FORMS"]
+           "as_error_feedback", "compressed_all_reduce", "payload_bytes", "FORMS"]
 
 FORMS = "topk:RATIO (e.g. topk:0.01), int8, sign or powersgd:RANK (e.g. powersgd:4)"
 
@@ -251,10 +224,17 @@ def _number(arg: str, cast, what: str):
 
 
 class ErrorFeedback:
-    """A compressor plus per-key residuals: send C(g + e), keep e ← (g + e) − D(C(g + e))."""
+    """A compressor plus per-key residuals: send C(g + e), keep e ← (g + e) − D(C(g + e)).
 
-    def __init__(self, compressor: Compressor, enabled: bool = True):
-        self.compressor, self.enabled = compressor, enabled
+    ``topk``: with a :class:`TopK` compressor, ``topk(grad, residual, k) -> (indices, values,
+    new_residual)`` chooses what is sent and what is kept instead of the package's own code (the
+    lesson-03 exercise); ``grad`` and ``residual`` are flat fp32 (residual zeros at first).
+    """
+
+    def __init__(self, compressor: Compressor, enabled: bool = True, topk=None):
+        if topk is not None and not isinstance(compressor, TopK):
+            raise ValueError(f"topk= replaces top-k's selection; the compressor is {compressor}")
+        self.compressor, self.enabled, self.topk = compressor, enabled, topk
         self.residual: dict = {}
 
     def corrected(self, x: torch.Tensor, key) -> torch.Tensor:
@@ -268,19 +248,32 @@ class ErrorFeedback:
 
     def compress(self, x: torch.Tensor, key) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Payload for ``x`` and what the receiver will rebuild from it (dense, fp32)."""
+        if self.topk is not None:
+            return self._compress_with(self.topk, _flat32(x), key)
         corrected = self.corrected(x, key)
         payload = self.compressor.compress(corrected, key)
         sent = self.compressor.decompress(payload, corrected.numel())
         self.remember(key, corrected, sent)
         return payload, sent
 
+    def _compress_with(self, topk, x: torch.Tensor, key) -> tuple[list[torch.Tensor], torch.Tensor]:
+        n = x.numel()
+        residual = self.residual.get(key) if self.enabled else None
+        idx, values, new_residual = topk(x, torch.zeros_like(x) if residual is None else residual,
+                                         self.compressor.k(n))
+        payload = [torch.as_tensor(idx).to(torch.int32), torch.as_tensor(values).float()]
+        if self.enabled:
+            self.residual[key] = torch.as_tensor(new_residual).reshape(-1)
+        return payload, self.compressor.decompress(payload, n)
 
-def as_error_feedback(compression, error_feedback: bool = True) -> ErrorFeedback | None:
-    """None, a spec, a Compressor or an ErrorFeedback (kept as is) → an ErrorFeedback or None."""
+
+def as_error_feedback(compression, error_feedback: bool = True, topk=None) -> ErrorFeedback | None:
+    """None, a spec, a Compressor or an ErrorFeedback (kept as is) → an ErrorFeedback or None;
+    ``topk``: :class:`ErrorFeedback`'s."""
     if compression is None or isinstance(compression, ErrorFeedback):
         return compression
     compressor = parse_compressor(compression)
-    return None if compressor is None else ErrorFeedback(compressor, error_feedback)
+    return None if compressor is None else ErrorFeedback(compressor, error_feedback, topk)
 
 
 def _pack(payload: list[torch.Tensor]) -> torch.Tensor:
@@ -338,31 +331,3 @@ def _powersgd_all_reduce(x, comm: Comm, ef: ErrorFeedback, key, average: bool):
     ps._q[key] = q  # warm start for the next step, equal on every rank
     ef.remember(key, corrected, (p @ q_mine.t()).reshape(-1)[:n])  # this rank's share: P Pᵀ M_r
     return x.copy_((p @ q.t()).reshape(-1)[:n].view(x.shape))
-
-
-# --------------------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------------------
-
-
-def add_compression_arguments(parser) -> None:
-    """Add ``--compress SPEC`` and ``--no-error-feedback`` to ``parser`` (a parser or an argument
-    group).  Several strategies call it on one command line: after the first, it does nothing."""
-    if "--compress" in parser._option_string_actions:  # shared with the groups' parent parser
-        return
-    parser.add_argument("--compress", metavar="SPEC", default=None,
-                        help=f"ddp, ps-*: compress gradients with {FORMS} (default: none)")
-    parser.add_argument("--no-error-feedback", dest="error_feedback", action="store_false",
-                        help="ddp, ps-*: drop what compression leaves out instead of adding it to "
-                             "the next gradient")
-
-
-def check_compression(cfg: TrainConfig) -> None:
-    """Raise :class:`ConfigError`, naming the fix, for a bad ``compress`` / ``error_feedback``."""
-    try:
-        compressor = parse_compressor(cfg.options.get("compress"))
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    if compressor is None and not cfg.options.get("error_feedback", True):
-        raise ConfigError("--no-error-feedback only applies to compressed gradients; add "
-                          "--compress SPEC (e.g. --compress topk:0.01) or leave it out")

@@ -1,53 +1,30 @@
 """Parameter server: synchronous, asynchronous and bounded-staleness training (lesson 03).
 
-Seed 002 §3.2–3.4.  Papers: Li et al., 2014, "Scaling Distributed Machine Learning with the
-Parameter Server" (OSDI) — servers own key ranges, workers push gradients and pull parameters;
-Dean et al., 2012, "Large Scale Distributed Deep Networks" (Downpour SGD) — asynchronous updates;
+Papers: Li et al., 2014, "Scaling Distributed Machine Learning with the Parameter Server" (OSDI);
+Dean et al., 2012, "Large Scale Distributed Deep Networks" (Downpour SGD, asynchronous updates);
 Ho et al., 2013, "More Effective Distributed ML via a Stale Synchronous Parallel Parameter Server"
-(SSP) — bounded staleness; Zheng et al., 2017, "Asynchronous SGD with Delay Compensation" (DC-ASGD).
-
-Roles: ranks ``0 .. S-1`` are **servers**, ranks ``S .. S+W-1`` are **workers**.  The model's
-parameters (the *keys*) are partitioned over the servers (:func:`partition`); each server keeps its
-keys and the Adam state for them.  Every message is a real point-to-point send:
-
-* worker → each server: a header ``[clock, version used, loss]`` on channel ``HEADER``, then the
-  gradient of that server's keys (or its compressed payload) on channel ``GRAD``;
-* server → worker: ``[version]`` then the server's keys, flat, on channel ``PARAMS`` (the *pull*).
-
-Modes (``mode=``):
-
-* ``"sync"`` — each clock, a server waits for all W gradients, averages them in worker order, takes
-  one Adam step and answers every pull: equal to one process on the global batch.
-* ``"ssp"`` with bound ``s`` — a server takes whichever worker's gradient arrives first (receive from
-  any source).  Gradients are still averaged per clock (clock c is applied once all W workers pushed
-  their c-th gradient), but a worker may run up to ``s`` clocks ahead of the applied version: its pull
-  is answered only when ``clock − version ≤ s``.  ``s = 0`` is exactly ``"sync"``.
-* ``"async"`` — no bound, no averaging: each gradient is one update, applied the moment it arrives.
-
-In the asynchronous modes every applied gradient is logged with its **staleness** (the server's
-version when it is applied minus the version the worker computed it on).  **Delay compensation**
-(``delay_comp=λ``) replaces a stale gradient g by g + λ·g⊙g⊙(w_now − w_used), a first-order Taylor
-correction towards the gradient at the current weights.
+(SSP); Zheng et al., 2017, "Asynchronous SGD with Delay Compensation" (DC-ASGD).  Ranks 0..S-1
+are servers owning a partition of the parameters (:func:`partition`) and their Adam state; the
+others are workers that push gradients (a header on ``HEADER``, the gradient on ``GRAD``) and pull
+weights (``PARAMS``) with real point-to-point messages.  Modes: ``sync`` (average all W gradients
+per clock), ``ssp`` with bound s (a pull is answered when clock − version ≤ s; s = 0 is sync),
+``async`` (each gradient applied on arrival, with its staleness logged; optional delay compensation).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 
 import torch
 import torch.nn as nn
 
 from ..comm import Comm
-from ..data import shard
-from ..memory import ActivationMeter
-from ..strategies import ConfigError, Strategy, TrainConfig, register
-from .compression import (ErrorFeedback, add_compression_arguments, check_compression,
-                          parse_compressor)
+from .compression import as_error_feedback
+from .flat import FlatUnit
 
-__all__ = ["partition", "ParameterServer", "Worker", "delay_compensated", "parse_slow_workers",
-           "HEADER", "GRAD", "PARAMS"]
+__all__ = ["partition", "ParameterServer", "Worker", "delay_compensated", "HEADER", "GRAD",
+           "PARAMS", "FINAL"]
 
 HEADER, GRAD, PARAMS, FINAL = 1, 2, 3, 4  # wire channels (torch.distributed's send/recv tags)
 
@@ -63,38 +40,6 @@ def partition(params: list[torch.Tensor], servers: int) -> list[list[int]]:
         keys[s].append(k)
         load[s] += params[k].numel()
     return [sorted(ks) for ks in keys]
-
-
-def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
-
-
-@torch.no_grad()
-def unflatten_into(vector: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    """Copy consecutive slices of ``vector`` into ``tensors`` (the inverse of :func:`flat`)."""
-    offset = 0
-    for t in tensors:
-        t.copy_(vector[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
-
-
-def parse_slow_workers(spec) -> dict[int, float]:
-    """``"1:0.05,2:0.2"`` → ``{1: 0.05, 2: 0.2}`` (worker index: seconds added to each step)."""
-    if not spec:
-        return {}
-    if isinstance(spec, dict):
-        return {int(k): float(v) for k, v in spec.items()}
-    out = {}
-    for part in str(spec).split(","):
-        worker, sep, secs = part.partition(":")
-        try:
-            out[int(worker)] = float(secs)
-        except ValueError:
-            raise ConfigError(f"bad --slow-worker {part!r}; use WORKER:SECONDS, e.g. 1:0.05 "
-                              "(several separated by commas)") from None
-        if not sep or out[int(worker)] < 0:
-            raise ConfigError(f"bad --slow-worker {part!r}; use WORKER:SECONDS with SECONDS >= 0")
-    return out
 
 
 def delay_compensated(g: torch.Tensor, w_now: torch.Tensor, w_used: torch.Tensor,
@@ -121,6 +66,7 @@ class ParameterServer:
         self.comm, self.workers, self.mode = comm, workers, mode
         self.bound, self.delay_comp, self.compressor = staleness, delay_comp, compressor
         self.params = [nn.Parameter(p.detach().clone()) for p in params]
+        self.unit = FlatUnit(self.params)  # the keys laid end to end: what goes on the wire
         self.optimizer = torch.optim.Adam(self.params, lr=lr)
         self.numel = sum(p.numel() for p in self.params)
         self.version = 0
@@ -135,7 +81,7 @@ class ParameterServer:
     def send_params(self, worker: int) -> None:
         """Answer a pull without blocking (a server that waited on one slow receiver would stall
         every other worker — and, with several servers, could deadlock against them)."""
-        weights = flat(self.params)
+        weights = self.unit.flatten()
         if self.delay_comp:
             self.sent_to[worker] = weights
         version = torch.tensor([float(self.version)], dtype=torch.float64)
@@ -164,14 +110,12 @@ class ParameterServer:
     def compensate(self, g: torch.Tensor, worker: int) -> torch.Tensor:
         if not self.delay_comp or worker not in self.sent_to:
             return g
-        return delay_compensated(g, flat(self.params), self.sent_to[worker], self.delay_comp)
+        return delay_compensated(g, self.unit.flatten(), self.sent_to[worker], self.delay_comp)
 
     def apply(self, g: torch.Tensor) -> None:
         """One Adam step on this server's keys with flat gradient ``g``; a new version."""
-        offset = 0
-        for p in self.params:
-            p.grad = g[offset:offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
+        for p, view in zip(self.params, self.unit.views(g)):
+            p.grad = view.clone()
         self.optimizer.step()
         self.version += 1
 
@@ -256,29 +200,30 @@ class Worker:
         self.comm, self.model, self.servers = comm, model, servers
         params = list(model.parameters())
         self.shards = [[params[k] for k in ks] for ks in keys]
-        self.ef = ErrorFeedback(compressor, error_feedback) if compressor is not None else None
+        self.units = [FlatUnit(ps) for ps in self.shards]
+        self.ef = as_error_feedback(compressor, error_feedback)
         self.delay_s = delay_s
         self.versions = [0] * len(servers)
         self.wait_s = 0.0
 
     def pull(self) -> None:
         t0 = time.perf_counter()
-        for i, (s, shard_params) in enumerate(zip(self.servers, self.shards)):
+        for i, (s, unit) in enumerate(zip(self.servers, self.units)):
             version = torch.zeros(1, dtype=torch.float64)
             self.comm.recv(version, s, tag="pull:version", channel=PARAMS)
-            weights = torch.empty(sum(p.numel() for p in shard_params))
+            weights = torch.empty(unit.total)
             self.comm.recv(weights, s, tag="pull", channel=PARAMS)
-            unflatten_into(weights, shard_params)
+            unit.unflatten(weights)
             self.versions[i] = int(version.item())
         self.wait_s += time.perf_counter() - t0
 
     def push(self, clock: int, loss: float) -> None:
         if self.delay_s:
             time.sleep(self.delay_s)  # a slow worker (a busy machine, a straggler GPU)
-        for i, (s, shard_params) in enumerate(zip(self.servers, self.shards)):
+        for i, (s, unit) in enumerate(zip(self.servers, self.units)):
             header = torch.tensor([clock, self.versions[i], loss], dtype=torch.float64)
             self.comm.send(header, s, tag="push:header", channel=HEADER)
-            g = flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in shard_params])
+            g = unit.flatten([p.grad for p in unit.params])  # no gradient: zeros
             if self.ef is None:
                 self.comm.send(g, s, tag="push", channel=GRAD)
                 continue
@@ -294,166 +239,3 @@ class Worker:
         loss.backward()
         self.push(clock, loss.item())
         return loss.item()
-
-
-# --------------------------------------------------------------------------------------------------
-# Strategies for `minitrain train`
-# --------------------------------------------------------------------------------------------------
-
-
-class _ParameterServerStrategy(Strategy):
-    """ps-sync and ps-async: S servers (ranks 0..S-1), W = world − S workers."""
-
-    mode = "sync"
-    checkpoint_refusal = ("the parameter server's ranks do not step in lockstep (a server applies "
-                          "whichever worker's gradient comes first), so no step has one consistent "
-                          "state to save; use ddp or zero1-3 for checkpoints")
-
-    @classmethod
-    def add_arguments(cls, parser) -> None:
-        if "--servers" in parser._option_string_actions:  # ps-sync and ps-async share them
-            return
-        parser.add_argument("--servers", type=int, default=1,
-                            help="ps-*: server ranks holding the parameters (default 1); the "
-                                 "other ranks are workers")
-        parser.add_argument("--staleness", type=int, default=None,
-                            help="ps-async: bound s on how many versions a worker may run ahead "
-                                 "(SSP; 0 = synchronous); default: no bound")
-        parser.add_argument("--delay-comp", type=float, default=0.0,
-                            help="ps-async: DC-ASGD's lambda (default 0: off)")
-        parser.add_argument("--slow-worker", default=None,
-                            help="ps-*: WORKER:SECONDS[,...] sleep added to those workers' steps")
-        add_compression_arguments(parser)
-
-    @classmethod
-    def check(cls, cfg: TrainConfig) -> None:
-        super().check(cfg)
-        o = cfg.options
-        servers = o.get("servers", 1)
-        workers = cfg.world_size - servers
-        if servers < 1 or workers < 1:
-            raise ConfigError(f"{cls.name} needs at least one server and one worker: --servers "
-                              f"{servers} of --world-size {cfg.world_size} leaves {workers} workers; "
-                              f"use --world-size {servers + max(1, workers)} or fewer --servers")
-        if cfg.batch_size % workers:
-            raise ConfigError(f"--batch-size {cfg.batch_size} does not split over {workers} "
-                              f"workers; use a multiple of {workers}")
-        if cls.mode == "sync" and (o.get("staleness") is not None or o.get("delay_comp")):
-            raise ConfigError("--staleness and --delay-comp apply to ps-async; use "
-                              "--strategy ps-async (--staleness 0 behaves as ps-sync)")
-        if o.get("staleness") is not None and o["staleness"] < 0:
-            raise ConfigError(f"--staleness must be >= 0, got {o['staleness']}")
-        if o.get("delay_comp", 0.0) < 0:
-            raise ConfigError(f"--delay-comp must be >= 0, got {o['delay_comp']}")
-        for w in parse_slow_workers(o.get("slow_worker")):
-            if not 0 <= w < workers:
-                raise ConfigError(f"--slow-worker {w}: workers are numbered 0..{workers - 1}")
-        check_compression(cfg)
-
-    def __init__(self, cfg: TrainConfig, comm: Comm):
-        super().__init__(cfg, comm)
-        o = cfg.options
-        self.n_servers = o.get("servers", 1)
-        self.server_ranks = list(range(self.n_servers))
-        self.worker_ranks = list(range(self.n_servers, comm.size))
-        self.model = self.build_model()
-        params = list(self.model.parameters())
-        self.keys = partition(params, self.n_servers)
-        compressor = parse_compressor(o.get("compress"))
-        self.is_server = comm.rank < self.n_servers
-        if self.is_server:
-            mode = self.mode if o.get("staleness") is None else "ssp"
-            self.role = ParameterServer(comm, [params[k] for k in self.keys[comm.rank]],
-                                        self.worker_ranks, cfg.lr, mode, o.get("staleness"),
-                                        o.get("delay_comp", 0.0), compressor)
-            self.model, self.optimizer = nn.ParameterList(self.role.params), self.role.optimizer
-        else:
-            self.index = comm.rank - self.n_servers
-            self.role = Worker(comm, self.model, self.keys, self.server_ranks, compressor,
-                               o.get("error_feedback", True),
-                               parse_slow_workers(o.get("slow_worker")).get(self.index, 0.0))
-            self.optimizer = None
-            self.meter = ActivationMeter(self.model)
-        self.crash = o.get("crash_worker")  # (worker, clock): fault injection for tests/lesson
-
-    def train_step(self, x, y) -> float:
-        """Servers and workers do not step in lockstep (a server answers whoever pushes first),
-        so there is no single-step call: :meth:`fit` runs each rank's whole loop."""
-        raise TypeError(f"{self.name} ranks do not step in lockstep; call fit(data) instead")
-
-    def fit(self, data, on_step=None):
-        t0 = time.perf_counter()
-        if self.is_server:
-            self.role.on_round = on_step  # progress as rounds of W gradients are applied
-            losses = self.losses_per_round(self.role.serve(self.cfg.steps))
-        else:
-            losses = self.work(data)
-        seconds = (time.perf_counter() - t0) / self.cfg.steps
-        self.gather_final_weights()
-        return losses, [seconds] * self.cfg.steps
-
-    def work(self, data) -> list[float]:
-        w, n = self.index, len(self.worker_ranks)
-        self.role.pull()
-        losses = []
-        for clock in range(self.cfg.steps):
-            if self.crash is not None and tuple(self.crash) == (w, clock):
-                os._exit(3)  # simulate a worker dying mid-run (the launcher must report it)
-            x, y = data.batch(clock, self.cfg.batch_size)
-            losses.append(self.role.step(clock, shard(x, w, n), shard(y, w, n), self.meter))
-            if clock + 1 < self.cfg.steps:
-                self.role.pull()
-        return losses
-
-    def losses_per_round(self, log: list[dict]) -> list[float]:
-        """One loss per step: the mean over each round of W applied gradients (sync and SSP: the
-        clock's W gradients; async: W consecutive arrivals)."""
-        w = len(self.worker_ranks)
-        return [sum(e["loss"] for e in log[i:i + w]) / w for i in range(0, len(log), w)]
-
-    def gather_final_weights(self) -> None:
-        """Servers send their keys to server 0, so rank 0 can return the whole model (untraced)."""
-        with self.comm.tracer.paused():
-            if not self.is_server:
-                return
-            if self.comm.rank != 0:
-                self.comm.send(flat(self.role.params), 0, channel=FINAL)
-                return
-            self._full_model = self.build_model()
-            full = list(self._full_model.parameters())
-            for s in range(1, self.n_servers):
-                weights = torch.empty(sum(full[k].numel() for k in self.keys[s]))
-                self.comm.recv(weights, s, channel=FINAL)
-                unflatten_into(weights, [full[k] for k in self.keys[s]])
-            unflatten_into(flat(self.role.params), [full[k] for k in self.keys[0]])
-
-    def state_dict(self) -> dict:
-        return self._full_model.state_dict()
-
-    def report(self) -> dict:
-        """Role, keys, bytes sent to each peer (lesson 03 draws the graph from it); servers add
-        the log of applied gradients, workers the time they spent waiting for pulls."""
-        sent: dict[int, int] = {}
-        for e in self.comm.tracer.events:
-            if e.op == "send":
-                sent[e.peer] = sent.get(e.peer, 0) + e.bytes
-        out = {"rank": self.comm.rank, "sent_to": sent}
-        if self.is_server:
-            return {**out, "role": "server", "mode": self.role.mode, "bound": self.role.bound,
-                    "keys": len(self.keys[self.comm.rank]), "numel": self.role.numel,
-                    "log": self.role.log}
-        return {**out, "role": "worker", "worker": self.index, "wait_s": self.role.wait_s}
-
-
-@register
-class PSSync(_ParameterServerStrategy):
-    name = "ps-sync"
-    help = "parameter server, synchronous: servers average all workers' gradients each step"
-    mode = "sync"
-
-
-@register
-class PSAsync(_ParameterServerStrategy):
-    name = "ps-async"
-    help = ("parameter server, asynchronous (--staleness s: bounded, SSP; --delay-comp: DC-ASGD)")
-    mode = "async"

@@ -149,7 +149,7 @@ class TrainConfig:
     timeout: float = _cli("seconds a collective may wait before the run fails", 120.0)
     options: typing.Any = field(default_factory=dict)
     precision: str = _cli("fp32, bf16-mixed or fp16-mixed: 16-bit weights and gradients, fp32 master "
-                          "weights and Adam states (lesson 07)", "fp32", choices=tuple(PRECISIONS))
+                          "weights and Adam states (lesson 07)", "fp32")
     checkpoint_activations: bool = _cli("recompute each transformer block's activations in "
                                         "backward (lesson 07)", False)
     loss_scale: float | None = _cli("initial dynamic loss scale (default: 65536 with fp16-mixed, "
@@ -159,10 +159,14 @@ class TrainConfig:
     save_every: int | None = _cli("... and every K steps (needs --save-dir)", group="checkpoints")
     resume: str | None = _cli("resume from a checkpoint directory, or a --save-dir's latest",
                               group="checkpoints")
+    overwrite: bool = _cli("with --save-dir: delete the checkpoints an earlier run left there",
+                           False, group="checkpoints")
+    allow_nonfinite: bool = _cli("keep training when the loss is NaN or infinite (by default the "
+                                 "run stops there)", False)
 
     def __post_init__(self):
         cls = _REGISTRY.get(self.strategy) or _find(self.strategy)
-        if cls is None or cls.options is None or isinstance(self.options, cls.options):
+        if cls is None or cls.options is None or type(self.options) is cls.options:
             return  # an unknown strategy is refused by check_config
         given = self.options.given() if isinstance(self.options, Options) else dict(self.options)
         object.__setattr__(self, "options", cls.options.from_mapping(given, self.strategy))
@@ -263,6 +267,8 @@ def check_common(cls: type["Strategy"], cfg: TrainConfig, seams: Seams | None = 
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
     if not (math.isfinite(cfg.lr) and cfg.lr > 0):
         raise ConfigError(f"--lr must be a positive number, got {cfg.lr}")
+    if not (math.isfinite(cfg.timeout) and cfg.timeout > 0):
+        raise ConfigError(f"--timeout must be a positive number of seconds, got {cfg.timeout}")
     _check_precision(cls, cfg)
     if cfg.backend == "nccl" and torch.cuda.device_count() < cfg.world_size:
         raise ConfigError(f"--backend nccl needs {cfg.world_size} GPUs, found "

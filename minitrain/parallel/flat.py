@@ -1,0 +1,344 @@
+"""Flat buffers, gradient buckets and the gradient-hook machine shared by DDP and ZeRO (lessons 02, 04).
+
+Papers: Li et al., 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel Training"
+(buckets filled in backward order, launched from autograd hooks); Rajbhandari et al., 2020, "ZeRO:
+Memory Optimizations Toward Training Trillion Parameter Models" (the flat, padded partition).
+
+* :class:`FlatUnit` — parameters laid end to end in one vector, zero-padded to a multiple of N;
+  rank r owns ``[r·S, (r+1)·S)`` (:func:`shard_layout` describes it for a widget).
+* :func:`make_buckets` — parameters grouped, in reverse order, into units of about a byte cap.
+* :class:`GradientReducer` — the one "gradient ready → pre-divided copy into its unit's flat buffer
+  → asynchronous launch once the unit is full → wait at the end of backward" machine: DDP
+  all-reduces with it, ZeRO-2 and ZeRO-3 reduce-scatter with it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["FlatUnit", "ShardLayout", "shard_layout", "make_buckets", "bucket_caps", "MIB",
+           "DEFAULT_BUCKET_MB", "FIRST_BUCKET_BYTES", "GradientReducer", "Slot", "copy_into_bucket",
+           "Done"]
+
+MIB = 1024 * 1024
+DEFAULT_BUCKET_MB = 25
+FIRST_BUCKET_BYTES = 1 * MIB  # PyTorch's dist._DEFAULT_FIRST_BUCKET_BYTES
+
+
+class FlatUnit:
+    """Parameters laid end to end in one flat vector, zero-padded to a multiple of ``world_size``.
+
+    Rank r owns the flat elements ``[r·S, (r+1)·S)`` with ``S = total / world_size``.  ``names`` label
+    the parameters in :meth:`owned_params` (default: their index).  With ``world_size=1`` there is no
+    padding: a DDP bucket, or a message of several tensors.
+    """
+
+    def __init__(self, params: list, world_size: int = 1, names: list | None = None):
+        self.params = list(params)
+        self.names = list(names) if names is not None else list(range(len(self.params)))
+        self.world_size = world_size
+        self.numels = [p.numel() for p in self.params]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(self.numels))]
+        self.numel = sum(self.numels)
+        self.shard_size = math.ceil(self.numel / world_size)
+        self.total = self.shard_size * world_size
+        self.padding = self.total - self.numel
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the flat vector (padding included)."""
+        return self.total * self.params[0].element_size()
+
+    def owned_range(self, rank: int) -> tuple[int, int]:
+        """The flat elements ``[start, end)`` rank ``rank`` owns (padding included)."""
+        return rank * self.shard_size, (rank + 1) * self.shard_size
+
+    def owned_params(self, rank: int) -> list[tuple]:
+        """``(name, start, end)`` for each parameter rank ``rank`` owns a piece of; start and end
+        are element indices into that parameter (flattened)."""
+        lo, hi = self.owned_range(rank)
+        out = []
+        for name, off, n in zip(self.names, self.offsets, self.numels):
+            start, end = max(lo, off), min(hi, off + n)
+            if start < end:
+                out.append((name, start - off, end - off))
+        return out
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``flat`` shaped like each parameter (the padding is left out)."""
+        return [flat[o:o + n].view_as(p) for o, n, p in zip(self.offsets, self.numels, self.params)]
+
+    def flatten(self, tensors: list | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """One padded flat vector from ``tensors`` laid out like the parameters (None: zeros), in
+        ``dtype`` (default: the parameters'); ``tensors`` left out: the parameters themselves."""
+        p0 = self.params[0]
+        flat = torch.zeros(self.total, dtype=dtype or p0.dtype, device=p0.device)
+        with torch.no_grad():
+            for view, t in zip(self.views(flat), self.params if tensors is None else tensors):
+                if t is not None:
+                    view.copy_(t)
+        return flat
+
+    @torch.no_grad()
+    def unflatten(self, flat: torch.Tensor, into: list | None = None) -> None:
+        """Copy each parameter's slice of ``flat`` into ``into`` (default: the parameters)."""
+        for t, view in zip(self.params if into is None else into, self.views(flat)):
+            t.copy_(view)
+
+    def bind(self) -> torch.Tensor:
+        """Move the parameters into one flat buffer and return it: each parameter becomes a view
+        of it (PyTorch's ``parameters_as_bucket_view``)."""
+        flat = self.flatten([p.detach() for p in self.params])
+        for p, view in zip(self.params, self.views(flat)):
+            p.data = view
+        return flat
+
+
+@dataclass
+class ShardLayout:
+    """Who owns what, for a sharding widget: ``owned[r] = (start, end)`` in the padded flat vector of
+    ``total`` elements (``padding`` of them zeros at the end); ``params[r]`` lists ``(name, start,
+    end)`` element ranges of the parameters rank r owns; ``boundaries`` each parameter's
+    ``(name, start, end)`` in the flat vector."""
+
+    world_size: int
+    numel: int
+    total: int
+    shard_size: int
+    padding: int
+    owned: list
+    params: list
+    boundaries: list
+
+
+def shard_layout(params, world_size: int) -> ShardLayout:
+    """The ZeRO partition of ``params`` (tensors, or ``(name, tensor)`` pairs) over ``world_size``
+    ranks: flattened in order, padded to a multiple of N, rank r owns ``[r·S, (r+1)·S)``."""
+    params = list(params)
+    if params and isinstance(params[0], tuple):
+        names, tensors = [n for n, _ in params], [p for _, p in params]
+    else:
+        names, tensors = list(range(len(params))), params
+    unit = FlatUnit(tensors, world_size, names)
+    return ShardLayout(world_size, unit.numel, unit.total, unit.shard_size, unit.padding,
+                       [unit.owned_range(r) for r in range(world_size)],
+                       [unit.owned_params(r) for r in range(world_size)],
+                       [(n, o, o + k) for n, o, k in zip(names, unit.offsets, unit.numels)])
+
+
+def bucket_caps(bucket_cap_mb: float | None) -> tuple[float, float | None]:
+    """(cap, first bucket's cap) in bytes: PyTorch's 25 MiB and 1 MiB first bucket for None."""
+    if bucket_cap_mb is None:
+        return DEFAULT_BUCKET_MB * MIB, FIRST_BUCKET_BYTES
+    if bucket_cap_mb <= 0:
+        raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+    return bucket_cap_mb * MIB, None
+
+
+def make_buckets(params: list, cap_bytes: float, first_cap_bytes: float | None = None,
+                 world_size: int = 1, names: list | None = None) -> list[FlatUnit]:
+    """Group ``params`` into buckets (:class:`FlatUnit` of ``world_size``), in reverse order:
+    backward produces the last layers' gradients first.
+
+    As PyTorch does: parameters are added to the open bucket until it holds at least ``cap_bytes``
+    (so a bucket may overshoot by its last parameter; fewer, fuller messages), then it is closed.
+    The first bucket closes at ``first_cap_bytes`` instead, if given — PyTorch's DDP makes it 1 MiB
+    when the cap is left at its default, so the first all-reduce starts early in backward.
+    Parameters of different dtypes never share a bucket (each dtype is bucketed on its own).
+    ``names`` (one per parameter) label the buckets' parameters.
+    """
+    groups: list[list] = []
+    open_: dict = {}  # dtype -> [params, bytes, buckets closed so far]
+    for p in reversed(params):
+        entry = open_.setdefault(p.dtype, [[], 0, 0])
+        entry[0].append(p)
+        entry[1] += p.numel() * p.element_size()
+        first = entry[2] == 0 and first_cap_bytes is not None
+        if entry[1] >= (first_cap_bytes if first else cap_bytes):
+            groups.append(entry[0])
+            open_[p.dtype] = [[], 0, entry[2] + 1]
+    groups += [entry[0] for entry in open_.values() if entry[0]]
+    position = {id(p): k for k, p in enumerate(reversed(params))}
+    groups.sort(key=lambda ps: position[id(ps[0])])  # launch order: first gradient ready first
+    name_of = {id(p): n for p, n in zip(params, names if names is not None else range(len(params)))}
+    return [FlatUnit(ps, world_size, [name_of[id(p)] for p in ps]) for ps in groups]
+
+
+# --------------------------------------------------------------------------------------------------
+# The gradient-hook machine
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Slot:
+    """One unit's state during a backward: its flat gradient buffer (``buffer``, ``views``), which
+    parameters are in (``ready``), the collective in flight (``work``, started at ``launched_at``)
+    and whatever the launch callback keeps for the finish one (``out``)."""
+
+    index: int
+    unit: FlatUnit
+    buffer: torch.Tensor | None = None
+    views: list = field(default_factory=list)
+    ready: set = field(default_factory=set)
+    work: object = None
+    launched_at: float | None = None
+    out: object = None
+
+    @property
+    def full(self) -> bool:
+        return len(self.ready) == len(self.unit.params)
+
+
+@torch.no_grad()
+def copy_into_bucket(bucket: Slot, i: int, grad: torch.Tensor, world_size: int) -> bool:
+    """The bucket hook: put parameter ``i``'s gradient, divided by N, into its place in the bucket
+    (copy and divide fused) and mark it ready; True once every parameter of the bucket is in."""
+    torch.mul(grad, 1.0 / world_size, out=bucket.views[i])
+    bucket.ready.add(i)
+    return len(bucket.ready) == len(bucket.views)
+
+
+class Done:
+    """A finished work handle, for a collective that already ran (blocking) when it was launched."""
+
+    def __init__(self, end: float | None = None):
+        self.end = time.perf_counter() if end is None else end
+
+    def wait(self) -> bool:
+        return True
+
+
+class GradientReducer:
+    """Gradients reduced unit by unit while backward runs, from post-accumulate-grad hooks.
+
+    For each unit (a :class:`FlatUnit`; one :class:`Slot` each, in ``units`` order): when a
+    parameter's gradient is accumulated, ``hook(slot, i, grad, world_size)`` (default
+    :func:`copy_into_bucket`) copies it, pre-divided by N, into the unit's flat buffer; once the
+    unit is full, ``launch(slot)`` starts its collective and returns a work handle.  The end of
+    backward (an autograd callback) launches what is left, waits, and calls ``finish(slot)`` for
+    each launched unit, in order.
+
+    Arguments:
+        units: the flat units, in launch order.
+        world_size: N, what each gradient is divided by.
+        launch: ``launch(slot) -> work`` (anything with ``wait()``); may keep results in ``slot.out``.
+        finish: ``finish(slot)`` once its work is done.
+        keep_grads: leave ``p.grad`` (DDP copies the result back into it); False drops it once
+            copied (ZeRO-2, ZeRO-3: the full gradient is not kept).
+        persistent: one buffer per unit for the whole run (DDP); False: zeros allocated at the
+            unit's first gradient and freed after ``finish`` (ZeRO), so untouched entries are 0.
+        ordered: launch full units strictly in unit order (every rank must issue the same
+            collectives in the same order, whatever order its hooks fired in); False: each unit
+            as it fills (ZeRO-3, whose units fill in the model's own backward order).
+        max_in_flight: None, or 1: finish the unit in flight before launching the next (ZeRO-3:
+            at most one unit's gradient buffer waits on the network).
+        flush_untouched: at the end of backward also launch units no gradient reached (zeros);
+            False leaves them out (ZeRO-3: such a unit's shard gets no gradient, as in one process).
+        on_begin, before_flush, after_flush, on_full: optional callbacks (no argument, no argument,
+            no argument, ``on_full(slot)``) at the first hook of a backward, at its end before and
+            after the remaining launches and waits, and when a unit's last gradient is in.
+        hook: the bucket hook, ``hook(slot, i, grad, world_size) -> bool`` (full?).
+
+    ``enabled = False`` (DDP's ``no_sync``) makes the hooks do nothing.
+    """
+
+    def __init__(self, units: list[FlatUnit], world_size: int, launch, finish, *,
+                 keep_grads: bool = False, persistent: bool = False, ordered: bool = True,
+                 max_in_flight: int | None = None, flush_untouched: bool = True,
+                 on_begin=None, before_flush=None, after_flush=None, on_full=None, hook=None):
+        self.slots = [Slot(k, u) for k, u in enumerate(units)]
+        self.world_size = world_size
+        self.launch, self.finish = launch, finish
+        self.keep_grads, self.persistent, self.ordered = keep_grads, persistent, ordered
+        self.max_in_flight, self.flush_untouched = max_in_flight, flush_untouched
+        self.on_begin, self.before_flush, self.after_flush = on_begin, before_flush, after_flush
+        self.on_full = on_full
+        self.hook = hook or copy_into_bucket
+        self.enabled = True
+        self.in_backward = False
+        self._next = 0
+        for s in self.slots:
+            for i, p in enumerate(s.unit.params):
+                p.register_post_accumulate_grad_hook(lambda p, s=s, i=i: self._grad_ready(s, i, p))
+
+    def begin(self) -> None:
+        """Start a backward (idempotent): reset the slots, queue the end-of-backward callback."""
+        if self.in_backward:
+            return
+        self.in_backward = True
+        self._next = 0
+        for s in self.slots:
+            s.ready.clear()
+            s.work, s.launched_at, s.out = None, None, None
+            if self.persistent and s.buffer is None:
+                self._allocate(s, torch.empty)
+        if self.on_begin is not None:
+            self.on_begin()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _allocate(self, s: Slot, make=torch.zeros) -> None:
+        p0 = s.unit.params[0]
+        s.buffer = make(s.unit.total, dtype=p0.dtype, device=p0.device)
+        s.views = s.unit.views(s.buffer)
+
+    @torch.no_grad()
+    def _grad_ready(self, s: Slot, i: int, p: torch.Tensor) -> None:
+        if not self.enabled:
+            return
+        self.begin()
+        if s.buffer is None:
+            self._allocate(s)
+        full = self.hook(s, i, p.grad, self.world_size)
+        if not self.keep_grads:
+            p.grad = None
+        if full:
+            if self.ordered:
+                self._launch_ready()
+            else:
+                self._launch(s)
+            if self.on_full is not None:
+                self.on_full(s)
+
+    def _launch_ready(self) -> None:
+        """Launch every full unit, strictly in unit order."""
+        while self._next < len(self.slots) and self.slots[self._next].full:
+            self._launch(self.slots[self._next])
+            self._next += 1
+
+    def _launch(self, s: Slot) -> None:
+        if self.max_in_flight is not None:
+            for other in self.slots:
+                if other.work is not None:
+                    self._finish(other)
+        if s.buffer is None:  # no gradient reached this unit: it contributes zeros
+            self._allocate(s)
+        s.launched_at = time.perf_counter()
+        s.work = self.launch(s)
+
+    def _finish(self, s: Slot) -> None:
+        s.work.wait()
+        self.finish(s)
+        s.work, s.out = None, None
+        s.ready.clear()
+        if not self.persistent:
+            s.buffer, s.views = None, []
+
+    @torch.no_grad()
+    def _end_backward(self) -> None:
+        self.in_backward = False
+        if self.before_flush is not None:
+            self.before_flush()
+        if self.ordered:
+            self._launch_ready()
+        for s in self.slots[self._next if self.ordered else 0:]:
+            if s.work is None and (s.ready or self.flush_untouched):
+                self._launch(s)
+        for s in self.slots:
+            if s.work is not None:
+                self._finish(s)
+        if self.after_flush is not None:
+            self.after_flush()

@@ -1,0 +1,161 @@
+"""``ddp-naive`` and ``ddp``: replicas on every rank, the global batch split over them (lesson 02; the
+compression options of lesson 03).
+
+Mixed precision (lesson 07): the replicas are bf16/fp16, so are the gradients and the buckets (gloo
+all-reduces 16-bit tensors on CPU), so the averaged gradient differs from one process's by a few
+16-bit roundings; with fp16 an overflow becomes inf on every rank alike, so all skip the same steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..data import shard
+from ..memory import ActivationMeter
+from ..parallel.compression import FORMS, as_error_feedback, parse_compressor
+from ..parallel.data_parallel import (DistributedDataParallel, NaiveDataParallel, mean_over_ranks,
+                                      overlap_fraction)
+from .base import ConfigError, Lockstep, NoOptions, Options, TrainConfig, option, positive, register
+
+__all__ = ["Buckets", "Compression", "DDPOptions", "NaiveDDP", "DDP", "DataParallel",
+           "check_batch_split", "check_compression"]
+
+
+@dataclass(frozen=True)
+class Buckets(Options):
+    bucket_mb: float | None = option(
+        None, "gradient bucket size in MiB (default: 25, the first bucket 1 MiB, as PyTorch)",
+        check=positive)
+
+
+@dataclass(frozen=True)
+class Compression(Options):
+    compress: str | None = option(None, f"compress gradients with {FORMS} (default: none)",
+                                  metavar="SPEC")
+    error_feedback: bool = option(True, "keep what compression leaves out and add it to the next "
+                                        "gradient (--no-error-feedback: drop it)")
+
+
+@dataclass(frozen=True)
+class DDPOptions(Buckets, Compression):
+    timeline: bool = option(False, "record each step's backward and bucket all-reduce times "
+                                   "(lesson 02)")
+
+
+def check_batch_split(cfg: TrainConfig, parts: int, what: str = "ranks") -> None:
+    """The global batch must split evenly over ``parts`` replicas."""
+    if cfg.batch_size % parts:
+        fix = parts * max(1, round(cfg.batch_size / parts))
+        raise ConfigError(f"--batch-size {cfg.batch_size} does not split over {parts} {what}; "
+                          f"use a multiple of {parts} (e.g. {fix})")
+
+
+def check_compression(cfg: TrainConfig) -> None:
+    """Raise :class:`ConfigError`, naming the fix, for a bad ``compress`` / ``error_feedback``."""
+    try:
+        compressor = parse_compressor(cfg.options.compress)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if compressor is None and not cfg.options.error_feedback:
+        raise ConfigError("--no-error-feedback only applies to compressed gradients; add "
+                          "--compress SPEC (e.g. --compress topk:0.01) or leave it out")
+
+
+class DataParallel(Lockstep):
+    """A replica per rank, each on its slice of the global batch; the mean loss over the ranks."""
+
+    precisions = ("fp32", "bf16-mixed", "fp16-mixed")
+    checkpoint_refusal = None  # identical replicas: the base's defaults (rank 0 writes the replica)
+
+    @classmethod
+    def check(cls, cfg: TrainConfig) -> None:
+        check_batch_split(cfg, cfg.world_size)
+
+    def local(self, x, y):
+        r, n = self.comm.rank, self.comm.size
+        return shard(x, r, n).to(self.device), shard(y, r, n).to(self.device)
+
+    def wrap(self, model):
+        """The data-parallel wrapper around the replica."""
+        raise NotImplementedError
+
+    def after_backward(self) -> None:
+        """Anything left before the optimizer step (DDP: nothing, its hooks did it)."""
+
+    def __init__(self, cfg, comm, seams=None):
+        super().__init__(cfg, comm, seams)
+        self.setup()
+
+    def setup(self) -> None:
+        """Build the replica, its wrapper and the optimizer (ZeRO: the sharded ones)."""
+        self.model = self.build_model()
+        self.wrapper = self.wrap(self.model)
+        self.meter = ActivationMeter(self.model)
+        self.optimizer = self.make_optimizer(self.model.parameters())
+
+    def train_step(self, x, y) -> float:
+        x, y = self.local(x, y)
+        self.optimizer.zero_grad(set_to_none=True)
+        with self.meter.measure():
+            loss = self.wrapper(x, y)
+        self.backward(loss)
+        self.after_backward()
+        self.optimizer.step()
+        return mean_over_ranks(loss, self.comm)
+
+
+@register
+class NaiveDDP(DataParallel):
+    name = "ddp-naive"
+    help = "data parallel: one all-reduce per gradient after backward"
+    options = NoOptions
+    seams = ("sync_gradients",)
+    checkpoint_refusal = None
+
+    def wrap(self, model):
+        return NaiveDataParallel(model, self.comm, sync=self.seams.sync_gradients)
+
+    def after_backward(self) -> None:
+        self.wrapper.sync_gradients()
+
+
+@register
+class DDP(DataParallel):
+    name = "ddp"
+    help = ("distributed data parallel: bucketed all-reduce overlapped with backward "
+            "(--bucket-mb, --compress)")
+    options = DDPOptions
+    seams = ("ring_all_reduce", "bucket_hook", "topk_error_feedback")
+    checkpoint_refusal = None
+
+    @classmethod
+    def check(cls, cfg: TrainConfig) -> None:
+        check_batch_split(cfg, cfg.world_size)
+        check_compression(cfg)
+        if cfg.options.compress and cfg.precision == "fp16-mixed" and cfg.loss_scale != 0:
+            raise ConfigError("--compress cannot be combined with loss scaling (--precision "
+                              "fp16-mixed): the error-feedback residuals would hold gradients "
+                              "scaled by a changing loss scale, and an overflow's inf; use "
+                              "--precision bf16-mixed, or --loss-scale 0")
+        if cfg.options.compress and (cfg.save_dir or cfg.resume):
+            raise ConfigError("--compress cannot be checkpointed yet: each rank's error-feedback "
+                              "residuals would be lost, so a resumed run would differ; leave out "
+                              "--compress, or --save-dir/--resume")
+
+    def wrap(self, model):
+        o, s = self.cfg.options, self.seams
+        return DistributedDataParallel(
+            model, self.comm, bucket_cap_mb=o.bucket_mb, record_timeline=o.timeline,
+            compression=as_error_feedback(o.compress, o.error_feedback, topk=s.topk_error_feedback),
+            all_reduce=s.ring_all_reduce, bucket_hook=s.bucket_hook)
+
+    def report(self) -> dict:
+        """Bucket sizes, and (with the ``timeline`` option) each step's backward/all-reduce times."""
+        out = {"bucket_bytes": [b.nbytes for b in self.wrapper.buckets]}
+        if self.wrapper.ef is not None:
+            out["compression"] = self.wrapper.ef.compressor.name
+        if self.wrapper.timeline:
+            out["timeline"] = self.wrapper.timeline
+            out["overlap"] = [overlap_fraction(s) for s in self.wrapper.timeline]
+        return out
+

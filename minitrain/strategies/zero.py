@@ -1,0 +1,257 @@
+"""``zero1``, ``zero2``, ``zero3``: the model states sharded over the data-parallel ranks (lesson 04),
+with ``--offload`` (ZeRO-Offload) and checkpoints in which every rank writes its own shards (lesson 08).
+
+Memory per rank (measured by :func:`minitrain.memory.ledger`, compared with
+:func:`~minitrain.memory.model_state_bytes`): in bf16-mixed (2 + 2 + 12 bytes) the paper's 4Ψ+12Ψ/N,
+2Ψ+14Ψ/N and 16Ψ/N; in fp32 (4 + 4 + 8 bytes) 8Ψ+8Ψ/N, 4Ψ+12Ψ/N and 16Ψ/N.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ..memory import ActivationMeter, ledger, model_state_bytes, rss_bytes
+from ..parallel.flat import FlatUnit
+from ..parallel.fsdp import FullyShardedDataParallel
+from ..parallel.zero import HostOffload, ZeroRedundancyOptimizer, shard_optimizer
+from .base import ConfigError, Options, TrainConfig, option, register
+from .data_parallel import Buckets, DataParallel, check_batch_split
+
+__all__ = ["Offload", "ZeroOptions", "Zero2Options", "Zero1", "Zero2", "Zero3", "shard_state", "unshard_state"]
+
+
+@dataclass(frozen=True)
+class Offload(Options):
+    offload: bool = option(False, "optimizer states, fp32 master shard and step in host memory "
+                                  "(ZeRO-Offload)")
+
+
+@dataclass(frozen=True)
+class ZeroOptions(Offload):
+    """zero1's and zero3's (a record of its own: zero2's, which adds bucket_mb, is not one)."""
+
+
+@dataclass(frozen=True)
+class Zero2Options(Buckets, Offload):
+    """zero2's: the gradient buckets too."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoints (lesson 08): each rank saves its shards; the model is put back together offline
+# --------------------------------------------------------------------------------------------------
+
+
+def shard_state(module: nn.Module, units: list[tuple[FlatUnit, torch.Tensor]], rank: int) -> dict:
+    """This rank's shard of each flat unit (``(layout, shard)`` pairs), described well enough to be
+    put back together without the model: each unit's parameter names and shapes, which state_dict
+    key holds which parameter (tied ones share one), and, from rank 0, any state no unit holds."""
+    ids = {id(p): name for layout, _ in units for p, name in zip(layout.params, layout.names)}
+    keys, extra = {}, {}
+    state = module.state_dict(keep_vars=True)  # the Parameter objects: no data is touched
+    for key, value in state.items():
+        if id(value) in ids:
+            keys[key] = ids[id(value)]
+        elif rank == 0:
+            extra[key] = value.detach().clone()
+    return {"units": [{"names": list(layout.names), "shapes": [list(p.shape) for p in layout.params],
+                       "shard": shard.detach().clone()} for layout, shard in units],
+            "keys": keys, "extra": extra, "order": list(state)}
+
+
+def unshard_state(states: list[dict]) -> dict:
+    """The single-process state_dict from every rank's :func:`shard_state`, in rank order: each
+    unit's shards concatenated (the padding dropped) and cut into its parameters."""
+    params = {}
+    for i, unit in enumerate(states[0]["units"]):
+        flat = torch.cat([s["units"][i]["shard"] for s in states])
+        offset = 0
+        for name, shape in zip(unit["names"], unit["shapes"]):
+            n = math.prod(shape)
+            params[name] = flat[offset:offset + n].view(shape).clone()
+            offset += n
+    keys, extra = states[0]["keys"], states[0]["extra"]
+    return {k: params[keys[k]] if k in keys else extra[k] for k in states[0]["order"]}
+
+
+# --------------------------------------------------------------------------------------------------
+# The strategies
+# --------------------------------------------------------------------------------------------------
+
+
+class _ZeroStrategy(DataParallel):
+    """Shared by zero1/2/3: the global batch split over the ranks, the model states sharded.
+
+    fp32 and bf16-mixed only: fp16's loss scaler would have to skip a step when *any* rank's
+    gradient shard overflowed, a global verdict these strategies do not take."""
+
+    stage = 0
+    precisions = ("fp32", "bf16-mixed")
+    options = ZeroOptions
+    checkpoint_refusal = None
+
+    @classmethod
+    def check(cls, cfg: TrainConfig) -> None:
+        check_batch_split(cfg, cfg.world_size)
+        if cfg.loss_scale:
+            raise ConfigError(f"strategy {cls.name!r} does not scale the loss: each rank sees only "
+                              "its shard of the gradients, so an overflow check would need every "
+                              "rank's verdict; leave out --loss-scale (bf16-mixed needs none)")
+
+    def setup(self) -> None:
+        self.offload = self.cfg.options.offload
+        self.model = self.build_model()  # bf16-mixed: bf16 model, fp32 copies in master_weights
+        self.wrapper, self.optimizer, self.sharded = self.shard(self.model)
+        self.master_weights.clear()  # each rank keeps only its shard of them
+        ignore = getattr(self.sharded, "is_gathered_parameter", None)
+        self.meter = ActivationMeter(self.model, ignore=ignore)
+
+    def shard(self, model) -> tuple:
+        """(what to call forward on, the optimizer, the object holding the shards)."""
+        raise NotImplementedError
+
+    # -- checkpoints: every rank writes its shards and its optimizer states (1/N of each) -----------
+
+    def shards(self) -> list[tuple[FlatUnit, torch.Tensor]]:
+        """``(layout, this rank's shard)`` of every flat unit (stages 1-2: the optimizer's)."""
+        return [(b.layout, b.shard) for b in self.optimizer.buckets]
+
+    def shard_optimizer(self):
+        """The optimizer stepping this rank's shards (Adam, mixed precision's, or HostOffload)."""
+        return self.optimizer.optim
+
+    @classmethod
+    def checkpoint_layout(cls, cfg: TrainConfig) -> dict:
+        out = {"offload": cfg.options.offload}
+        if cls.stage == 2:  # the buckets are the units
+            out["bucket_mb"] = cfg.options.bucket_mb
+        return out
+
+    def checkpoint_state(self) -> dict:
+        return {"model": shard_state(self.model, self.shards(), self.comm.rank),
+                "optimizer": self.shard_optimizer().state_dict()}
+
+    @torch.no_grad()
+    def load_checkpoint_state(self, read) -> None:
+        state = read(self.comm.rank)
+        for (_, shard), saved in zip(self.shards(), state["model"]["units"], strict=True):
+            shard.copy_(saved["shard"])
+        self.shard_optimizer().load_state_dict(state["optimizer"])
+        if self.stage < 3:  # every rank holds the full weights: gather them, as after a step
+            with self.comm.tracer.paused():
+                self.optimizer._all_gather_parameters()
+
+    @classmethod
+    def consolidate_checkpoint(cls, cfg: TrainConfig, read) -> dict:
+        return unshard_state([read(r)["model"] for r in range(cfg.world_size)])
+
+    def memory(self) -> dict:
+        extra, host = self.sharded.memory_tensors()
+        out = ledger(self.model, self.optimizer, self.meter.peak, extra=extra, host=host)
+        out["rss_peak"] = rss_bytes(peak=True)
+        return out
+
+    @property
+    def recipe(self) -> str:
+        """The memory recipe of :data:`minitrain.memory.RECIPES` this run follows."""
+        return "fp32-adam" if self.cfg.precision == "fp32" else "mixed-adam"
+
+    def report(self) -> dict:
+        """This rank's owned ranges, the padding, and its bytes beside the formula (fp32 Adam:
+        4 + 4 + 8 bytes per parameter; bf16-mixed: 2 + 2 + 12)."""
+        r, n = self.comm.rank, self.comm.size
+        layouts = self.sharded.layouts()
+        psi = sum(u.numel for u in layouts)
+        padded = sum(u.total for u in layouts)
+        mem = self.memory()
+        return {
+            "stage": self.stage, "offload": self.offload, "rank": r, "world_size": n,
+            "units": len(layouts), "numel": psi, "padded_numel": padded, "padding": padded - psi,
+            "shard_numel": sum(u.shard_size for u in layouts),
+            "owned": [own for u in layouts for own in u.owned_params(r)],
+            "device_bytes": mem["device"], "host_bytes": mem["host"],
+            "recipe": self.recipe,
+            "formula": model_state_bytes(psi, n, self.stage, self.recipe),
+            "formula_padded": model_state_bytes(padded, n, self.stage, self.recipe),
+        }
+
+
+@register
+class Zero1(_ZeroStrategy):
+    name = "zero1"
+    help = "ZeRO stage 1: optimizer states sharded; reduce-scatter, step the shard, all-gather (--offload)"
+    stage = 1
+    seams = ("zero1_step",)
+    checkpoint_refusal = None
+
+    def shard(self, model):
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, self.comm,
+                                      offload=self.offload, master_weights=self.master_weights,
+                                      step_shard=self.seams.zero1_step, lr=self.cfg.lr)
+        return model, opt, opt
+
+
+@register
+class Zero2(_ZeroStrategy):
+    name = "zero2"
+    help = "ZeRO stage 2: gradients too, reduce-scattered in buckets during backward (--offload, --bucket-mb)"
+    stage = 2
+    options = Zero2Options
+    checkpoint_refusal = None
+
+    def shard(self, model):
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, self.comm,
+                                      shard_gradients=True, offload=self.offload,
+                                      bucket_cap_mb=self.cfg.options.bucket_mb,
+                                      master_weights=self.master_weights, lr=self.cfg.lr)
+        return model, opt, opt
+
+
+@register
+class Zero3(_ZeroStrategy):
+    name = "zero3"
+    help = "ZeRO stage 3 (FSDP): parameters too, gathered per block for forward and backward (--offload)"
+    stage = 3
+    seams = ("zero3_gather",)
+    checkpointing = False  # recomputation would re-enter the gather hooks; not supported yet
+    checkpoint_refusal = None
+
+    def shard(self, model):
+        fsdp = FullyShardedDataParallel(model, self.comm, gather=self.seams.zero3_gather)
+        opt = shard_optimizer(fsdp.sharded_parameters(), torch.optim.Adam,
+                              fsdp.master_shards(self.master_weights), self.offload, lr=self.cfg.lr)
+        return fsdp, opt, _Zero3Memory(fsdp, opt if self.offload else None)
+
+    def shards(self):
+        return [(u.layout, u.shard) for u in self.wrapper.units if u.shard is not None]
+
+    def shard_optimizer(self):
+        return self.optimizer
+
+    def final_state(self) -> dict | None:
+        """The full weights, gathered on every rank (a collective), kept on rank 0."""
+        state = self.wrapper.full_state_dict()
+        return state if self.comm.rank == 0 else None
+
+    def state_dict(self) -> dict:
+        raise RuntimeError("zero3's full state is gathered by final_state() after the last step")
+
+
+class _Zero3Memory:
+    """The FSDP wrapper's shards plus, with offload, the host side."""
+
+    def __init__(self, fsdp: FullyShardedDataParallel, offload: HostOffload | None):
+        self.fsdp, self.offload = fsdp, offload
+        self.is_gathered_parameter = fsdp.is_gathered_parameter
+        self.layouts = fsdp.layouts
+
+    def memory_tensors(self):
+        extra, host = self.fsdp.memory_tensors()
+        if self.offload is not None:
+            more, host = self.offload.memory_tensors()
+            extra = {k: extra.get(k, []) + more.get(k, []) for k in {*extra, *more}}
+        extra["gradients"] = [g for g in extra.get("gradients", []) if g is not None]
+        return extra, host

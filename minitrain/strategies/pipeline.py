@@ -31,14 +31,14 @@ class ScheduleOptions(Options):
     schedule: str = option("1f1b", f"pipeline schedule: {', '.join(SCHEDULES)}")
     microbatches: int | None = option(None, "micro-batches per (replica's) batch (default: the "
                                       "pipeline stages; naive: 1)", check=at_least(1))
-    chunks: int | None = option(None, "model chunks per rank (interleaved; default 2 there)",
-                                check=at_least(1))
+    chunks: int | None = option(None, "model chunks per rank, for interleaved (default: 2 for "
+                                "interleaved, else 1)", check=at_least(1))
 
 
 @dataclass(frozen=True)
 class PipelineOptions(ScheduleOptions):
-    stages: int | None = option(None, "pipeline stages (default and only choice: the world size)",
-                                check=at_least(1))
+    stages: int | None = option(None, "pipeline stages, one per rank (default: the world size, its "
+                                "only choice)", check=at_least(1))
 
 
 def schedule_shape(options: ScheduleOptions, stages: int) -> tuple[str, int, int, int]:

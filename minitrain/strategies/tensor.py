@@ -26,8 +26,8 @@ __all__ = ["TensorOptions", "TensorParallel", "check_tensor_parallel", "full_sta
 class TensorOptions(Options):
     """Tensor parallelism's options (strategies tensor and 3d)."""
 
-    tp: int | None = option(None, "tensor-parallel ranks (tensor: default and only choice the world "
-                            "size; 3d: default 1)", check=at_least(1))
+    tp: int | None = option(None, "tensor-parallel ranks (default: the world size for tensor, its "
+                            "only choice; 1 for 3d)", check=at_least(1))
     sequence_parallel: bool = option(False, "shard LayerNorms and residuals along the sequence "
                                      "(reduce-scatter + all-gather instead of all-reduce)")
 

@@ -41,7 +41,7 @@ __all__ = ["MeshOptions", "ThreeDOptions", "ThreeD", "mesh_shape", "bytes_by_gro
 class MeshOptions(Options):
     dp: int | None = option(None, "data-parallel replicas (default: world size / (pp * tp))",
                             check=at_least(1))
-    pp: int | None = option(None, "pipeline stages of the 3D mesh (default 1)", check=at_least(1))
+    pp: int | None = option(None, "pipeline stages of the 3D mesh (default: 1)", check=at_least(1))
     zero_stage: int = option(1, "1 shards Adam's states over the dp ranks (ZeRO-1); 0 all-reduces "
                              "the gradients", choices=(0, 1))
 

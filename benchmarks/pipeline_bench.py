@@ -40,7 +40,7 @@ from minitrain import PRESETS, Cluster, GPT
 from minitrain.benchmarking import alternate
 from minitrain.data import ArithmeticData
 from minitrain.model import GPTConfig, loss_fn
-from minitrain.parallel.pipeline import bubble_formula, bubble_fraction, split_layers
+from minitrain.parallel.schedules import bubble_formula, bubble_fraction, split_layers
 
 #: the presets, plus one deep enough for 4 stages whose compute dominates the point-to-point traffic
 MODELS = {**PRESETS, "8x256": GPTConfig(n_layer=8, n_head=8, d_model=256, seq_len=64)}
@@ -128,7 +128,7 @@ class OursPipeline:
 
     def __init__(self, cfg: GPTConfig, schedule: str, microbatches: int, batch: int):
         from minitrain.comm import Comm
-        from minitrain.parallel.pipeline import Pipeline
+        from minitrain.strategies.pipeline import Pipeline
         from minitrain.strategies import TrainConfig
 
         tc = TrainConfig(strategy="pipeline", world_size=dist.get_world_size(), batch_size=batch,

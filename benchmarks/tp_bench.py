@@ -6,7 +6,7 @@
 For each world size N (= TP size) both implementations train the same GPT, split the same way, on
 the same batches, in one cluster:
 
-* ours: :class:`minitrain.parallel.tensor.TensorParallel` — column/row-parallel linears with f/g,
+* ours: :class:`minitrain.strategies.tensor.TensorParallel` — column/row-parallel linears with f/g,
   heads split, vocabulary-parallel embedding and cross-entropy;
 * PyTorch's: ``parallelize_module`` on a device mesh ``"cpu"`` (gloo) with ``ColwiseParallel`` on
   ``qkv`` and ``fc``, ``RowwiseParallel`` on the two ``proj``, ``RowwiseParallel`` on the token
@@ -38,7 +38,8 @@ from minitrain.benchmarking import alternate
 from minitrain.comm import Comm
 from minitrain.data import ArithmeticData
 from minitrain.model import GPTConfig
-from minitrain.parallel.tensor import TensorParallel, shard_tensor
+from minitrain.parallel.tensor import shard_tensor
+from minitrain.strategies.tensor import TensorParallel
 from minitrain.strategies import TrainConfig
 
 #: the presets, plus one whose 8 heads split over 2 and 4 ranks and whose matmuls are not trivial

@@ -334,7 +334,7 @@ def _one_f_one_b_table(fn, P: int, M: int):
     """The learner's rows as a table of Actions (stage = rank), or the sentence saying what is wrong."""
     import re
 
-    from .parallel.pipeline import Action
+    from .parallel.schedules import Action
 
     table = []
     for r in range(P):
@@ -403,7 +403,7 @@ def _one_f_one_b_single(batch: int) -> list[float]:
 def _check_one_f_one_b(fn) -> str | None:
     """Valid (the validator), 1F1B's memory bound, 1F1B's order or makespan, then run for real."""
     from .launch import RankError
-    from .parallel.pipeline import ScheduleError, orders, peak_in_flight, simulate, validate
+    from .parallel.schedules import ScheduleError, orders, peak_in_flight, simulate, validate
 
     tables = {}
     for P, M in _PIPE_CASES:

@@ -74,7 +74,7 @@ def test_3d_with_sequence_parallel_interleaving_or_without_zero(clusters, single
 def test_tensor_collectives_per_layer_and_zero1_shards_over_dp(clusters):
     steps, M = 2, 3
     cfg = mesh_cfg(2, 2, 2).with_(steps=steps)
-    reports = {z: train(cfg.with_(options={**cfg.options, "zero_stage": z}),
+    reports = {z: train(cfg.with_(options={**cfg.options.given(), "zero_stage": z}),
                         cluster=clusters(8))["summary"] for z in (0, 1)}
     rep = reports[1]["report"][0]  # rank 0: replica 0, stage 0 (blocks 0 and 1), tensor rank 0
     assert rep["stages"] == {0: [0, 1]}
@@ -95,7 +95,7 @@ def test_tensor_collectives_per_layer_and_zero1_shards_over_dp(clusters):
     (dict(world_size=3, options={"tp": 3}), "n_head=4 does not split over --tp 3"),
     (dict(world_size=4, options={"pp": 2, "schedule": "zb-h1"}), "cannot run --schedule zb-h1"),
     (dict(world_size=4, options={"pp": 2, "microbatches": 7}), "each data-parallel replica's batch"),
-    (dict(world_size=4, options={"pp": 2, "stages": 4}), "--stages 4 disagrees with --pp 2"),
+    (dict(world_size=4, options={"pp": 2, "stages": 4}), "--stages is not an option of strategy .3d."),
     (dict(world_size=2, options={"pp": 2}, model=GPTConfig(n_layer=1)), "use --n-layer 2"),
     (dict(world_size=2, checkpoint_activations=True), "cannot checkpoint activations"),
 ])

@@ -7,9 +7,9 @@ schedule on 2–4 ranks against a single process, and measure the bubble of real
 
 import pytest
 
-from minitrain.parallel.pipeline import (COSTS, SCHEDULES, Action, ScheduleError, bubble_formula,
-                                         bubble_fraction, make_schedule, orders, peak_in_flight,
-                                         simulate, split_layers, validate)
+from minitrain.parallel.schedules import (COSTS, SCHEDULES, Action, ScheduleError, bubble_formula,
+                                          bubble_fraction, make_schedule, orders, peak_in_flight,
+                                          simulate, split_layers, validate)
 
 F, B = (lambda m, s: Action("F", m, s)), (lambda m, s: Action("B", m, s))
 
@@ -80,13 +80,13 @@ def test_1f1b_holds_at_most_p_micro_batches_and_gpipe_all_of_them(P, M):
 def test_the_schedules_refuse_impossible_shapes_with_the_fix():
     with pytest.raises(ScheduleError, match="microbatches=1"):
         make_schedule("naive", 2, 4)
-    with pytest.raises(ScheduleError, match="multiple of stages=2.*use 4"):
+    with pytest.raises(ScheduleError, match="multiple of stages=2.*use microbatches=4"):
         make_schedule("interleaved", 2, 5, 2)
     with pytest.raises(ScheduleError, match="chunks >= 2"):
         make_schedule("interleaved", 2, 4, 1)
     with pytest.raises(ScheduleError, match="chunks=1"):
         make_schedule("zb-h1", 2, 4, 2)
-    with pytest.raises(ScheduleError, match="unknown schedule 'dualpipe'"):
+    with pytest.raises(ScheduleError, match="unknown schedule='dualpipe'"):
         make_schedule("dualpipe", 2, 4)
 
 
@@ -163,7 +163,8 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 from minitrain import GPTConfig, TrainConfig, train  # noqa: E402
-from minitrain.parallel.pipeline import PipelineStage, run_schedule  # noqa: E402
+from minitrain.parallel.pipeline import PipelineStage  # noqa: E402
+from minitrain.strategies.pipeline import run_schedule  # noqa: E402
 from minitrain.strategies import ConfigError  # noqa: E402
 from minitrain.train import check_config  # noqa: E402
 from conftest import assert_same_run  # noqa: E402
@@ -221,7 +222,7 @@ def test_the_cli_options_are_refused_before_spawning_with_the_fix():
         (dict(options={"schedule": "dualpipe"}), "unknown --schedule 'dualpipe'"),
         (dict(options={"microbatches": 13}), "--microbatches 12 or fewer"),
         (dict(options={"schedule": "interleaved", "chunks": 1, "microbatches": 2}), "--chunks 2"),
-        (dict(options={"schedule": "zb-h1", "chunks": 2}), "leave out --chunks 2"),
+        (dict(options={"schedule": "zb-h1", "chunks": 2}), "got --chunks 2; use --chunks 1"),
         (dict(options={"schedule": "interleaved", "chunks": 5}), "use --n-layer 10"),
         (dict(model=GPTConfig(n_layer=1)), "use --n-layer 2"),
         (dict(options={"schedule": "zb-h1"}, checkpoint_activations=True), "zb-h1 cannot"),

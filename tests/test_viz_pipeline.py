@@ -4,8 +4,8 @@ seconds)."""
 
 import pytest
 
-from minitrain.parallel.pipeline import (Action, ScheduleError, bubble_fraction,
-                                         make_schedule, simulate)
+from minitrain.parallel.schedules import (Action, ScheduleError, bubble_fraction,
+                                          make_schedule, simulate)
 from minitrain.viz.pipeline import (BubbleWidget, bar_color, bubble_summary, gantt_figure,
                                     gantt_rows, plot_gantt)
 

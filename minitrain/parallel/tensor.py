@@ -1,68 +1,21 @@
 """Tensor parallelism (Megatron-style) and sequence parallelism, from scratch (lesson 06).
 
 Papers: Shoeybi et al., 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using
-Model Parallelism" — column/row-parallel linears, the conjugate operators f and g, attention heads
-split across ranks, the vocabulary-parallel embedding and cross-entropy; Korthikanti et al., 2022,
-"Reducing Activation Recomputation in Large Transformer Models" — sequence parallelism.  Seed 003:
-"GeLU(XA)B — split A by columns, B by rows".
+Model Parallelism" — column/row-parallel linears, the conjugate operators f and g, attention split by
+heads, the vocabulary-parallel embedding and cross-entropy; Korthikanti et al., 2022, "Reducing
+Activation Recomputation in Large Transformer Models" — sequence parallelism (f and g become an
+all-gather and a reduce-scatter along the sequence).
 
-**The MLP.**  Y = GeLU(XA) and Z = YB.  Split A by columns, A = [A_1 … A_N]: rank i computes
-Y_i = GeLU(X A_i) on its own (GeLU works element by element, so no sum is needed before it).  Split B
-by rows, B = [B_1; …; B_N]: rank i computes the partial product Y_i B_i, and Z = Σ_i Y_i B_i — one
-all-reduce.  That is :class:`ColumnParallelLinear` (keeps out_features/N of the outputs) followed by
-:class:`RowParallelLinear` (keeps in_features/N of the inputs; its bias is added once, after the
-sum).
-
-**f and g.**  The two places where ranks talk are the conjugate operators of the paper: *f* before a
-column-parallel linear — identity forward (every rank already has X), all-reduce backward (each rank
-holds only its part of dL/dX); *g* after a row-parallel linear — all-reduce forward, identity
-backward.  So a transformer layer (attention, then MLP) costs 2 all-reduces forward and 2 backward.
-
-**Attention** is split by heads: Q, K and V are column-parallel (the model's fused ``qkv`` is one
-Linear(d, 3d) laid out [q; k; v], so a rank keeps its heads' rows of *each* of q, k and v — the
-``parts=3`` of :func:`shard_tensor`), each rank runs softmax(QKᵀ/√d)V for its heads, and the output
-projection is row-parallel.
-
-**The vocabulary.**  :class:`VocabParallelEmbedding` keeps rows [start, end) of the table: ids
-outside are masked to zero and an all-reduce sums the ranks' partial lookups (exactly one rank
-contributed each token).  The head's output layer is column-parallel over the vocabulary and the
-loss is computed without gathering the logits (:func:`vocab_parallel_cross_entropy`): the max, then
-the target's logit and the sum of exponentials are all-reduced, a few numbers per token instead of
-the vocabulary.  The vocabulary is padded to a multiple of N (13 → 14 on 2 ranks); padded logits
-are masked out of the softmax, so they change nothing, and padded rows get zero gradients.
-
-**Sequence parallelism** (``sequence_parallel=True``).  Outside the tensor-parallel regions —
-LayerNorms and residual adds — plain TP repeats the same work on every rank and stores the same
-activations N times.  Korthikanti et al. shard those regions along the *sequence*: each rank holds
-t/N positions.  The all-reduce of g becomes a reduce-scatter (sum, and keep my positions), f becomes
-an all-gather (collect every position before the column-parallel linear); their backwards swap.
-A reduce-scatter plus an all-gather moves the bytes of one all-reduce, so the traffic is unchanged.
-LayerNorm weights, row-parallel biases and the position embedding are replicated but each rank now
-sees only its positions, so their gradients are partial: :meth:`TensorParallelGPT.
-all_reduce_sequence_parallel_grads` sums them after backward (Megatron's
-``allreduce_layernorm_grads``).  We keep the gathered input of a column-parallel linear for backward;
-Megatron re-gathers it in backward instead (less memory, one more all-gather).
-
-*Sequence length not divisible by N*: we pad.  The embedding's output is padded with zero rows to a
-multiple of N before it is reduce-scattered, and the head drops them after its all-gather.  Padded
-positions come last, attention is causal, and everything else works position by position, so they
-never touch a real position; their loss is never computed, so every gradient they would produce is
-exactly zero.
-
-Layout: hidden states are (sequence, batch, hidden) inside the model, as in Megatron, so that a
-sequence shard is a contiguous block for the collectives.
-
-Everything talks through a :class:`~minitrain.comm.Comm` passed in (the tensor-parallel group), so
-the tracer counts every call, and the layers work in any group — the 3D mesh builds them over its TP
-sub-group.  The layers are built from a full single-process layer (each rank cuts its shard of the
-deterministic init, as Megatron's ``_initialize_affine_weight_cpu`` does), so a TP run equals one
-process, and :func:`full_state_dict` puts the shards back together under the single-process names.
+Hidden states are (sequence, batch, hidden), as in Megatron.  Every layer talks through a
+:class:`~minitrain.comm.Comm` passed in (the tensor-parallel group) and is cut from a full
+single-process layer, so a tensor-parallel run equals one process; parameter names are the
+single-process ones and each shard carries its :class:`Split`.  The GPT assembled from these layers
+is :mod:`minitrain.parallel.tensor_gpt`.
 """
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from typing import NamedTuple
 
 import torch
@@ -70,16 +23,12 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..comm import Comm, all_reduce_coalesced
-from ..model import GPT, Attention, Block, Embedding, GPTConfig, Head
-from ..strategies import ConfigError, Single, TrainConfig, register
+from ..comm import Comm
 
 __all__ = ["Split", "padded_size", "shard_tensor", "merge_shards", "f", "g",
            "gather_from_sequence_parallel", "reduce_scatter_to_sequence_parallel", "sequence_shard",
            "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "vocab_parallel_cross_entropy", "TensorParallelGPT", "full_state_dict",
-           "shard_checkpoint", "merge_checkpoints", "comm_per_layer", "check_tensor_parallel",
-           "TensorParallel"]
+           "vocab_parallel_cross_entropy", "vocab_parallel_loss"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -273,13 +222,21 @@ class ColumnParallelLinear(nn.Module):
     The output stays split (Megatron's ``gather_output=False``): the next layer is row-parallel,
     or the vocabulary-parallel loss.  The weights start at zero; :meth:`from_linear` cuts them
     from a full layer.
+
+    ``function``: an autograd Function whose ``apply(x, weight, bias, comm)`` is this layer with
+    its f (lesson 06's exercise) in place of the package's ``f`` then ``F.linear``; not with
+    sequence parallelism (its f is an all-gather).
     """
 
     def __init__(self, in_features: int, out_features: int, comm: Comm, bias: bool = True, *,
                  parts: int = 1, pad: bool = False, sequence_parallel: bool = False,
-                 device=None, dtype=None):
+                 function=None, device=None, dtype=None):
         super().__init__()
+        if function is not None and sequence_parallel:
+            raise ValueError("function= replaces f and the linear; sequence parallelism gathers the "
+                             "sequence instead: use one or the other")
         self.comm, self.sequence_parallel, self.tag = comm, sequence_parallel, "column"
+        self.function = function
         self.in_features, self.out_features = in_features, out_features
         self.split = Split(0, parts, out_features if pad else None)
         padded = padded_size(out_features, comm.size) if pad else out_features
@@ -303,6 +260,8 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.function is not None:
+            return self.function.apply(x, self.weight, self.bias, self.comm)
         if self.sequence_parallel:
             x = gather_from_sequence_parallel(x, self.comm, self.tag)
         else:
@@ -318,12 +277,21 @@ class RowParallelLinear(nn.Module):
     """Z = Σ_i X_i B_i: this rank keeps ``in_features / N`` inputs (columns of the torch weight) and
     takes its slice of X as it comes out of a column-parallel layer; ``g`` (or, sequence parallel, a
     reduce-scatter) sums the partial products.  The bias is replicated and added once, after the
-    sum (added before, it would be counted N times)."""
+    sum (added before, it would be counted N times).
+
+    ``function``: an autograd Function whose ``apply(x, weight, bias, comm)`` is this layer with
+    its g — X_r B_rᵀ all-reduced forward, plus the bias; identity on dL/dZ backward — in place of
+    the package's ``F.linear``, ``g`` and bias; not with sequence parallelism.
+    """
 
     def __init__(self, in_features: int, out_features: int, comm: Comm, bias: bool = True, *,
-                 sequence_parallel: bool = False, device=None, dtype=None):
+                 sequence_parallel: bool = False, function=None, device=None, dtype=None):
         super().__init__()
+        if function is not None and sequence_parallel:
+            raise ValueError("function= replaces the linear and g; sequence parallelism "
+                             "reduce-scatters instead: use one or the other")
         self.comm, self.sequence_parallel, self.tag = comm, sequence_parallel, "row"
+        self.function = function
         self.in_features, self.out_features = in_features, out_features
         if in_features % comm.size:
             raise ValueError(f"in_features={in_features} does not split over {comm.size} ranks")
@@ -345,6 +313,8 @@ class RowParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.function is not None:
+            return self.function.apply(x, self.weight, self.bias, self.comm)
         partial = F.linear(x, self.weight)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel(partial, self.comm, self.tag)
@@ -436,307 +406,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, voc
     return _VocabParallelCrossEntropy.apply(logits, target, vocab_start, vocab_size, comm, tag)
 
 
-# --------------------------------------------------------------------------------------------------
-# The tiny GPT, Megatron-split
-# --------------------------------------------------------------------------------------------------
-
-
-def _layer_norm(ln: nn.LayerNorm, sequence_parallel: bool) -> nn.LayerNorm:
-    """A copy of ``ln`` whose parameters are marked for the sequence-parallel gradient sum."""
-    out = nn.LayerNorm(ln.normalized_shape, eps=ln.eps)
-    out.weight = _replicated_param(ln.weight, sequence_parallel)
-    out.bias = _replicated_param(ln.bias, sequence_parallel)
-    return out
-
-
-class ParallelAttention(nn.Module):
-    """Causal self-attention with this rank's ``n_head / N`` heads: Q, K, V column-parallel (its
-    heads' rows of q, k and v of the fused ``qkv``), the output projection row-parallel."""
-
-    def __init__(self, attn: Attention, comm: Comm, sequence_parallel: bool):
-        super().__init__()
-        self.heads = attn.n_head // comm.size
-        self.qkv = ColumnParallelLinear.from_linear(attn.qkv, comm, parts=3,
-                                                    sequence_parallel=sequence_parallel)
-        self.proj = RowParallelLinear.from_linear(attn.proj, comm, sequence_parallel=sequence_parallel)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(x).chunk(3, dim=-1)  # each (t, b, heads · head_dim)
-        t, b, width = q.shape
-        q, k, v = (z.reshape(t, b, self.heads, width // self.heads).permute(1, 2, 0, 3)
-                   for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, heads, t, head_dim)
-        return self.proj(y.permute(2, 0, 1, 3).reshape(t, b, width))
-
-
-class ParallelMLP(nn.Module):
-    """GeLU(XA)B with A column-parallel and B row-parallel: one sum, at the end."""
-
-    def __init__(self, mlp: nn.Module, comm: Comm, sequence_parallel: bool):
-        super().__init__()
-        self.fc = ColumnParallelLinear.from_linear(mlp.fc, comm, sequence_parallel=sequence_parallel)
-        self.proj = RowParallelLinear.from_linear(mlp.proj, comm, sequence_parallel=sequence_parallel)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
-
-
-class ParallelBlock(nn.Module):
-    """The pre-LayerNorm block; LayerNorms and residuals run on whole or sequence-sharded input."""
-
-    def __init__(self, block: Block, comm: Comm, sequence_parallel: bool):
-        super().__init__()
-        self.ln1 = _layer_norm(block.ln1, sequence_parallel)
-        self.attn = ParallelAttention(block.attn, comm, sequence_parallel)
-        self.ln2 = _layer_norm(block.ln2, sequence_parallel)
-        self.mlp = ParallelMLP(block.mlp, comm, sequence_parallel)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class ParallelEmbedding(nn.Module):
-    """Vocabulary-parallel token embedding plus the (replicated) position embedding; (b, t) ids in,
-    (t, b, d) out — or, sequence parallel, this rank's t/N positions (padded)."""
-
-    def __init__(self, embed: Embedding, comm: Comm, sequence_parallel: bool):
-        super().__init__()
-        self.comm, self.sequence_parallel = comm, sequence_parallel
-        self.tok = VocabParallelEmbedding.from_embedding(embed.tok, comm,
-                                                         sequence_parallel=sequence_parallel)
-        self.pos = nn.Embedding(embed.pos.num_embeddings, embed.pos.embedding_dim)
-        self.pos.weight = _replicated_param(embed.pos.weight, sequence_parallel)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = self.pos.weight[:idx.shape[1]].unsqueeze(1)  # (t, 1, d)
-        if self.sequence_parallel:
-            pos = sequence_shard(pos, self.comm)  # my positions only: a partial gradient
-        return self.tok(idx.t()) + pos
-
-
-class ParallelHead(nn.Module):
-    """Final LayerNorm, then the output layer column-parallel over the padded vocabulary."""
-
-    def __init__(self, head: Head, comm: Comm, sequence_parallel: bool):
-        super().__init__()
-        self.ln = _layer_norm(head.ln, sequence_parallel)
-        self.out = ColumnParallelLinear.from_linear(head.out, comm, pad=True,
-                                                    sequence_parallel=sequence_parallel)
-
-    def forward(self, x: torch.Tensor, seq_len: int) -> torch.Tensor:
-        return self.out(self.ln(x))[:seq_len]  # sequence parallel: drop the padded positions
-
-
-class TensorParallelGPT(nn.Module):
-    """This rank's shard of ``model`` (a :class:`~minitrain.model.GPT`) over ``comm``'s ranks.
-
-    Parameter names are the single-process ones (``blocks.0.attn.qkv.weight`` …), holding shards;
-    :func:`full_state_dict` gathers them.  ``forward(idx, targets)`` returns the mean loss — the
-    same number on every rank; without targets, this rank's slice of the logits, (t, b, V/N).
-    Every collective is tagged with the module that made it (``"blocks.0.mlp.proj forward"``), so
-    :func:`comm_per_layer` can count them.
-    """
-
-    def __init__(self, model: GPT, comm: Comm, sequence_parallel: bool = False):
-        super().__init__()
-        check_tensor_parallel(model.cfg, comm.size)
-        self.cfg, self.comm, self.sequence_parallel = model.cfg, comm, sequence_parallel
-        self.embed = ParallelEmbedding(model.embed, comm, sequence_parallel)
-        self.blocks = nn.ModuleList(ParallelBlock(b, comm, sequence_parallel) for b in model.blocks)
-        self.head = ParallelHead(model.head, comm, sequence_parallel)
-        if model.cfg.tie_weights:  # both split the vocabulary the same way: share the shard
-            self.head.out.weight = self.embed.tok.weight
-        for name, module in self.named_modules():
-            if hasattr(module, "tag"):
-                module.tag = name
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(x, idx.shape[1])
-        if targets is None:
-            return logits
-        loss = vocab_parallel_cross_entropy(logits, targets.t(), self.head.out.weight.shape[0]
-                                            * self.comm.rank, self.cfg.vocab_size, self.comm)
-        return loss.mean()
-
-    def sequence_parallel_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.parameters() if getattr(p, "sequence_parallel", False)]
-
-    def all_reduce_sequence_parallel_grads(self) -> None:
-        all_reduce_sequence_parallel_grads(self, self.comm)
-
-
-def all_reduce_sequence_parallel_grads(module: nn.Module, comm: Comm) -> None:
-    """Sequence parallel: sum, over the TP ranks of ``comm``, the gradients of ``module``'s
-    replicated parameters that saw only this rank's positions (LayerNorms, row-parallel biases,
-    positions) — one all-reduce of them all, after backward and before the optimizer step."""
-    grads = [p.grad for p in module.parameters()
-             if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    all_reduce_coalesced(grads, comm, tag="sequence-parallel-grads backward")
-
-
-@torch.no_grad()
-def full_state_dict(model: nn.Module, comm: Comm) -> dict:
-    """The single-process state_dict of a tensor-parallel model: every shard all-gathered and put
-    back together (padding dropped), replicated tensors as they are.  A collective: every rank of
-    ``comm`` must call it; untraced (it is not training traffic)."""
-    out = {}
-    with comm.tracer.paused():
-        for name, t in model.state_dict(keep_vars=True).items():
-            split = getattr(t, "tp_split", None)
-            t = t.detach()
-            if split is not None:
-                gathered = t.new_empty((comm.size * t.shape[0], *t.shape[1:]))
-                comm.all_gather(gathered, t.contiguous())
-                t = merge_shards(list(gathered.chunk(comm.size)), split)
-            out[name] = t.clone()
-    return out
-
-
-def shard_checkpoint(*modules: nn.Module) -> dict:
-    """This rank's tensor-parallel shards of ``modules`` for a checkpoint file, under their
-    state_dict names: ``{"model": {name: tensor}, "splits": {name: [dim, parts, size] or None}}``
-    — how :func:`merge_checkpoints` puts the ranks' shards back together, offline (None:
-    replicated, every rank holds it whole)."""
-    model, splits = {}, {}
-    for module in modules:
-        for name, t in module.state_dict(keep_vars=True).items():
-            model[name] = t.detach().clone()
-            split = getattr(t, "tp_split", None)
-            splits[name] = list(split) if split is not None else None
-    return {"model": model, "splits": splits}
-
-
-def merge_checkpoints(states: list[dict]) -> dict:
-    """The single-process tensors from every tensor rank's :func:`shard_checkpoint`, in rank
-    order: shards merged (padding dropped), replicated tensors from rank 0."""
-    first = states[0]
-    return {name: merge_shards([s["model"][name] for s in states], Split(*split)).clone()
-            if (split := first["splits"][name]) is not None else t
-            for name, t in first["model"].items()}
-
-
-def comm_per_layer(events, steps: int = 1) -> dict:
-    """Collectives per step, by where they were made and in which pass: ``{"blocks.0":
-    {"all_reduce forward": {"calls", "bytes", "sent_bytes"}, ...}, "embed": ..., "head": ...,
-    "loss": ..., "sequence-parallel-grads": ...}`` from a tracer's events (tags as the model's)."""
-    rows: dict = defaultdict(lambda: defaultdict(lambda: {"calls": 0, "bytes": 0, "sent_bytes": 0.0}))
-    for e in events:
-        where, _, direction = e.tag.rpartition(" ")
-        parts = where.split(".")
-        group = ".".join(parts[:2]) if parts[0] == "blocks" else parts[0]
-        row = rows[group][f"{e.op} {direction}"]
-        row["calls"] += 1
-        row["bytes"] += e.bytes
-        row["sent_bytes"] += e.sent_bytes
-    return {group: {key: {k: v / steps for k, v in row.items()} for key, row in ops.items()}
-            for group, ops in rows.items()}
-
-
-# --------------------------------------------------------------------------------------------------
-# The strategy for `minitrain train`
-# --------------------------------------------------------------------------------------------------
-
-
-def check_tensor_parallel(model: GPTConfig, tp: int) -> None:
-    """Raise :class:`ConfigError`, naming the fix, if ``model`` cannot be split over ``tp`` ranks."""
-    if tp < 1:
-        raise ConfigError(f"--tp must be at least 1, got {tp}")
-    h, d, ff = model.n_head, model.d_model, model.ff
-    if h % tp:
-        heads = tp * math.ceil(h / tp)
-        able = [k for k in range(1, h + 1) if h % k == 0]
-        raise ConfigError(f"n_head={h} does not split over --tp {tp}: each rank computes whole "
-                          f"attention heads; use --tp {', '.join(map(str, able))}, or --n-head "
-                          f"{heads} --d-model {heads * (d // h)} (a multiple of {tp} heads)")
-    if ff % tp:
-        raise ConfigError(f"d_ff={ff} does not split over --tp {tp}: the MLP's columns are divided "
-                          f"among the ranks; use a d_ff that is a multiple of {tp} (e.g. "
-                          f"{tp * math.ceil(ff / tp)})")
-
-
-@register
-class TensorParallel(Single):
-    """The single-process loop on this rank's shard of the model: every rank holds 1/N of every
-    layer and sees the whole batch; the loss is the same number on all of them."""
-
-    name = "tensor"
-    help = ("tensor parallel (Megatron): heads, MLP and vocabulary split over --tp ranks "
-            "(--sequence-parallel)")
-    precisions = ("fp32",)
-    checkpointing = False  # recomputing a block would re-run its collectives; not supported
-
-    @classmethod
-    def add_arguments(cls, parser) -> None:
-        parser.add_argument("--tp", type=int, default=None,
-                            help="tensor: tensor-parallel size (default and only choice: world size)")
-        parser.add_argument("--sequence-parallel", action="store_true",
-                            help="tensor: shard LayerNorms and residuals along the sequence "
-                                 "(reduce-scatter + all-gather instead of all-reduce)")
-
-    @classmethod
-    def check(cls, cfg: TrainConfig) -> None:
-        super(Single, cls).check(cfg)  # Strategy's checks; Single's one-rank rule does not apply
-        tp = cfg.options.get("tp") or cfg.world_size
-        if tp != cfg.world_size:
-            raise ConfigError(f"--tp {tp} must equal --world-size {cfg.world_size} (strategy "
-                              f"'tensor' is tensor parallel only); use --world-size {tp} or leave "
-                              "--tp out")
-        check_tensor_parallel(cfg.model, tp)
-
-    def __init__(self, cfg: TrainConfig, comm: Comm):
-        self.sequence_parallel = bool(cfg.options.get("sequence_parallel", False))
-        super().__init__(cfg, comm)  # Single's: model from build_model(), meter, Adam
-
-    def build_model(self) -> TensorParallelGPT:
-        """This rank's shard of the full, deterministically initialised GPT."""
-        return TensorParallelGPT(super().build_model(), self.comm, self.sequence_parallel)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        super().backward(loss)
-        if self.sequence_parallel:
-            self.model.all_reduce_sequence_parallel_grads()
-
-    def fit(self, data, on_step=None):
-        out = super().fit(data, on_step)
-        state = full_state_dict(self.model, self.comm)  # untraced
-        self._state = state if self.comm.rank == 0 else None
-        return out
-
-    def state_dict(self) -> dict:
-        """The full model, single-process names and shapes, gathered at the end of :meth:`fit`."""
-        if getattr(self, "_state", None) is None:
-            raise RuntimeError("tensor gathers the full state at the end of fit(), on rank 0 only")
-        return self._state
-
-    # -- checkpoints (lesson 08): each rank saves its shards and their Adam states ----------------
-    checkpoint_refusal = None  # declared again: the state is in shards, not in Single's replica
-
-    @classmethod
-    def checkpoint_layout(cls, cfg: TrainConfig) -> dict:
-        return {"tp": cfg.options.get("tp") or cfg.world_size}
-
-    def checkpoint_state(self) -> dict:
-        return {**shard_checkpoint(self.model), "optimizer": self.optimizer.state_dict()}
-
-    def load_checkpoint_state(self, read) -> None:
-        state = read(self.comm.rank)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-
-    @classmethod
-    def consolidate_checkpoint(cls, cfg: TrainConfig, read) -> dict:
-        return merge_checkpoints([read(r) for r in range(cfg.world_size)])
-
-    def report(self) -> dict:
-        """Shard shapes and the collectives per step by layer and pass (:func:`comm_per_layer`)."""
-        return {
-            "tp": self.comm.size, "sequence_parallel": self.sequence_parallel,
-            "heads_per_rank": self.model.blocks[0].attn.heads if len(self.model.blocks) else None,
-            "vocab_padded": self.model.head.out.weight.shape[0] * self.comm.size,
-            "shapes": {k: list(v.shape) for k, v in self.model.state_dict().items()},
-            "comm_per_layer": comm_per_layer(self.comm.tracer.events, self.cfg.steps),
-        }
+def vocab_parallel_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                        comm: Comm) -> torch.Tensor:
+    """Mean cross-entropy of (t, b, V/N) logits, this rank's slice of the vocabulary, against
+    (b, t) targets."""
+    return vocab_parallel_cross_entropy(logits, targets.t(), logits.shape[-1] * comm.rank,
+                                        vocab_size, comm).mean()

@@ -46,12 +46,12 @@ def _as_actions(timeline: list[dict]) -> list[dict]:
     """The timeline with string actions turned into pipeline.Action (for pipeline's own helpers)."""
     if not any(isinstance(e["action"], str) for e in timeline):
         return timeline
-    from ..parallel.pipeline import Action
+    from ..parallel.schedules import Action
     return [dict(e, action=Action(*_parts(e["action"]))) for e in timeline]
 
 
 def _window(timeline: list[dict]) -> tuple[float, float]:
-    """The span the bubble is measured over, as :func:`~minitrain.parallel.pipeline.bubble_fraction`
+    """The span the bubble is measured over, as :func:`~minitrain.parallel.schedules.bubble_fraction`
     does: from the first start to the last end (of any rank)."""
     return min(e["start"] for e in timeline), max(e["end"] for e in timeline)
 
@@ -113,7 +113,7 @@ def gantt_rows(timeline: list[dict], stages: int) -> list[dict]:
 def bubble_summary(timeline: list[dict], stages: int, microbatches: int, chunks: int = 1) -> dict:
     """Bubble measured on ``timeline`` (ideal or measured) beside (p−1)/(v·m+p−1), the makespan,
     busy and idle time per rank and the peak number of micro-batches in flight per rank."""
-    from ..parallel.pipeline import bubble_formula, bubble_fraction, peak_in_flight
+    from ..parallel.schedules import bubble_formula, bubble_fraction, peak_in_flight
 
     timeline = _as_actions(timeline)
     rows = gantt_rows(timeline, stages)
@@ -234,7 +234,7 @@ class BubbleWidget:
                  schedule: str = "1f1b", ranks: int | None = None):
         import ipywidgets as w
 
-        from ..parallel.pipeline import SCHEDULES
+        from ..parallel.schedules import SCHEDULES
 
         self.run, self.ranks = run, ranks
         self.schedule = w.Dropdown(options=list(SCHEDULES), value=schedule, description="schedule")
@@ -292,7 +292,7 @@ class BubbleWidget:
     # -- drawing ------------------------------------------------------------------------------
     def update(self) -> None:
         """Recompute the ideal schedule and redraw it (or show why it is invalid)."""
-        from ..parallel.pipeline import make_schedule, simulate
+        from ..parallel.schedules import make_schedule, simulate
 
         name, p, m, v = self.config()
         try:

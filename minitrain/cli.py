@@ -45,7 +45,7 @@ def _add_field(group, name: str, hint, default, meta: dict, *, suppress: bool = 
                used_by: str = "") -> None:
     """One flag for one dataclass field: its help, its type, its default shown."""
     kind = _arg_type(hint)
-    shown = f" (default: {default})" if default is not None else ""
+    shown = f" (default: {meta.get('shown') or ('none' if default is None else default)})"
     help = meta.get("help", "") + (f" [{used_by}]" if used_by else "") + shown
     kw = dict(help=help.replace("%", "%%"), dest=name)
     if suppress:
@@ -68,7 +68,7 @@ def _strategy_options() -> dict:
     out: dict = {}
     for name in strategy_names():
         record = get_strategy(name).options
-        for f, hint in (option_fields(record) if record is not None else []):
+        for f, hint in option_fields(record):
             if f.name in out:
                 first = out[f.name][0]
                 if (first.default, first.metadata.get("help")) != (f.default, f.metadata.get("help")):
@@ -104,15 +104,6 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (f, hint, users) in _strategy_options().items():
         _add_field(opts, name, hint, f.default, f.metadata, suppress=True,
                    used_by=", ".join(users))
-    for name in strategy_names():  # TRANSITION: strategies not yet ported add their own flags
-        cls = get_strategy(name)
-        if cls.options is None and hasattr(cls, "add_arguments"):
-            group = t.add_argument_group(f"strategy {name}")
-            group.conflict_handler = "resolve"
-            try:
-                cls.add_arguments(group)
-            except argparse.ArgumentError:
-                pass
     sub.add_parser("strategies", help="list the strategies")
     c = sub.add_parser("consolidate", help="a checkpoint as one plain state_dict file",
                        description="Put a sharded checkpoint back together as the single-process "
@@ -122,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> TrainConfig:
-    cls = get_strategy(args.strategy)  # ConfigError naming the choices
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    get_strategy(args.strategy)  # ConfigError naming the choices
     shape = {k: getattr(args, k) for k in _SHAPE if getattr(args, k) is not None}
     try:
         model = replace(PRESETS[args.model], **shape)
@@ -131,10 +122,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser |
         raise ConfigError(str(exc)) from None
     fields = {f.name for f in dataclasses.fields(TrainConfig)} - _SPECIAL
     base = fields | set(_SHAPE) | {"json", "command", "model"}
-    values = {k: v for k, v in vars(args).items() if k not in base}
-    if cls.options is not None:  # typed: only what was given (a flag's default is not "given")
-        defaults = parser or build_parser()
-        values = {k: v for k, v in values.items() if v != _default(defaults, k)}
+    values = {k: v for k, v in vars(args).items() if k not in base}  # the options given
     world = args.world_size
     if launched_by_torchrun():
         env_world = int(os.environ["WORLD_SIZE"])
@@ -146,12 +134,6 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser |
     config.update(world_size=1 if world is None else world, model=model, options=values,
                   save_dir=_absolute(args.save_dir), resume=_absolute(args.resume))
     return TrainConfig(**config)
-
-
-def _default(parser: argparse.ArgumentParser, dest: str):
-    """A flag's default in the ``train`` sub-parser (SUPPRESS for the typed strategy options)."""
-    train = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return train.choices["train"].get_default(dest)
 
 
 def _absolute(path: str | None) -> str | None:
@@ -230,8 +212,8 @@ def format_summary(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _train(args: argparse.Namespace, parser=None) -> int:
-    cfg = config_from_args(args, parser)
+def _train(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
     check_config(cfg)  # everything that can be refused is refused here, before any process starts
     report = _Reporter(args.json, cfg.steps)
     if launched_by_torchrun():
@@ -272,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out}: the single-process state_dict of {args.checkpoint}")
         return 0
     try:
-        return _train(args, parser)
+        return _train(args)
     except (ConfigError, LaunchError) as exc:
         parser.exit(2, f"minitrain train: error: {exc}\n")
     except RankError as exc:  # the ranks' story, not the launcher's traceback

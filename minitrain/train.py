@@ -79,10 +79,7 @@ def fit(strategy: Strategy, data, on_step=None) -> tuple[list[float], list[float
 
 
 def _build(cfg: TrainConfig, comm: Comm, seams) -> Strategy:
-    cls = get_strategy(cfg.strategy)
-    if cls.__module__.startswith("minitrain.parallel"):  # TRANSITION: not yet ported
-        return cls(cfg, comm)
-    return cls(cfg, comm, Seams.of(seams))
+    return get_strategy(cfg.strategy)(cfg, comm, Seams.of(seams))
 
 
 def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False, seams=None) -> dict:
@@ -103,10 +100,7 @@ def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False, seams=N
     data = ArithmeticData(cfg.model.seq_len, cfg.seed)
     comm.tracer.clear()
     report = on_step if comm.rank == 0 else None
-    if type(strategy).fit is not Strategy.fit:  # TRANSITION: a strategy not yet ported
-        losses, times = strategy.fit(data, report)
-    else:
-        losses, times = fit(strategy, data, report)
+    losses, times = fit(strategy, data, report)
     with comm.tracer.paused():  # gathering the result is not training traffic
         final = strategy.final_state()
     mine = {"comm": comm.tracer.summary(), "memory": strategy.memory(), "report": strategy.report(),

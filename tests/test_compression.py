@@ -1,6 +1,5 @@
 """Gradient compression: round trips, payload bytes, error feedback, all-reduce and DDP."""
 
-import argparse
 import math
 
 import pytest

@@ -51,7 +51,7 @@ TABLE = [  # (arguments after "train", the flag or name the message must contain
     (["--strategy", "pipeline", "--world-size", "2", "--microbatches", "0"], "--microbatches"),
     (["--strategy", "pipeline", "--world-size", "2", "--chunks", "0"], "--chunks"),
     (["--strategy", "pipeline", "--world-size", "2", "--schedule", "dualpipe"], "--schedule"),
-    (["--strategy", "pipeline", "--world-size", "8"], "--world-size"),
+    (["--strategy", "pipeline", "--world-size", "8"], "pipeline stages but the model has 4 layers"),
     (["--strategy", "tensor", "--world-size", "2", "--tp", "0"], "--tp"),
     (["--strategy", "tensor", "--world-size", "3"], "--tp"),
     (["--strategy", "3d", "--world-size", "8", "--dp", "3", "--pp", "2", "--tp", "2"], "--dp"),

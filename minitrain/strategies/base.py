@@ -116,8 +116,7 @@ def option_fields(cls: type[Options]) -> list[tuple[dataclasses.Field, type]]:
 
 def _not_taken(name: str, strategy: str) -> str:
     takers = [n for n in strategy_names()
-              if _REGISTRY[n].options is not None
-              and name in {f.name for f in fields(_REGISTRY[n].options)}]
+              if name in {f.name for f in fields(_REGISTRY[n].options)}]
     where = (f"strategies that take it: {', '.join(takers)}; leave it out or use one of those"
              if takers else "no strategy takes it; see 'minitrain train --help'")
     return f"{flag(name)} is not an option of strategy {strategy!r} ({where})"
@@ -138,7 +137,7 @@ class TrainConfig:
     typed :class:`Options` record (a plain dict is turned into it)."""
 
     strategy: str = _cli("a name from 'minitrain strategies'", "single")
-    world_size: int = _cli("number of ranks to start (under torchrun: its WORLD_SIZE)", 1)
+    world_size: int = _cli("number of ranks to start", 1, shown="1; under torchrun: its WORLD_SIZE")
     steps: int = _cli("optimizer steps (counted from the start of the original run when resuming)", 20)
     seed: int = _cli("decides the initial weights and the data stream", 0)
     batch_size: int = _cli("global batch, split across data-parallel ranks", 16)
@@ -166,7 +165,7 @@ class TrainConfig:
 
     def __post_init__(self):
         cls = _REGISTRY.get(self.strategy) or _find(self.strategy)
-        if cls is None or cls.options is None or type(self.options) is cls.options:
+        if cls is None or type(self.options) is cls.options:
             return  # an unknown strategy is refused by check_config
         given = self.options.given() if isinstance(self.options, Options) else dict(self.options)
         object.__setattr__(self, "options", cls.options.from_mapping(given, self.strategy))
@@ -223,18 +222,15 @@ def register(cls: type["Strategy"]) -> type["Strategy"]:
     """Class decorator: make ``cls`` available as ``--strategy cls.name``."""
     if not cls.name:
         raise ValueError(f"{cls.__name__} needs a non-empty 'name'")
-    if cls.__module__.startswith("minitrain.parallel"):  # TRANSITION: not yet ported (dict options)
-        cls.options = None
     _REGISTRY[cls.name] = cls
     return cls
 
 
 def _load() -> None:
     """Import every strategy module so that their ``@register`` decorators run."""
-    from .. import parallel, strategies
-    for package in (strategies, parallel):  # TRANSITION: parallel until every strategy is ported
-        for mod in pkgutil.iter_modules(package.__path__):
-            importlib.import_module(f"{package.__name__}.{mod.name}")
+    from .. import strategies
+    for mod in pkgutil.iter_modules(strategies.__path__):
+        importlib.import_module(f"{strategies.__name__}.{mod.name}")
 
 
 def _find(name: str):
@@ -320,7 +316,7 @@ class Strategy(abc.ABC):
 
     name = ""
     help = ""
-    options: type[Options] | None = NoOptions
+    options: type[Options] = NoOptions
     precisions: tuple = ("fp32",)
     checkpointing: bool = True
     seams: tuple = ()
@@ -376,10 +372,6 @@ class Strategy(abc.ABC):
         return {"precision": self.cfg.precision,
                 "checkpoint_activations": self.cfg.checkpoint_activations,
                 "loss_scaler": scaler.state_dict() if scaler else None}
-
-    def fit(self, data, on_step=None):  # TRANSITION: for the strategies not yet ported
-        from ..train import fit
-        return fit(self, data, on_step)
 
     # -- after training --------------------------------------------------------------------------
 

@@ -432,6 +432,19 @@ class Lockstep(Strategy):
         """One optimizer step on the global batch ``(x, y)`` (each rank takes the slice it needs);
         returns the global mean loss."""
 
+    def optimizer_step(self, forward, x, y, after_backward=None) -> torch.Tensor:
+        """A step's shared mechanics: clear the gradients, ``forward(x, y)`` with its activations
+        measured, backward (scaled under fp16), ``after_backward()`` if given, the optimizer's
+        step.  Returns this rank's loss."""
+        self.optimizer.zero_grad(set_to_none=True)
+        with self.meter.measure():
+            loss = forward(x, y)
+        self.backward(loss)
+        if after_backward is not None:
+            after_backward()
+        self.optimizer.step()
+        return loss
+
 
 class FreeRunning(Strategy):
     """Ranks that do not step together (an asynchronous parameter server) run their own loop."""

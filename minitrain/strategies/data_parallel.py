@@ -94,13 +94,7 @@ class DataParallel(Lockstep):
         self.optimizer = self.make_optimizer(self.model.parameters())
 
     def train_step(self, x, y) -> float:
-        x, y = self.local(x, y)
-        self.optimizer.zero_grad(set_to_none=True)
-        with self.meter.measure():
-            loss = self.wrapper(x, y)
-        self.backward(loss)
-        self.after_backward()
-        self.optimizer.step()
+        loss = self.optimizer_step(self.wrapper, *self.local(x, y), self.after_backward)
         return mean_over_ranks(loss, self.comm)
 
 

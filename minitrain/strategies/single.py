@@ -34,10 +34,4 @@ class Single(Lockstep):
         self.optimizer = self.make_optimizer(self.model.parameters())
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        x, y = x.to(self.device), y.to(self.device)
-        self.optimizer.zero_grad(set_to_none=True)
-        with self.meter.measure():
-            loss = self.model(x, y)
-        self.backward(loss)
-        self.optimizer.step()
-        return loss.item()
+        return self.optimizer_step(self.model, x.to(self.device), y.to(self.device)).item()

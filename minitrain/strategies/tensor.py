@@ -139,15 +139,8 @@ class TensorParallel(Lockstep):
         self._state = None
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        x, y = x.to(self.device), y.to(self.device)
-        self.optimizer.zero_grad(set_to_none=True)
-        with self.meter.measure():
-            loss = self.model(x, y)
-        self.backward(loss)
-        if self.sequence_parallel:
-            self.model.all_reduce_sequence_parallel_grads()
-        self.optimizer.step()
-        return loss.item()
+        sp_sum = self.model.all_reduce_sequence_parallel_grads if self.sequence_parallel else None
+        return self.optimizer_step(self.model, x.to(self.device), y.to(self.device), sp_sum).item()
 
     def final_state(self) -> dict | None:
         """The full model, single-process names and shapes, on rank 0 (a collective)."""

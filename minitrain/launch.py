@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import datetime
+import faulthandler
 import io
 import multiprocessing as mp
 import os
@@ -285,6 +286,7 @@ def _worker_main(rank: int, world_size: int, conn, opts: dict) -> None:
         err = os.open(_stderr_file(opts["port"], rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(err, 2)
         os.close(err)
+        faulthandler.enable(file=2, all_threads=False)  # a crash's Python stack goes there too
     except OSError:
         pass
     lock = threading.Lock()
@@ -742,14 +744,29 @@ class Cluster:
         return err
 
 
-def _tail(path: str, limit: int = 2000) -> str:
+def _tail(path: str, lines: int = 40) -> str:
+    """The last lines a dead rank wrote to its native stderr (the list of loaded extension modules
+    a crash report ends with left out)."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - limit))
-            return f.read().decode(errors="replace").strip()
+            f.seek(max(0, f.tell() - 65536))
+            text = f.read().decode(errors="replace")
     except OSError:
         return ""
+    kept, in_stack = [], False
+    for line in text.splitlines():
+        if line.startswith("Extension modules:"):
+            continue
+        if line.startswith(("Stack (most recent call first)", "Current thread")):
+            in_stack = True
+        elif in_stack and "in _worker_main" in line:
+            in_stack = None  # the launcher's frames below the learner's: left out
+        elif not line.strip():
+            in_stack = False if in_stack is None else in_stack
+        if in_stack is not None:
+            kept.append(line)
+    return "\n".join(kept[-lines:]).strip()
 
 
 def _cpu_ticks(pid: int) -> int | None:

@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
         _add_field(opts, name, hint, f.default, f.metadata, suppress=True,
                    used_by=", ".join(users))
     sub.add_parser("strategies", help="list the strategies")
+    sub.add_parser("grade", add_help=False,
+                   help="check a folder of submitted lesson notebooks and write a gradebook CSV "
+                        "('minitrain grade --help')")
     c = sub.add_parser("consolidate", help="a checkpoint as one plain state_dict file",
                        description="Put a sharded checkpoint back together as the single-process "
                                    "state_dict of GPT(cfg), saved with torch.save.")
@@ -238,6 +241,10 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["grade"]:
+        from .grade import main as grade
+        return grade(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "strategies":

@@ -1,0 +1,75 @@
+"""``minitrain grade``: a folder with a solved, a blank, a stuck and a tampered notebook gives the
+right gradebook rows, in bounded time."""
+
+import csv
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from minitrain.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+LESSON = "00_why_one_device_is_not_enough.ipynb"
+
+
+def _write(nb: dict, path: Path) -> None:
+    path.write_text(json.dumps(nb))
+
+
+@pytest.fixture(scope="module")
+def gradebook(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("class")
+    shutil.copy(ROOT / "solutions" / LESSON, folder / "00_ada.ipynb")          # solved
+    shutil.copy(ROOT / "lessons" / LESSON, folder / "00_bob.ipynb")            # blank
+    tampered = json.loads((ROOT / "solutions" / LESSON).read_text())           # check cell edited
+    for cell in tampered["cells"]:
+        src = "".join(cell["source"])
+        if src.startswith("# NBVAL_CHECK_OUTPUT"):
+            cell["source"] = src + "\nprint('✓ trust me')"
+    _write(tampered, folder / "sub" / "dee.ipynb") if (folder / "sub").mkdir() is None else None
+    out = folder / "gradebook.csv"
+    t0 = time.monotonic()
+    assert main(["grade", str(folder), "--out", str(out), "--timeout", "180"]) == 0
+    elapsed = time.monotonic() - t0
+    rows = {Path(r["file"]).name: r for r in csv.DictReader(out.open())}
+    return rows, elapsed
+
+
+def test_a_solved_notebook_passes(gradebook):
+    row = gradebook[0]["00_ada.ipynb"]
+    assert row["lesson"] == "00_why_one_device_is_not_enough" and row["status"] == "graded"
+    assert row["zero_bytes_per_device"] == "pass" and row["passed"] == "1/1" and row["errors"] == ""
+
+
+def test_a_blank_notebook_fails_with_the_checkers_reason(gradebook):
+    row = gradebook[0]["00_bob.ipynb"]
+    assert row["status"] == "graded" and row["passed"] == "0/1"
+    assert row["zero_bytes_per_device"].startswith("fail: ") and "returned None" in row["zero_bytes_per_device"]
+
+
+def test_a_stuck_notebook_is_stopped_at_its_time_limit(tmp_path):
+    stuck = json.loads((ROOT / "lessons" / LESSON).read_text())  # never finishes
+    stuck["cells"].insert(0, {"cell_type": "code", "metadata": {}, "outputs": [],
+                              "execution_count": None, "source": "while True:\n    pass"})
+    _write(stuck, tmp_path / "00_cy.ipynb")
+    t0 = time.monotonic()
+    assert main(["grade", str(tmp_path), "--out", str(tmp_path / "g.csv"), "--timeout", "8"]) == 0
+    assert time.monotonic() - t0 < 30  # the time limit holds, the kernel is stopped
+    row = next(csv.DictReader((tmp_path / "g.csv").open()))
+    assert row["status"] == "timeout: did not finish within 8 s" and row["passed"] == "0/1"
+    assert row["zero_bytes_per_device"] == "fail: not reached"
+
+
+def test_a_tampered_check_cell_is_reported_not_run(gradebook):
+    row = gradebook[0]["dee.ipynb"]  # matched to its lesson by its check cells, not its name
+    assert row["lesson"] == "00_why_one_device_is_not_enough"
+    assert row["status"].startswith("tampered") and row["zero_bytes_per_device"].startswith("fail")
+
+
+def test_bad_arguments_are_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["grade", str(tmp_path / "missing")])
+    assert info.value.code == 2 and "is not a folder" in capsys.readouterr().err

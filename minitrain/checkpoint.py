@@ -33,10 +33,25 @@ identical replicas, as single and ddp do):
 * ``checkpoint_layout(cfg)`` — the options that decide how the state is cut (compared on resume);
 * ``checkpoint_state()`` — this rank's part: tensors and plain containers;
 * ``load_checkpoint_state(read)`` — restore it; ``read(r)`` is rank r's saved part (verified);
-* ``consolidate_checkpoint(cfg, read)`` — the full single-process state_dict, offline.
+* ``consolidate_checkpoint(cfg, read)`` — the full single-process state_dict, offline;
+* for resharding, ``reshardable = True`` on the registered class itself, and
+  ``consolidate_optimizer(cfg, read)`` (the portable optimizer state, offline) and
+  ``load_portable_state(weights, optim)`` (this rank's cut of it).
 
-Resharding (resuming on a different world size) is not done: resume with the saved layout, or
-consolidate and start a new run from the weights.
+Resharding: a checkpoint is not stranded by its layout.  When the saved layout differs from the run's
+only in the strategy, the world size or the strategy's options (ZeRO offload, buckets), and both
+strategies reshard (``single``, ``ddp-naive``, ``ddp``, ``zero1``-``zero3``), every rank reads every
+saved part, turns it into the layout-free *portable* form (:mod:`minitrain.strategies.portable`:
+the weights as a single-process state_dict, Adam's ``exp_avg``/``exp_avg_sq``/``step`` — and the
+fp32 masters under mixed precision — per parameter name) and takes its own cut of it: a replica
+loads it whole, a ZeRO rank its flat shard of each unit and the same slice of each moment (zero in
+the padding), as ``torch.distributed.checkpoint`` reshards for PyTorch users.  The step is the data
+position, so the loss stream goes on: zero3 on 4 ranks resumed as zero1 on 3 gives the uninterrupted
+zero1 run's losses (fp32: within float rounding of the different reductions before the save).  A
+rank the saved run did not have takes rank 0's RNG state.  The model, the precision and the data
+stream (seed, global batch) must still match; ``pipeline``, ``tensor`` and ``3d`` checkpoints resume
+only on their own layout (refused with the fix: resume with the saved layout, or consolidate and
+start a new run from the weights).  :func:`portable_state` gives the portable form offline.
 """
 
 from __future__ import annotations
@@ -130,7 +145,7 @@ def _reshards(saved: dict, now: dict) -> bool:
     cut the state), and both strategies reshard."""
     cut = any(saved[k] != now[k] for k in ("strategy", "world_size", "options"))
     try:
-        both = reshardable(get_strategy(saved["strategy"])) and reshardable(get_strategy(now["strategy"]))
+        both = all(reshardable(get_strategy(layout["strategy"])) for layout in (saved, now))
     except ConfigError:  # a strategy this minitrain does not know
         return False
     return cut and both

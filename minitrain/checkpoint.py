@@ -33,10 +33,25 @@ identical replicas, as single and ddp do):
 * ``checkpoint_layout(cfg)`` — the options that decide how the state is cut (compared on resume);
 * ``checkpoint_state()`` — this rank's part: tensors and plain containers;
 * ``load_checkpoint_state(read)`` — restore it; ``read(r)`` is rank r's saved part (verified);
-* ``consolidate_checkpoint(cfg, read)`` — the full single-process state_dict, offline.
+* ``consolidate_checkpoint(cfg, read)`` — the full single-process state_dict, offline;
+* for resharding, ``reshardable = True`` on the registered class itself, and
+  ``consolidate_optimizer(cfg, read)`` (the portable optimizer state, offline) and
+  ``load_portable_state(weights, optim)`` (this rank's cut of it).
 
-Resharding (resuming on a different world size) is not done: resume with the saved layout, or
-consolidate and start a new run from the weights.
+Resharding: a checkpoint is not stranded by its layout.  When the saved layout differs from the run's
+only in the strategy, the world size or the strategy's options (ZeRO offload, buckets), and both
+strategies reshard (``single``, ``ddp-naive``, ``ddp``, ``zero1``-``zero3``), every rank reads every
+saved part, turns it into the layout-free *portable* form (:mod:`minitrain.strategies.portable`:
+the weights as a single-process state_dict, Adam's ``exp_avg``/``exp_avg_sq``/``step`` — and the
+fp32 masters under mixed precision — per parameter name) and takes its own cut of it: a replica
+loads it whole, a ZeRO rank its flat shard of each unit and the same slice of each moment (zero in
+the padding), as ``torch.distributed.checkpoint`` reshards for PyTorch users.  The step is the data
+position, so the loss stream goes on: zero3 on 4 ranks resumed as zero1 on 3 gives the uninterrupted
+zero1 run's losses (fp32: within float rounding of the different reductions before the save).  A
+rank the saved run did not have takes rank 0's RNG state.  The model, the precision and the data
+stream (seed, global batch) must still match; ``pipeline``, ``tensor`` and ``3d`` checkpoints resume
+only on their own layout (refused with the fix: resume with the saved layout, or consolidate and
+start a new run from the weights).  :func:`portable_state` gives the portable form offline.
 """
 
 from __future__ import annotations
@@ -56,11 +71,11 @@ import torch
 import torch.distributed as dist
 
 from .model import GPTConfig
-from .strategies import ConfigError, Strategy, TrainConfig, get_strategy
+from .strategies import ConfigError, Strategy, TrainConfig, get_strategy, strategy_names
 
 __all__ = ["CheckpointError", "META", "checkpoint_support", "find_checkpoint", "read_meta",
            "check_checkpoint_config", "maybe_save", "save_checkpoint", "load_checkpoint",
-           "RankFiles", "consolidate", "consolidate_to"]
+           "RankFiles", "consolidate", "consolidate_to", "reshardable", "portable_state"]
 
 FORMAT, VERSION = "minitrain-checkpoint", 1
 META = "meta.json"
@@ -115,16 +130,43 @@ def layout_of(cfg: TrainConfig) -> dict:
                   "data": {"seed": cfg.seed, "batch_size": cfg.batch_size}})
 
 
+def reshardable(cls: type[Strategy]) -> bool:
+    """True if strategy ``cls`` resumes checkpoints of other layouts through the portable form
+    (its registered class itself says ``reshardable = True``, as for ``checkpoint_refusal``)."""
+    return cls.__dict__.get("reshardable") is True and checkpoint_support(cls) is None
+
+
+def reshardable_names() -> list[str]:
+    return [n for n in strategy_names() if reshardable(get_strategy(n))]
+
+
+def _reshards(saved: dict, now: dict) -> bool:
+    """The layouts differ only where resharding reaches (strategy, world size, the options that
+    cut the state), and both strategies reshard."""
+    cut = any(saved[k] != now[k] for k in ("strategy", "world_size", "options"))
+    try:
+        both = all(reshardable(get_strategy(layout["strategy"])) for layout in (saved, now))
+    except ConfigError:  # a strategy this minitrain does not know
+        return False
+    return cut and both
+
+
 def _mismatch(saved: dict, now: dict, where: Path) -> str | None:
-    """The first difference between the checkpoint's layout and this run's, as a refusal."""
-    if saved["strategy"] != now["strategy"]:
+    """The first difference between the checkpoint's layout and this run's that cannot be
+    resumed, as a refusal (None: the same layout, or one :func:`_reshards` bridges)."""
+    resharded = _reshards(saved, now)
+    fixed = [n for n in strategy_names()
+             if checkpoint_support(get_strategy(n)) is None and n not in reshardable_names()]
+    only = (f"; a checkpoint is resharded on load between {', '.join(reshardable_names())} only "
+            f"({', '.join(fixed)} resume on their own layout)")
+    if saved["strategy"] != now["strategy"] and not resharded:
         return (f"{where} was saved by strategy {saved['strategy']!r}, this run is "
-                f"{now['strategy']!r}; resume with --strategy {saved['strategy']}, or consolidate it "
-                f"(minitrain consolidate {where} OUT.pt) for a plain state_dict")
-    if saved["world_size"] != now["world_size"]:
+                f"{now['strategy']!r}{only}; resume with --strategy {saved['strategy']}, or "
+                f"consolidate it (minitrain consolidate {where} OUT.pt) for a plain state_dict")
+    if saved["world_size"] != now["world_size"] and not resharded:
         return (f"{where} was saved on {saved['world_size']} ranks, this run has "
-                f"{now['world_size']}: each rank's shard is its own file and resharding is not "
-                f"done; resume with --world-size {saved['world_size']}, or consolidate it")
+                f"{now['world_size']}{only}; resume with --world-size {saved['world_size']}, or "
+                f"consolidate it")
     if saved["model"] != now["model"]:
         diffs = [k for k in saved["model"] if saved["model"][k] != now["model"].get(k)]
         fix = " ".join(f"{_FLAGS[k]} {saved['model'][k]}" for k in diffs if k in _FLAGS)
@@ -134,7 +176,7 @@ def _mismatch(saved: dict, now: dict, where: Path) -> str | None:
     if saved["precision"] != now["precision"]:
         return (f"{where} was saved in --precision {saved['precision']}, this run uses "
                 f"{now['precision']}; resume with --precision {saved['precision']}")
-    if saved["options"] != now["options"]:
+    if saved["options"] != now["options"] and not resharded:
         keys = sorted(set(saved["options"]) | set(now["options"]))
         diffs = [k for k in keys if saved["options"].get(k) != now["options"].get(k)]
         return (f"{where} was cut for other {now['strategy']} options: "
@@ -149,6 +191,11 @@ def _mismatch(saved: dict, now: dict, where: Path) -> str | None:
                 f"{now['data'].get(key)}: the data stream would differ from the interrupted run's; "
                 f"resume with --{key.replace('_', '-')} {data[key]}")
     return None
+
+
+def _describe(layout: dict) -> str:
+    n = layout["world_size"]
+    return f"{layout['strategy']} on {n} rank{'s' if n != 1 else ''}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -253,6 +300,9 @@ def check_checkpoint_config(cfg: TrainConfig) -> dict | None:
     problem = _mismatch(meta["layout"], layout_of(cfg), path)
     if problem:
         raise CheckpointError(problem)
+    if _reshards(meta["layout"], layout_of(cfg)):
+        print(f"minitrain: resharding {path} ({_describe(meta['layout'])}) for "
+              f"{_describe(layout_of(cfg))}", file=sys.stderr, flush=True)
     if meta["step"] >= cfg.steps:
         raise CheckpointError(f"{path} is at step {meta['step']}, and --steps {cfg.steps} is already "
                               f"reached (--steps counts from the start); use --steps "
@@ -428,9 +478,17 @@ def load_checkpoint(strategy: Strategy, where) -> int:
     problem = _mismatch(meta["layout"], layout_of(strategy.cfg), path)
     if problem:
         raise CheckpointError(problem)
-    read = RankFiles(path, meta)
-    strategy.load_checkpoint_state(read)
-    _set_rng_state(read.payload(strategy.comm.rank)["rng"])
+    read, rank = RankFiles(path, meta), strategy.comm.rank
+    if _reshards(meta["layout"], layout_of(strategy.cfg)):
+        # every rank reads every saved part and takes its own cut of the whole (small models)
+        saved_cfg, cls = _saved_config(meta), get_strategy(meta["layout"]["strategy"])
+        strategy.load_portable_state(cls.consolidate_checkpoint(saved_cfg, read),
+                                     cls.consolidate_optimizer(saved_cfg, read))
+        strategy.resharded_from = _describe(meta["layout"])
+        rank = rank if rank < meta["layout"]["world_size"] else 0  # a new rank: rank 0's RNG
+    else:
+        strategy.load_checkpoint_state(read)
+    _set_rng_state(read.payload(rank)["rng"])
     optimizer = getattr(strategy, "optimizer", None)
     for group in getattr(optimizer, "param_groups", []):
         group["lr"] = strategy.cfg.lr  # this run's --lr, not the saved one
@@ -450,11 +508,29 @@ def consolidate(where) -> dict:
     why = checkpoint_support(cls)
     if why:
         raise CheckpointError(f"cannot consolidate {path}: {why}")
-    options = meta["config"].get("options", {})
-    cfg = TrainConfig(strategy=layout["strategy"], world_size=layout["world_size"],
-                      model=GPTConfig(**layout["model"]), precision=layout["precision"],
-                      options=options)
-    return cls.consolidate_checkpoint(cfg, RankFiles(path, meta))
+    return cls.consolidate_checkpoint(_saved_config(meta), RankFiles(path, meta))
+
+
+def portable_state(where) -> tuple[dict, dict]:
+    """(weights, optimizer state) of checkpoint ``where`` in the layout-free form any reshardable
+    strategy loads (:mod:`minitrain.strategies.portable`), offline."""
+    path = find_checkpoint(where)
+    meta = read_meta(path)
+    check_files(path, meta)
+    cls = get_strategy(meta["layout"]["strategy"])
+    if not reshardable(cls):
+        raise CheckpointError(f"{path} was saved by {cls.name!r}, which does not reshard; "
+                              f"resharding covers {', '.join(reshardable_names())}")
+    cfg, read = _saved_config(meta), RankFiles(path, meta)
+    return cls.consolidate_checkpoint(cfg, read), cls.consolidate_optimizer(cfg, read)
+
+
+def _saved_config(meta: dict) -> TrainConfig:
+    """The config a checkpoint was saved under, as far as its layout goes."""
+    layout = meta["layout"]
+    return TrainConfig(strategy=layout["strategy"], world_size=layout["world_size"],
+                       model=GPTConfig(**layout["model"]), precision=layout["precision"],
+                       options=meta["config"].get("options", {}))
 
 
 def consolidate_to(where, out) -> Path:

@@ -126,6 +126,7 @@ def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False, seams=N
         "step_time_s": statistics.median(times),
         "start_step": strategy.start_step,  # > 0 when resumed: losses are of steps start_step..
         "resumed_from": getattr(strategy, "resumed_from", None),
+        "resharded_from": getattr(strategy, "resharded_from", None),  # "zero3 on 4 ranks"
         "checkpoints": strategy.saved_checkpoints,
         "comm": [g["comm"] for g in gathered],
         "memory": [g["memory"] for g in gathered],

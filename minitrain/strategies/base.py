@@ -29,6 +29,7 @@ from ..comm import Comm
 from ..memory import ActivationMeter, ledger, rss_bytes
 from ..model import GPT, GPTConfig, PRESETS
 from ..precision import PRECISIONS, DynamicLossScaler, MixedPrecisionOptimizer, cast_model_
+from .portable import from_optimizer_state, to_optimizer_state
 
 __all__ = ["ConfigError", "TrainConfig", "Options", "NoOptions", "option", "positive",
            "at_least", "Seams", "Strategy", "Lockstep", "FreeRunning", "register", "get_strategy",
@@ -422,6 +423,28 @@ class Strategy(abc.ABC):
     def consolidate_checkpoint(cls, cfg: TrainConfig, read) -> dict:
         """The full model as a single-process state_dict from the saved parts, offline."""
         return read(0)["model"]
+
+    # -- resharding: resuming another layout's checkpoint through the portable form ---------------
+    #: True, on the registered class itself (as ``checkpoint_refusal = None``), where a checkpoint
+    #: of another strategy or world size is resumed through :mod:`minitrain.strategies.portable`
+    reshardable: bool = False
+
+    @classmethod
+    def consolidate_optimizer(cls, cfg: TrainConfig, read) -> dict:
+        """The portable optimizer state from the saved parts, offline; default: rank 0's replica
+        (the optimizer's parameters are the model's, in ``named_parameters()`` order)."""
+        names = [n for n, p in GPT(cfg.model).named_parameters() if p.requires_grad]
+        return from_optimizer_state(read(0)["optimizer"], names, masters=cfg.precision != "fp32")
+
+    @torch.no_grad()
+    def load_portable_state(self, weights: dict, optim: dict) -> None:
+        """Take this rank's cut of a portable state (the weights as a single-process state_dict,
+        the optimizer's as :meth:`consolidate_optimizer` gives); default: a replica."""
+        self.model.load_state_dict(weights)
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        order = [names[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
+        self.optimizer.load_state_dict(
+            to_optimizer_state(self.optimizer.state_dict(), order, optim, weights))
 
 
 class Lockstep(Strategy):

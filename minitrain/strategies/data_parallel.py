@@ -105,6 +105,7 @@ class NaiveDDP(DataParallel):
     options = NoOptions
     seams = ("sync_gradients",)
     checkpoint_refusal = None
+    reshardable = True
 
     def wrap(self, model):
         return NaiveDataParallel(model, self.comm, sync=self.seams.sync_gradients)
@@ -121,6 +122,7 @@ class DDP(DataParallel):
     options = DDPOptions
     seams = ("ring_all_reduce", "bucket_hook", "topk_error_feedback")
     checkpoint_refusal = None
+    reshardable = True
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:

@@ -18,6 +18,7 @@ class Single(Lockstep):
     precisions = tuple(PRECISIONS)
     seams = ("loss_scale_update",)
     checkpoint_refusal = None  # the replica defaults
+    reshardable = True
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:

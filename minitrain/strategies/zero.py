@@ -20,6 +20,7 @@ from ..parallel.fsdp import FullyShardedDataParallel
 from ..parallel.zero import HostOffload, ZeroRedundancyOptimizer, shard_optimizer
 from .base import ConfigError, Options, TrainConfig, option, register
 from .data_parallel import Buckets, DataParallel, check_batch_split
+from .portable import shard_optimizer_state, unshard_optimizer
 
 __all__ = ["Offload", "ZeroOptions", "Zero2Options", "Zero1", "Zero2", "Zero3", "shard_state", "unshard_state"]
 
@@ -148,6 +149,27 @@ class _ZeroStrategy(DataParallel):
     def consolidate_checkpoint(cls, cfg: TrainConfig, read) -> dict:
         return unshard_state([read(r)["model"] for r in range(cfg.world_size)])
 
+    # -- resharding (minitrain.strategies.portable): the full states cut for this rank ---------------
+
+    @classmethod
+    def consolidate_optimizer(cls, cfg: TrainConfig, read) -> dict:
+        return unshard_optimizer([read(r) for r in range(cfg.world_size)],
+                                 masters=cfg.precision != "fp32")
+
+    @torch.no_grad()
+    def load_portable_state(self, weights: dict, optim: dict) -> None:
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        units = [(layout, [names[id(p)] for p in layout.params]) for layout, _ in self.shards()]
+        if self.stage < 3:  # every rank holds the full weights; the shards are views of them
+            self.model.load_state_dict(weights)
+        else:  # the full weights exist only while gathered: write this rank's shard of each unit
+            for (layout, shard), (_, unit) in zip(self.shards(), units):
+                lo, hi = layout.owned_range(self.comm.rank)
+                shard.copy_(layout.flatten([weights[n] for n in unit])[lo:hi])
+        optimizer = self.shard_optimizer()
+        optimizer.load_state_dict(shard_optimizer_state(optimizer.state_dict(), units,
+                                                        self.comm.rank, optim, weights))
+
     def memory(self) -> dict:
         extra, host = self.sharded.memory_tensors()
         out = ledger(self.model, self.optimizer, self.meter.peak, extra=extra, host=host)
@@ -186,6 +208,7 @@ class Zero1(_ZeroStrategy):
     stage = 1
     seams = ("zero1_step",)
     checkpoint_refusal = None
+    reshardable = True
 
     def shard(self, model):
         opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, self.comm,
@@ -201,6 +224,7 @@ class Zero2(_ZeroStrategy):
     stage = 2
     options = Zero2Options
     checkpoint_refusal = None
+    reshardable = True
 
     def shard(self, model):
         opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, self.comm,
@@ -218,6 +242,7 @@ class Zero3(_ZeroStrategy):
     seams = ("zero3_gather",)
     checkpointing = False  # recomputation would re-enter the gather hooks; not supported yet
     checkpoint_refusal = None
+    reshardable = True
 
     def shard(self, model):
         fsdp = FullyShardedDataParallel(model, self.comm, gather=self.seams.zero3_gather)

@@ -189,6 +189,22 @@ def format_summary(result: dict) -> str:
     lines = [f"strategy {s['strategy']} on {s['world_size']} rank(s) ({s['backend']}), "
              f"{s['steps']} steps, global batch {s['batch_size']}, {s['params']:,} parameters",
              f"loss {losses[0]:.4f} -> {s['final_loss']:.4f}; median step {s['step_time_s'] * 1e3:.1f} ms"]
+    if s.get("options"):
+        lines.append("options: " + ", ".join(
+            flag(k) if v is True else f"{flag(k)} {v}" for k, v in s["options"].items()))
+    reports = s.get("report") or [{}]
+    if reports[0].get("dp") and "tp" in reports[0]:
+        r = reports[0]
+        lines.append(f"mesh: {r['dp']} replicas x {r['pp']} pipeline stages x {r['tp']} tensor ranks "
+                     f"(rank = (p*dp + d)*tp + t), ZeRO stage {r['zero_stage']} over dp")
+    roles = [r for r in reports if r.get("role")]
+    if roles:
+        servers = [r["rank"] for r in roles if r["role"] == "server"]
+        workers = [r["rank"] for r in roles if r["role"] == "worker"]
+        mode = next(r for r in roles if r["role"] == "server")
+        lines.append(f"parameter server ({mode['mode']}"
+                     + (f", staleness bound {mode['bound']}" if mode.get("bound") is not None else "")
+                     + f"): servers {servers}, workers {workers}")
     if s.get("resumed_from"):
         lines.append(f"resumed at step {s['start_step']} from {s['resumed_from']}")
     if s.get("checkpoints"):
@@ -253,12 +269,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:14s} {get(name).help}")
         return 0
     if args.command == "consolidate":
-        from .checkpoint import consolidate_to
+        from .checkpoint import consolidate_to, find_checkpoint, read_meta
         try:
             out = consolidate_to(args.checkpoint, args.out)
+            path = find_checkpoint(args.checkpoint)
         except ConfigError as exc:
             parser.exit(2, f"minitrain consolidate: error: {exc}\n")
-        print(f"wrote {out}: the single-process state_dict of {args.checkpoint}")
+        print(f"wrote {out}: the single-process state_dict of {path} (step {read_meta(path)['step']}); "
+              f"load it with GPT(cfg).load_state_dict(torch.load({str(out)!r}, weights_only=True))")
         return 0
     try:
         return _train(args)

@@ -119,6 +119,7 @@ def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False, seams=N
         "seed": cfg.seed,
         "params": cfg.model.num_params(),
         "precision": cfg.precision,
+        "options": cfg.options.given(),  # the strategy's options that differ from their defaults
         "checkpoint_activations": cfg.checkpoint_activations,
         # rank 0's dynamic loss scaler (every rank of a lockstep strategy holds the same one)
         "loss_scaler": gathered[0]["precision"]["loss_scaler"],

@@ -1,9 +1,11 @@
-"""minitrain's ZeRO against PyTorch's: ZeRO-3 vs FSDP2 (``fully_shard``), ZeRO-1 vs
-``ZeroRedundancyOptimizer``; same model, same batches, same run.
+"""minitrain's ZeRO against PyTorch's: ZeRO-3 vs FSDP2 (``fully_shard``), in fp32 and with a bf16
+mixed-precision policy, ZeRO-1 vs ``ZeroRedundancyOptimizer``; same model, same batches, same run.
 
     python benchmarks/zero_bench.py [--model small] [--steps 10] [--rounds 2] [--batch-size 16]
 
-For 2 and 4 ranks, the four implementations train identical GPTs side by side in one cluster,
+ZeRO-3 is used as a PyTorch user uses FSDP2: wrap, then ``torch.optim.Adam(model.parameters())``;
+its prefetch timeline gives the share of all-gather time hidden behind compute (last step, rank 0).
+For 2 and 4 ranks, the six implementations train identical GPTs side by side in one cluster,
 taking turns step by step (so drifting machine load hits all alike).  Prints the median step time of
 each pair (a step ends when its slowest rank ends) and the ratio minitrain / PyTorch (target for
 ZeRO-3: <= 1.25), then per-rank memory: the model states each one holds between steps (measured
@@ -20,7 +22,7 @@ import statistics
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -29,29 +31,34 @@ from minitrain.benchmarking import alternate
 from minitrain.comm import Comm
 from minitrain.data import ArithmeticData, shard
 from minitrain.memory import ledger, rss_bytes
-from minitrain.parallel.fsdp import FullyShardedDataParallel
+from minitrain.parallel.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy
 from minitrain.parallel.zero import ZeroRedundancyOptimizer
 
-KINDS = ["zero3", "fsdp2", "zero1", "torch-zero1"]
+KINDS = ["zero3", "fsdp2", "zero3-bf16", "fsdp2-bf16", "zero1", "torch-zero1"]
+PAIRS = (("zero3", "fsdp2"), ("zero3-bf16", "fsdp2-bf16"), ("zero1", "torch-zero1"))
 
 
 def build(kind: str, model_name: str):
     """(callable model, optimizer, function returning model-state bytes) for one implementation."""
     model = GPT(PRESETS[model_name], seed=0)
-    if kind == "zero3":
-        fsdp = FullyShardedDataParallel(model, Comm())
-        opt = torch.optim.Adam(fsdp.sharded_parameters(), lr=1e-3)
+    bf16 = kind.endswith("-bf16")
+    if kind.startswith("zero3"):
+        policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else None
+        fsdp = FullyShardedDataParallel(model, Comm(), mp_policy=policy, record_timeline=True)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # the shards, as with FSDP2
 
         def states():
             extra, _ = fsdp.memory_tensors()
             extra["gradients"] = [g for g in extra["gradients"] if g is not None]
             return ledger(model, opt, extra=extra)["bytes"]
         return fsdp, opt, states
-    if kind == "fsdp2":
+    if kind.startswith("fsdp2"):
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else None
+        extra = {"mp_policy": TorchPolicy(policy.param_dtype, policy.reduce_dtype)} if bf16 else {}
         for m in [model.embed, *model.blocks, model.head]:
-            fully_shard(m, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(m, mesh=mesh, **extra)
+        fully_shard(model, mesh=mesh, **extra)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 
         def states():
@@ -78,6 +85,8 @@ def step_times(model_name: str, steps: int, batch: int, kinds: list[str]):
 
     def step(kind, x, y):
         model, opt, _ = runs[kind]
+        if getattr(model, "timeline", None) is not None:
+            model.timeline.clear()  # keep the last step's
         opt.zero_grad()
         model(shard(x, r, n), shard(y, r, n)).backward()
         opt.step()
@@ -85,7 +94,8 @@ def step_times(model_name: str, steps: int, batch: int, kinds: list[str]):
     out = alternate(kinds, step, data, batch, steps)
     states = {k: {kk: v for kk, v in runs[k][2]().items()
                   if kk in ("parameters", "gradients", "optimizer_states")} for k in kinds}
-    return {k: v["times"] for k, v in out.items()}, states
+    hidden = {k: runs[k][0].hidden_fraction() for k in kinds if k.startswith("zero3")}
+    return {k: v["times"] for k, v in out.items()}, states, hidden
 
 
 def peak_rss(model_name: str, steps: int, batch: int, kind: str) -> int:
@@ -112,12 +122,14 @@ def main() -> None:
                 res = cluster.run(step_times, args.model, args.steps, args.batch_size, KINDS)
                 for k in KINDS:
                     per[k] += [max(ts) for ts in zip(*(r[0][k] for r in res))]
-            states = res[0][1]
+            states, hidden = res[0][1], res[0][2]
         med = {k: statistics.median(v) for k, v in per.items()}
         print(f"\n{n} ranks: median step time")
-        for ours, theirs in (("zero3", "fsdp2"), ("zero1", "torch-zero1")):
-            print(f"  {ours:6s} {med[ours] * 1e3:7.1f} ms   {theirs:12s} {med[theirs] * 1e3:7.1f} ms"
+        for ours, theirs in PAIRS:
+            print(f"  {ours:10s} {med[ours] * 1e3:7.1f} ms   {theirs:12s} {med[theirs] * 1e3:7.1f} ms"
                   f"   ratio {med[ours] / med[theirs]:.3f}")
+        print("  all-gather time hidden behind compute (rank 0, last step): " +
+              ", ".join(f"{k} {v:.0%}" for k, v in hidden.items() if v is not None))
         rss = {"zero3": [], "fsdp2": []}
         for k in ("zero3", "fsdp2", "fsdp2", "zero3"):  # fresh ranks each; the lower of two tries
             with Cluster(n, threads=1) as cluster:

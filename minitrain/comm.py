@@ -307,7 +307,21 @@ def all_reduce_coalesced(tensors: list, comm: Comm, tag: str = "", divide_by: in
     unit.unflatten(flat)
 
 
-def ring_all_reduce(tensor: torch.Tensor, comm: Comm, record: list | None = None) -> torch.Tensor:
+#: Sub-chunk size the ring pipelines in (bytes): a chunk of C bytes goes as ceil(C / this) pieces
+#: (at most :data:`RING_MAX_PIECES`), so the next piece travels while the last one is being added.
+RING_PIECE_BYTES = 1 << 20
+RING_MAX_PIECES = 16
+
+
+def _pieces(chunk: torch.Tensor, pieces: int | None) -> int:
+    if pieces is None:
+        nbytes = chunk.numel() * chunk.element_size()
+        pieces = min(RING_MAX_PIECES, max(1, -(-nbytes // RING_PIECE_BYTES)))
+    return max(1, min(pieces, chunk.numel()))
+
+
+def ring_all_reduce(tensor: torch.Tensor, comm: Comm, record: list | None = None,
+                    pieces: int | None = None) -> torch.Tensor:
     """Sum ``tensor`` over ``comm``'s ranks in place, with a ring of sends and receives.
 
     The flat tensor is cut into N chunks (``tensor_split``: sizes may differ by one element).
@@ -315,6 +329,11 @@ def ring_all_reduce(tensor: torch.Tensor, comm: Comm, record: list | None = None
     (r - s - 1) it receives from its left one; after N-1 steps rank r holds the full sum of chunk
     (r + 1).  All-gather: N-1 more steps pass the finished chunks around the ring.  Each rank sends
     2(N-1)/N of the tensor in total, whatever N is: that is why the ring is bandwidth-optimal.
+
+    Pipelined, as NCCL and gloo do: each chunk travels as ``pieces`` sub-chunks (default: about
+    1 MiB each, one for small tensors).  The receives of a step are posted before they are needed,
+    and piece j of step s+1 is sent as soon as piece j of step s has arrived and been added, so
+    sending, receiving and adding overlap instead of taking turns.
 
     ``record``, if given, receives this rank's chunks after every step (the ring widget of
     lesson 01 draws them).
@@ -324,22 +343,45 @@ def ring_all_reduce(tensor: torch.Tensor, comm: Comm, record: list | None = None
         return tensor
     flat = tensor.data.view(-1) if tensor.is_contiguous() else tensor.data.reshape(-1)
     chunks = list(torch.tensor_split(flat, n))
+    k = _pieces(chunks[0], pieces)
+    parts = [list(torch.tensor_split(c, k)) for c in chunks]
     right, left = (r + 1) % n, (r - 1) % n
+    steps = [("reduce-scatter", s) for s in range(n - 1)] + [("all-gather", s) for s in range(n - 1)]
+    # step t: send chunk (r - s) (reduce-scatter) or (r - s + 1) (all-gather), receive the one before
+    send_of = [(r - s + (phase == "all-gather")) % n for phase, s in steps]
+    scratch = [[torch.empty_like(p) for p in parts[0]] for _ in range(2)]  # incoming partial sums
     _snapshot(record, "start", 0, None, None, chunks)
-    for phase, steps in (("reduce-scatter", range(n - 1)), ("all-gather", range(n - 1))):
-        for step in steps:
-            # reduce-scatter passes partial sums starting at chunk r; all-gather finished ones at r+1
-            send_i = (r - step + (phase == "all-gather")) % n
-            recv_i = (send_i - 1) % n
-            incoming = torch.empty_like(chunks[recv_i])
-            work = comm.isend(chunks[send_i].contiguous(), right, tag="ring")
-            comm.recv(incoming, left, tag="ring")
+
+    def post_recv(t: int, j: int):
+        recv_i = (send_of[t] - 1) % n
+        # partial sums land in scratch (then added); finished pieces straight in place, unless a
+        # snapshot of the step before must not see them yet
+        into = (scratch[t % 2][j][:parts[recv_i][j].numel()]
+                if steps[t][0] == "reduce-scatter" or record is not None else parts[recv_i][j])
+        return comm.irecv(into, left, tag="ring", channel=j), into
+
+    sends = [comm.isend(p, right, tag="ring", channel=j) for j, p in enumerate(parts[send_of[0]])]
+    recvs = [post_recv(0, j) for j in range(k)]
+    for t, (phase, s) in enumerate(steps):
+        recv_i = (send_of[t] - 1) % n
+        following = []
+        for j in range(k):
+            work, into = recvs[j]
             work.wait()
             if phase == "reduce-scatter":
-                chunks[recv_i].add_(incoming)
-            else:
-                chunks[recv_i].copy_(incoming)
-            _snapshot(record, phase, step, send_i, recv_i, chunks)
+                parts[recv_i][j].add_(into)
+            elif into is not parts[recv_i][j]:
+                parts[recv_i][j].copy_(into)
+            if t + 1 < len(steps):  # piece j of the next step is ready: the one just received
+                if record is None:
+                    following.append(post_recv(t + 1, j))
+                sends.append(comm.isend(parts[send_of[t + 1]][j], right, tag="ring", channel=j))
+        if record is not None:
+            _snapshot(record, phase, s, send_of[t], recv_i, chunks)
+            following = [post_recv(t + 1, j) for j in range(k)] if t + 1 < len(steps) else []
+        recvs = following
+    for work in sends:
+        work.wait()
     if not tensor.is_contiguous():
         tensor.data.copy_(flat.view_as(tensor))
     return tensor

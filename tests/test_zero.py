@@ -212,6 +212,9 @@ def train_stage(stage, make_model, steps=5, optimizer_class=torch.optim.Adam, **
     state = wrapper.full_state_dict() if stage == 3 else {
         k: v.detach().clone() for k, v in model.state_dict().items()}
     grads_kept = [k for k, p in model.named_parameters() if p.grad is not None]
+    if stage == 3:  # the registered parameters are this rank's shards: their gradients are shards
+        kept = sum(p.grad.numel() for p in model.parameters() if p.grad is not None)
+        grads_kept = grads_kept if kept > sum(u.shard_size for u in wrapper.layouts()) else []
     return state, [u.padding for u in (wrapper if stage == 3 else opt).layouts()], grads_kept
 
 
@@ -336,7 +339,7 @@ def overlap_and_freeing():
     fsdp = FullyShardedDataParallel(model3, comm)
     comm.tracer.clear()
     fsdp(x, y).backward()
-    held = sum(p.untyped_storage().nbytes() for p in model3.parameters())
+    held = sum(u.full.untyped_storage().nbytes() for u in fsdp.units if u.full is not None)
     gathers = comm.tracer.summary()["all_gather"]["calls"]
     return stage2, (held, gathers, len(fsdp.layouts()))
 

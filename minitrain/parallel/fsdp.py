@@ -1,23 +1,41 @@
-"""ZeRO stage 3, FSDP-style: parameters, gradients and optimizer states all sharded (lesson 04).
+"""ZeRO stage 3, shaped like PyTorch's FSDP2: parameters, gradients and optimizer states all sharded
+(lesson 04).
 
 Papers: Rajbhandari et al., 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 Models" (SC'20); Zhao et al., 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data
 Parallel" (VLDB).  Each unit (the embedding, each block, the head) all-gathers its parameters just
-before its forward and again before its backward, frees them after, and reduce-scatters its
-gradients (:class:`~minitrain.parallel.flat.GradientReducer`): 3Ψ per step, 1.5× DDP's traffic.
+before its forward and again before its backward (the next unit's gather issued ahead, so it runs
+behind this unit's compute), frees them after, and reduce-scatters its gradients
+(:class:`~minitrain.parallel.flat.GradientReducer`): 3Ψ per step, 1.5× DDP's traffic.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..comm import Comm
+from ..comm import Comm, all_reduce_coalesced
 from .data_parallel import broadcast_module, comm_for
 from .flat import FlatUnit, GradientReducer
+from .fsdp_timeline import hidden_fraction
 from .zero import master_shard
 
-__all__ = ["FullyShardedDataParallel", "default_units", "all_gather_unit"]
+__all__ = ["FullyShardedDataParallel", "MixedPrecisionPolicy", "default_units", "all_gather_unit",
+           "hidden_fraction"]
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """FSDP2's: parameters all-gathered and computed in ``param_dtype``, gradients reduce-scattered
+    in ``reduce_dtype`` (default: ``param_dtype``); the shards and their gradients stay in the
+    parameters' own dtype (fp32), which is what the user's optimizer steps.  None: no cast."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
 
 
 def default_units(module: nn.Module) -> list[nn.Module]:
@@ -33,24 +51,55 @@ def default_units(module: nn.Module) -> list[nn.Module]:
     return out
 
 
-def all_gather_unit(full: torch.Tensor, shard: torch.Tensor, comm: Comm, index: int = 0) -> None:
+def all_gather_unit(full: torch.Tensor, shard: torch.Tensor, comm: Comm, index: int = 0,
+                    async_op: bool = False):
     """Fill a unit's flat parameter buffer ``full`` (just allocated) with every rank's ``shard``."""
-    comm.all_gather(full, shard, tag=f"params-unit{index}")
+    return comm.all_gather(full, shard, async_op=async_op, tag=f"params-unit{index}")
+
+
+def _refuse_unwrapped(optimizer, args, kwargs):
+    """Optimizer step pre-hook: a parameter replaced by its shard at wrapping never gets a gradient."""
+    for group in optimizer.param_groups:
+        if any(getattr(p, "_fsdp_replaced", False) for p in group["params"]):
+            raise RuntimeError(
+                "this optimizer holds parameters that FullyShardedDataParallel replaced by their "
+                "shards: it was built before wrapping and would train nothing.  Build it after "
+                "wrapping, from model.parameters() (the shards).")
+
+
+register_optimizer_step_pre_hook(_refuse_unwrapped)
 
 
 class _Unit:
-    """One module's parameters under stage 3: a shard always, the full flat vector only in use."""
+    """One module's parameters under stage 3: a shard always, the full flat vector only in use.
 
-    def __init__(self, index: int, module: nn.Module, layout: FlatUnit, rank: int):
+    ``layout.params`` are the original parameters: unregistered, they hold views of ``full`` while
+    the unit is gathered (forward and backward run on them).  ``sharded[i]`` (registered on the
+    module in their place) is a view of ``shard``: this rank's piece of parameter i, flattened."""
+
+    def __init__(self, index, module, layout: FlatUnit, rank: int, param_dtype=None):
         self.index, self.module, self.layout = index, module, layout
         self.needs: list[int] = []  # the units whose parameters this module's forward uses
         self.refs = 0               # how many running forwards/backwards hold it gathered
         self.held_for_backward = False
+        self.pending = None         # (work, start, cast input) of a gather issued ahead
         self.full = self.shard = None
+        self.sharded: list[nn.Parameter] = []
+        self.ranges: list[tuple] = []  # each registered shard's [start, end) in ``shard``
+        self.slots: list[list] = []  # per parameter: the (module, name) places it is registered at
         if layout.params:
             lo, hi = layout.owned_range(rank)
-            self.full = layout.bind()
-            self.shard = self.full[lo:hi].clone()
+            self.shard = layout.flatten([p.detach() for p in layout.params])[lo:hi].clone()
+            dtype = param_dtype or self.shard.dtype
+            self.full = torch.empty(layout.total, dtype=dtype, device=self.shard.device)
+            for p, view in zip(layout.params, layout.views(self.full)):
+                p.data = view
+            for off, n, p in zip(layout.offsets, layout.numels, layout.params):
+                start, end = max(lo, off), min(hi, off + n)
+                self.ranges.append((start - lo, end - lo) if start < end else (0, 0))
+                piece = self.shard[slice(*self.ranges[-1])]
+                self.sharded.append(nn.Parameter(piece, requires_grad=p.requires_grad))
+                p._fsdp_replaced = True
             self.nbytes = self.full.untyped_storage().nbytes()
             self.free()
 
@@ -59,6 +108,24 @@ class _Unit:
 
     def allocate(self) -> None:
         self.full.untyped_storage().resize_(self.nbytes)
+
+    def show(self, gathered: bool) -> None:
+        """Register the full parameters (gathered) or the shards at every place they belong."""
+        for p, q, places in zip(self.layout.params, self.sharded, self.slots):
+            for m, name in places:
+                m._parameters[name] = p if gathered else q
+
+    def shard_grad(self, grad: torch.Tensor) -> None:
+        """``grad`` (flat, this rank's shard) into ``shard.grad``; each registered shard's
+        ``.grad`` a view of it.  Accumulates unless the optimizer set the gradients to None."""
+        fresh = self.shard.grad is None or all(q.grad is None for q in self.sharded)
+        if fresh:
+            self.shard.grad = grad.to(self.shard.dtype)
+        else:
+            self.shard.grad.add_(grad)
+        for q, (a, b) in zip(self.sharded, self.ranges):
+            if fresh or q.grad is None:
+                q.grad = self.shard.grad[a:b]
 
 
 class _BeforeBackward(torch.autograd.Function):
@@ -75,8 +142,19 @@ class _BeforeBackward(torch.autograd.Function):
         return None, None, grad
 
 
+class _Reducer(GradientReducer):
+    """The gradient machine with its flat buffers in ``dtype`` (the policy's reduce_dtype)."""
+
+    dtype: torch.dtype | None = None
+
+    def _allocate(self, s, make=torch.zeros) -> None:
+        p0 = s.unit.params[0]
+        s.buffer = make(s.unit.total, dtype=self.dtype or p0.dtype, device=p0.device)
+        s.views = s.unit.views(s.buffer)
+
+
 class FullyShardedDataParallel(nn.Module):
-    """ZeRO stage 3, shaped like PyTorch's FSDP: parameters, gradients and optimizer states sharded.
+    """ZeRO stage 3, shaped like PyTorch's FSDP2 (``fully_shard``).
 
     Arguments:
         module: the model (rank 0's weights are broadcast first, untraced as ``init``).
@@ -84,57 +162,86 @@ class FullyShardedDataParallel(nn.Module):
         units: the submodules to shard one by one (default :func:`default_units`); parameters no
             unit holds form one more unit for ``module`` itself.
         gather: ``gather(full, shard, comm)`` fills a unit's just-allocated flat parameter buffer
-            with every rank's shard (the wrapper frees it after use).  Default None:
-            :func:`all_gather_unit`.
+            with every rank's shard, blocking (no prefetch then).  Default None:
+            :func:`all_gather_unit`, asynchronous.
+        mp_policy: a :class:`MixedPrecisionPolicy` (default: compute in the parameters' dtype).
+        replicate: parameters left whole on every rank (e.g. the norms), gradients averaged.
+        prefetch: how many units ahead to issue all-gathers (forward: the next units in the last
+            forward's order; backward: the previous ones).  0: gather when needed.
+        record_timeline: keep ``timeline`` (gather, compute, free, reduce-scatter per unit).
 
-    Each unit's parameters become views of a flat buffer whose storage exists only while the unit
-    runs: a forward pre-hook all-gathers it, a forward hook frees it; a :class:`_BeforeBackward` on the
-    unit's output all-gathers it again when backward reaches the unit; when the unit's gradients
-    are accumulated they are reduce-scattered (asynchronously, one unit in flight) and the buffer is
-    freed again.  A tied parameter belongs to the first unit that has it; a unit that uses another's
-    (the head of a GPT with ``tie_weights``) gathers that unit too.  Train the shards:
-    ``optimizer_class(fsdp.sharded_parameters(), ...)`` — or, for a 16-bit model,
-    ``shard_optimizer(fsdp.sharded_parameters(), optimizer_class, fsdp.master_shards(masters))``.
-    ``full_state_dict()`` gathers the model.  A parameter unused on every rank gets a zero gradient
-    when the rest of its unit is used, none otherwise.
+    After wrapping, ``module.parameters()`` are this rank's shards (1-D: each parameter's piece of
+    its unit's flat shard, possibly empty): hand them to any ``torch.optim`` optimizer; after
+    ``backward()`` each ``.grad`` is its shard of the averaged gradient (in the shard's dtype).
+    While a unit runs, the full parameters (views of a flat buffer in ``param_dtype``) are
+    registered in their place: a forward pre-hook gathers, a forward hook frees, a
+    :class:`_BeforeBackward` on the unit's output gathers again in backward, and once the unit's
+    gradients are in they are reduce-scattered (one unit in flight) and the buffer freed.  A tied
+    parameter belongs to the first unit that has it; a unit that uses another's gathers it too.
+    An optimizer built before wrapping (over the replaced parameters) is refused at ``step()``.
+    ``full_state_dict()`` gathers the model.  The flat shards themselves
+    (``sharded_parameters()``) can be stepped instead, e.g. with fp32 masters of a 16-bit model:
+    ``shard_optimizer(fsdp.sharded_parameters(), cls, fsdp.master_shards(masters))``.
     """
 
     def __init__(self, module: nn.Module, comm: Comm | None = None, process_group=None,
-                 units: list | None = None, gather=None):
+                 units: list | None = None, gather=None, mp_policy: MixedPrecisionPolicy | None = None,
+                 replicate=(), prefetch: int = 1, record_timeline: bool = False):
         super().__init__()
         self.module = module
         self.comm = comm_for(comm, process_group)
-        self.gather = gather
+        self.gather, self.prefetch = gather, prefetch
+        self.policy = mp_policy or MixedPrecisionPolicy()
+        self.replicated = list(replicate)
+        self.timeline: list[dict] | None = [] if record_timeline else None
+        self._order: list[int] = []       # units in the order the last forward ran them
+        self._running: list[int] = []     # ... and the order this forward runs them
+        self._fresh: dict = {}            # replicated parameter -> [this backward's gradient, new?]
         broadcast_module(module, self.comm)
         names = {id(p): k for k, p in module.named_parameters()}
+        places: dict = {}
+        for m in module.modules():
+            for name, p in m._parameters.items():
+                if p is not None:
+                    places.setdefault(id(p), []).append((m, name))
+        skip = {id(p) for p in self.replicated}
         modules = list(default_units(module) if units is None else units) + [module]
         owner: dict = {}
         self.units: list[_Unit] = []
+        module.register_forward_pre_hook(lambda m, args: self._start_forward())
         for m in modules:
-            mine = [p for p in m.parameters() if p.requires_grad and id(p) not in owner]
+            mine = [p for p in m.parameters() if p.requires_grad and id(p) not in owner
+                    and id(p) not in skip]
             for p in mine:
                 owner[id(p)] = len(self.units)
             layout = FlatUnit(mine, self.comm.size, [names[id(p)] for p in mine])
-            self.units.append(_Unit(len(self.units), m, layout, self.comm.rank))
+            u = _Unit(len(self.units), m, layout, self.comm.rank, self.policy.param_dtype)
+            u.slots = [places[id(p)] for p in mine]
+            self.units.append(u)
         for u in self.units:
             inside = {id(x) for x in u.module.modules()}
             u.needs = sorted({owner[id(p)] for p in u.module.parameters() if id(p) in owner and (
                 owner[id(p)] == u.index or id(self.units[owner[id(p)]].module) not in inside)})
             if u.needs:
-                u.module.register_forward_pre_hook(lambda m, args, u=u: self._before_forward(u))
+                u.module.register_forward_pre_hook(lambda m, args, u=u: self._before_forward(u, args))
                 u.module.register_forward_hook(lambda m, args, out, u=u: self._after_forward(u, out))
         self._sharded = [u for u in self.units if u.shard is not None]
-        self.reducer = GradientReducer(
+        for u in self._sharded:
+            u.show(False)
+        for p in self.replicated:
+            p.register_hook(lambda g, p=p: self._replicated_grad(p, g))
+        self.reducer = _Reducer(
             [u.layout for u in self._sharded], self.comm.size, self._launch, self._finish,
             ordered=False, max_in_flight=1, flush_untouched=False,
             on_full=lambda slot: self._after_backward(self._sharded[slot.index]),
-            after_flush=self._release_all)
+            after_flush=self._end_backward)
+        self.reducer.dtype = self.policy.reduce_dtype or self.policy.param_dtype
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     def sharded_parameters(self) -> list[torch.Tensor]:
-        """This rank's shard of each unit: what the optimizer steps (gradients land in ``.grad``)."""
+        """This rank's flat shard of each unit (the registered parameters are views of them)."""
         return [u.shard for u in self._sharded]
 
     def master_shards(self, master_weights: dict) -> dict:
@@ -145,27 +252,78 @@ class FullyShardedDataParallel(nn.Module):
         return {u.shard: master_shard(u.layout, self.comm.rank, master_weights)
                 for u in self._sharded if all(p in master_weights for p in u.layout.params)}
 
+    def parameter_names(self) -> dict:
+        """``{id(registered shard): the parameter's name}`` (checkpoints map state_dict keys)."""
+        return {id(q): name for u in self._sharded for q, name in zip(u.sharded, u.layout.names)}
+
     # -- gathering and freeing -----------------------------------------------------------------------
+
+    def _event(self, u: _Unit, kind: str, start: float, end: float | None = None) -> None:
+        if self.timeline is not None:
+            self.timeline.append(dict(unit=u.index, kind=kind, start=start,
+                                      end=start if end is None else end,
+                                      backward=self.reducer.in_backward))
+
+    def _issue(self, u: _Unit) -> None:
+        """Allocate ``u``'s buffer and start its all-gather (asynchronous unless a custom gather)."""
+        u.allocate()
+        start = time.perf_counter()
+        src = u.shard if u.shard.dtype == u.full.dtype else u.shard.to(u.full.dtype)
+        if self.gather is not None:
+            self.gather(u.full, src, self.comm)
+            self._event(u, "gather", start, time.perf_counter())
+            u.pending = None
+        else:
+            u.pending = (all_gather_unit(u.full, src, self.comm, u.index, async_op=True), start, src)
 
     def _acquire(self, u: _Unit) -> None:
         if u.refs == 0:
-            u.allocate()
-            if self.gather is None:
-                all_gather_unit(u.full, u.shard, self.comm, u.index)
-            else:
-                self.gather(u.full, u.shard, self.comm)
+            if u.pending is None and u.full.untyped_storage().nbytes() == 0:
+                self._issue(u)
+            if u.pending is not None:
+                work, start, _ = u.pending
+                work.wait()
+                self._event(u, "gather", start, work.end)
+                u.pending = None
+            u.show(True)
         u.refs += 1
 
     def _release(self, u: _Unit) -> None:
         u.refs -= 1
         if u.refs == 0:
+            u.show(False)
             u.free()
+            self._event(u, "free", time.perf_counter())
 
-    def _before_forward(self, u: _Unit) -> None:
+    def _prefetch(self, order: list[int], at: int) -> None:
+        """Issue the gathers of the ``prefetch`` units after position ``at`` of ``order``."""
+        if self.gather is not None:
+            return
+        for k in order[at + 1:at + 1 + self.prefetch]:
+            for i in self.units[k].needs:
+                v = self.units[i]
+                if v.refs == 0 and v.pending is None and v.full.untyped_storage().nbytes() == 0:
+                    self._issue(v)
+
+    def _start_forward(self) -> None:
+        if self._running:
+            self._order = self._running
+        self._running = []
+
+    def _before_forward(self, u: _Unit, args):
+        if u.index not in self._running:
+            self._running.append(u.index)
         for k in u.needs:
             self._acquire(self.units[k])
+        if u.index in self._order:
+            self._prefetch(self._order, self._order.index(u.index))
+        u.compute_start = time.perf_counter()
+        dtype = self.policy.param_dtype
+        if dtype is not None:  # FSDP2's cast_forward_inputs
+            return _map_tensors(args, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
     def _after_forward(self, u: _Unit, out):
+        self._event(u, "compute", u.compute_start, time.perf_counter())
         if torch.is_grad_enabled():
             out = _map_tensors(out, lambda t: _BeforeBackward.apply(self, u, t)
                                if t.requires_grad else t)
@@ -181,45 +339,91 @@ class FullyShardedDataParallel(nn.Module):
             u.held_for_backward = True
             for k in u.needs:
                 self._acquire(self.units[k])
+            backward_order = (self._running or self._order)[::-1]
+            if u.index in backward_order:
+                self._prefetch(backward_order, backward_order.index(u.index))
+            u.compute_start = time.perf_counter()
 
     def _after_backward(self, u: _Unit) -> None:
         if u.held_for_backward:
             u.held_for_backward = False
+            self._event(u, "compute", u.compute_start, time.perf_counter())
             for k in u.needs:
                 self._release(self.units[k])
 
-    def _release_all(self) -> None:
+    def _end_backward(self) -> None:
         for u in self.units:
             self._after_backward(u)
+        for u in self._sharded:  # a gather issued ahead that no unit used
+            if u.pending is not None:
+                u.pending[0].wait()
+                u.pending = None
+                u.free()
+        if self._running:
+            self._order, self._running = self._running, []
+        self._average_replicated()
+
+    def _replicated_grad(self, p, g):
+        self.reducer.begin()
+        if id(p) in self._fresh:
+            self._fresh[id(p)][0] += g
+        else:
+            self._fresh[id(p)] = [g.detach().clone(), p.grad is None]
+        return g
+
+    @torch.no_grad()
+    def _average_replicated(self) -> None:
+        """Average this backward's gradients of the replicated parameters (one all-reduce)."""
+        if not self.replicated:
+            return
+        fresh = [self._fresh.get(id(p), [torch.zeros_like(p), p.grad is None]) for p in self.replicated]
+        olds = [None if new else f.clone() for f, new in fresh]
+        all_reduce_coalesced([f for f, _ in fresh], self.comm, tag="replicated-grads",
+                             divide_by=self.comm.size)
+        for p, (avg, _), old in zip(self.replicated, fresh, olds):
+            if old is None or p.grad is None:
+                p.grad = avg
+            else:
+                p.grad.add_(avg - old)
+        self._fresh.clear()
 
     def _launch(self, slot):
         u = self._sharded[slot.index]
-        slot.out = torch.empty_like(u.shard)
+        slot.out = torch.empty(u.shard.numel(), dtype=slot.buffer.dtype, device=u.shard.device)
         return self.comm.reduce_scatter(slot.out, slot.buffer, async_op=True,
                                         tag=f"grad-unit{u.index}")
 
     def _finish(self, slot) -> None:
-        """Add the averaged gradient shard into ``shard.grad``."""
+        """Add the averaged gradient shard into the shards' ``.grad``."""
         u = self._sharded[slot.index]
-        u.shard.grad = slot.out if u.shard.grad is None else u.shard.grad.add_(slot.out)
+        self._event(u, "reduce_scatter", slot.launched_at, slot.work.end)
+        u.shard_grad(slot.out)
 
     # -- full parameters -----------------------------------------------------------------------------
 
     @torch.no_grad()
     def full_state_dict(self) -> dict:
-        """The whole model's state_dict (cloned), gathered on every rank (a collective: every rank
-        must call it)."""
+        """The whole model's state_dict (cloned, in the shards' dtype), gathered on every rank (a
+        collective: every rank must call it)."""
+        where = {id(q): (u, i) for u in self._sharded for i, q in enumerate(u.sharded)}
+        full = {}
         for u in self._sharded:
-            self._acquire(u)
-        state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-        for u in self._sharded:
-            self._release(u)
-        return state
+            flat = torch.empty(u.layout.total, dtype=u.shard.dtype, device=u.shard.device)
+            self.comm.all_gather(flat, u.shard, tag=f"state-unit{u.index}")
+            full[u.index] = u.layout.views(flat)
+        out = {}
+        for k, v in self.module.state_dict(keep_vars=True).items():
+            if id(v) in where:
+                u, i = where[id(v)]
+                out[k] = full[u.index][i].clone()
+            else:
+                out[k] = v.detach().clone()
+        return out
 
     def is_gathered_parameter(self, t: torch.Tensor) -> bool:
         """True if ``t`` shares storage with a gathered unit (the activation meter skips those)."""
         ptr = t.untyped_storage().data_ptr()
-        return any(u.refs > 0 and u.full.untyped_storage().data_ptr() == ptr
+        return any(u.full.untyped_storage().nbytes() and u.full.untyped_storage().data_ptr() == ptr
                    for u in self._sharded)
 
     def layouts(self) -> list[FlatUnit]:
@@ -228,6 +432,10 @@ class FullyShardedDataParallel(nn.Module):
     def memory_tensors(self) -> tuple[dict, list]:
         shards = self.sharded_parameters()
         return {"parameters": shards, "gradients": [s.grad for s in shards]}, []
+
+    def hidden_fraction(self) -> float | None:
+        """The share of all-gather time (recorded timeline) hidden behind compute."""
+        return hidden_fraction(self.timeline or [])
 
 
 def _map_tensors(out, fn):

@@ -46,11 +46,15 @@ class Zero2Options(Buckets, Offload):
 # --------------------------------------------------------------------------------------------------
 
 
-def shard_state(module: nn.Module, units: list[tuple[FlatUnit, torch.Tensor]], rank: int) -> dict:
+def shard_state(module: nn.Module, units: list[tuple[FlatUnit, torch.Tensor]], rank: int,
+                aliases: dict | None = None) -> dict:
     """This rank's shard of each flat unit (``(layout, shard)`` pairs), described well enough to be
     put back together without the model: each unit's parameter names and shapes, which state_dict
-    key holds which parameter (tied ones share one), and, from rank 0, any state no unit holds."""
+    key holds which parameter (tied ones share one), and, from rank 0, any state no unit holds.
+    ``aliases`` (``{id(tensor): name}``) names the tensors registered in the parameters' place
+    (ZeRO-3's shards)."""
     ids = {id(p): name for layout, _ in units for p, name in zip(layout.params, layout.names)}
+    ids.update(aliases or {})
     keys, extra = {}, {}
     state = module.state_dict(keep_vars=True)  # the Parameter objects: no data is touched
     for key, value in state.items():
@@ -132,7 +136,8 @@ class _ZeroStrategy(DataParallel):
         return out
 
     def checkpoint_state(self) -> dict:
-        return {"model": shard_state(self.model, self.shards(), self.comm.rank),
+        aliases = self.wrapper.parameter_names() if self.stage == 3 else None
+        return {"model": shard_state(self.model, self.shards(), self.comm.rank, aliases),
                 "optimizer": self.shard_optimizer().state_dict()}
 
     @torch.no_grad()

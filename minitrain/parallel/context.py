@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ..comm import Comm
 
 __all__ = ["merge_attention", "block_attention", "RingAttention", "ring_attention",
-           "balanced_layout", "RingSelfAttention", "context_parallel_", "local_forward",
+           "balanced_layout", "contiguous_layout", "ring_work", "RingSelfAttention", "context_parallel_", "local_forward",
            "ring_bytes_per_layer"]
 
 
@@ -187,6 +187,20 @@ def local_forward(model: nn.Module, idx: torch.Tensor, positions: torch.Tensor,
         block.attn.positions = positions
         x = block(x)
     return model.head(x)
+
+
+def ring_work(positions: torch.Tensor) -> list[list[int]]:
+    """Unmasked (query, key) pairs rank r computes at ring step s (it holds rank r-s's block):
+    equal along each row and column for the balanced layout, lopsided for a contiguous one."""
+    n = positions.shape[0]
+    return [[int(_mask(positions[r], positions[(r - s) % n]).sum()) for s in range(n)]
+            for r in range(n)]
+
+
+def contiguous_layout(seq_len: int, n: int) -> tuple[int, torch.Tensor]:
+    """The naive split (rank r holds the r-th 1/N of the sequence), for comparison."""
+    padded = n * math.ceil(seq_len / n)
+    return padded, torch.arange(padded).view(n, -1)
 
 
 def ring_bytes_per_layer(batch: int, local_tokens: int, d_model: int, n: int,

@@ -58,6 +58,9 @@ class ContextParallel(Lockstep):
         if cfg.batch_size % dp:
             raise ConfigError(f"--batch-size {cfg.batch_size} does not split over --dp {dp}; "
                               f"use a multiple of {dp}")
+        if cfg.model.n_expert:
+            raise ConfigError("strategy 'context' runs dense models; for --model tiny-moe use "
+                              "--strategy expert")
         if cfg.model.seq_len < 2 * cp:
             raise ConfigError(f"seq_len {cfg.model.seq_len} is shorter than 2 x --cp {cp} chunks; "
                               f"use --seq-len {2 * cp} or more, or a smaller --cp")

@@ -21,17 +21,16 @@ __all__ = ["ContextOptions", "ContextParallel"]
 
 @dataclass(frozen=True)
 class ContextOptions(Options):
-    cp: int | None = option(None, "context-parallel ranks: each holds 1/cp of every sequence "
-                            "(default: world size / dp)", check=at_least(1))
-    dp: int | None = option(None, "data-parallel replicas beside the context-parallel ranks "
-                            "(default: 1)", check=at_least(1))
+    # the data-parallel axis beside it is world size / cp (a --dp flag waits for a record shared
+    # with 3d's --dp: the CLI takes one definition per flag)
+    cp: int | None = option(None, "context-parallel ranks: each holds 1/cp of every sequence; "
+                            "world size / cp data-parallel replicas beside them (default: the "
+                            "world size)", check=at_least(1))
 
 
 def _sizes(cfg: TrainConfig) -> tuple[int, int]:
-    o = cfg.options
-    dp = o.dp or (cfg.world_size // o.cp if o.cp else 1)
-    cp = o.cp or cfg.world_size // dp
-    return dp, cp
+    cp = cfg.options.cp or cfg.world_size
+    return cfg.world_size // cp, cp
 
 
 @register
@@ -42,7 +41,7 @@ class ContextParallel(Lockstep):
 
     name = "context"
     help = ("context parallel (ring attention): each sequence split over --cp ranks, load-balanced "
-            "for causal masking; --dp replicas beside")
+            "for causal masking; world/cp data-parallel replicas beside")
     options = ContextOptions
     seams = ("online_softmax_merge",)
     checkpointing = False  # recomputing a block would run its ring again; not supported
@@ -51,10 +50,11 @@ class ContextParallel(Lockstep):
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:
         dp, cp = _sizes(cfg)
-        if dp < 1 or cp < 1 or dp * cp != cfg.world_size:
-            raise ConfigError(f"--dp {cfg.options.dp or dp} x --cp {cfg.options.cp or cp} must "
-                              f"equal --world-size {cfg.world_size}; e.g. --cp {cfg.world_size} "
-                              "(and leave --dp out)")
+        if cfg.world_size % cp:
+            able = [k for k in range(1, cfg.world_size + 1) if cfg.world_size % k == 0]
+            raise ConfigError(f"--cp {cp} does not divide --world-size {cfg.world_size} (the "
+                              f"data-parallel replicas are world size / cp); use --cp "
+                              f"{', '.join(map(str, able))}")
         if cfg.batch_size % dp:
             raise ConfigError(f"--batch-size {cfg.batch_size} does not split over --dp {dp}; "
                               f"use a multiple of {dp}")

@@ -85,7 +85,7 @@ def test_expert_refusals():
 
 
 def test_expert_odd_world_size(clusters):
-    cfg = CFG.with_(steps=3, model=dataclasses.replace(MOE, n_expert=6, top_k=2))
+    cfg = CFG.with_(steps=3, batch_size=6, model=dataclasses.replace(MOE, n_expert=6, top_k=2))
     ref = train(cfg, return_state=True)
     run = train(cfg.with_(strategy="expert", world_size=3), cluster=clusters(3),
                 return_state=True)

@@ -271,7 +271,8 @@ class GPT(nn.Module):
         logits = self.head(x)
         if targets is None:
             return logits
-        return loss_fn(logits, targets) + self.aux_loss()
+        loss = loss_fn(logits, targets)
+        return loss + self.aux_loss() if self.cfg.n_expert else loss
 
     def aux_loss(self):
         """The MoE blocks' load-balancing losses times ``aux_loss_coef`` (0 for a dense model)."""

@@ -21,7 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["GPTConfig", "GPT", "Block", "PRESETS", "loss_fn"]
+__all__ = ["GPTConfig", "GPT", "Block", "PRESETS", "loss_fn", "MoE", "route", "expert_capacity",
+           "aux_loss_share"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,10 @@ class GPTConfig:
     d_model: int = 64
     d_ff: int | None = None
     tie_weights: bool = False
+    n_expert: int = 0  # > 0: every block's MLP is a mixture of this many experts (lesson 09)
+    top_k: int = 2  # experts per token
+    capacity_factor: float | None = None  # None: no token dropped; else cap = ceil(cf·tokens·k/E)
+    aux_loss_coef: float = 0.01  # weight of the load-balancing loss added to the loss
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
@@ -43,6 +48,8 @@ class GPTConfig:
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}: "
                              f"pick d_model as a multiple of n_head (e.g. {self.n_head * 16})")
+        if self.n_expert and not 1 <= self.top_k <= self.n_expert:
+            raise ValueError(f"top_k={self.top_k} must be between 1 and n_expert={self.n_expert}")
 
     @property
     def ff(self) -> int:
@@ -51,7 +58,10 @@ class GPTConfig:
     def num_params(self) -> int:
         """Parameter count from the shapes alone (equals ``GPT(cfg).num_params()``)."""
         d, ff, v = self.d_model, self.ff, self.vocab_size
-        block = 2 * d + 3 * d * d + (d * d + d) + 2 * d + (d * ff + ff) + (ff * d + d)
+        mlp = (d * ff + ff) + (ff * d + d)
+        if self.n_expert:
+            mlp = self.n_expert * mlp + d * self.n_expert  # the experts and the router
+        block = 2 * d + 3 * d * d + (d * d + d) + 2 * d + mlp
         head = 2 * d + (0 if self.tie_weights else v * d)
         return v * d + self.seq_len * d + self.n_layer * block + head
 
@@ -64,6 +74,9 @@ PRESETS = {
     "nano": GPTConfig(n_layer=2, n_head=2, d_model=32, seq_len=16),
     "tiny": GPTConfig(),
     "small": GPTConfig(n_layer=6, n_head=6, d_model=192, seq_len=64),
+    # 4 experts of half the dense MLP's width, 2 per token: the FLOPs per token of "tiny", twice its
+    # MLP parameters
+    "tiny-moe": GPTConfig(n_expert=4, top_k=2, d_ff=128),
 }
 
 
@@ -101,13 +114,81 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
+def route(router: nn.Linear, x: torch.Tensor, k: int):
+    """Top-k routing of tokens ``x`` (n, d): ``(probs (n, E), experts (n·k,), gates (n·k,))``, the
+    assignments in token-major order (token 0's k experts, then token 1's...); the gates are the
+    chosen probabilities renormalised to sum to 1 per token."""
+    probs = F.softmax(router(x).float(), dim=-1)
+    top, experts = probs.topk(k, dim=-1)
+    gates = top / top.sum(-1, keepdim=True)
+    return probs, experts.reshape(-1), gates.reshape(-1).to(x.dtype)
+
+
+def expert_capacity(cfg: GPTConfig, tokens: int) -> int | None:
+    """How many assignments an expert takes per step (None: all), for ``tokens`` in the global
+    batch; the first ones in global token order are kept, the rest dropped (their MLP output is 0,
+    only the residual carries them)."""
+    if cfg.capacity_factor is None:
+        return None
+    return math.ceil(cfg.capacity_factor * tokens * cfg.top_k / cfg.n_expert)
+
+
+def aux_loss_share(probs: torch.Tensor, counts: torch.Tensor, tokens: int, k: int) -> torch.Tensor:
+    """This rank's share of the load-balancing loss E·Σ_e f_e·P_e (Fedus et al., 2021, "Switch
+    Transformers"): f_e, the fraction of the global batch's assignments routed to e, from the
+    global ``counts``; P_e, the mean router probability, summed over these tokens only and divided
+    by the global ``tokens`` — so the shares of all ranks add up to the loss."""
+    e = probs.shape[-1]
+    f = counts.to(probs.dtype) / (tokens * k)
+    return e * (f * probs.sum(0) / tokens).sum()
+
+
+class MoE(nn.Module):
+    """A mixture of ``n_expert`` MLPs replacing the block's MLP: a router sends each token to its
+    top-k experts (Shazeer et al., 2017, "Outrageously Large Neural Networks"), whose outputs are
+    summed weighted by the gates; with a capacity factor an expert takes only so many tokens
+    (Lepikhin et al., 2020, "GShard").  After each forward: ``aux_loss`` (load balance),
+    ``tokens_per_expert`` and ``dropped``."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.router = nn.Linear(cfg.d_model, cfg.n_expert, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg) for _ in range(cfg.n_expert))
+        self.aux_loss = self.tokens_per_expert = None
+        self.dropped = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        n, cfg = flat.shape[0], self.cfg
+        probs, experts, gates = route(self.router, flat, cfg.top_k)
+        tokens = torch.arange(n, device=x.device).repeat_interleave(cfg.top_k)
+        order = torch.argsort(experts, stable=True)  # grouped by expert, token order within
+        counts = torch.bincount(experts, minlength=cfg.n_expert)
+        cap = expert_capacity(cfg, n)
+        ys, self.dropped = [], 0
+        for e, rows in enumerate(flat[tokens[order]].split(counts.tolist())):
+            kept = rows if cap is None else rows[:cap]
+            y = self.experts[e](kept)
+            if kept.shape[0] < rows.shape[0]:
+                self.dropped += rows.shape[0] - kept.shape[0]
+                y = torch.cat([y, y.new_zeros(rows.shape[0] - kept.shape[0], y.shape[1])])
+            ys.append(y)
+        out = torch.zeros_like(flat).index_add_(0, tokens[order],
+                                                 torch.cat(ys) * gates[order].unsqueeze(-1))
+        self.aux_loss = aux_loss_share(probs, counts, n, cfg.top_k)
+        self.tokens_per_expert = counts.tolist()
+        return out.view_as(x)
+
+
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x)) (a :class:`MoE`
+    when ``n_expert`` > 0)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.ln1, self.attn = nn.LayerNorm(cfg.d_model), Attention(cfg)
-        self.ln2, self.mlp = nn.LayerNorm(cfg.d_model), MLP(cfg)
+        self.ln2, self.mlp = nn.LayerNorm(cfg.d_model), (MoE(cfg) if cfg.n_expert else MLP(cfg))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -188,7 +269,16 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         logits = self.head(x)
-        return logits if targets is None else loss_fn(logits, targets)
+        if targets is None:
+            return logits
+        loss = loss_fn(logits, targets)
+        return loss + self.aux_loss() if self.cfg.n_expert else loss
+
+    def aux_loss(self):
+        """The MoE blocks' load-balancing losses times ``aux_loss_coef`` (0 for a dense model)."""
+        if not self.cfg.n_expert:
+            return 0.0
+        return self.cfg.aux_loss_coef * sum(b.mlp.aux_loss for b in self.blocks)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, new_tokens: int, stop: int | None = None) -> torch.Tensor:

@@ -197,6 +197,9 @@ class Seams:
     row_parallel_linear: typing.Callable | None = None     # lesson 06
     loss_scale_update: typing.Callable | None = None       # lesson 07
     mesh_groups: typing.Callable | None = None             # (dp, pp, tp, axis) -> groups: lesson 08
+    online_softmax_merge: typing.Callable | None = None    # (out_a, lse_a, out_b, lse_b): lesson 09
+    all_to_all_dispatch: typing.Callable | None = None     # (output, input, out_splits, in_splits,
+    #                                                         comm): MoE token dispatch, lesson 09
 
     @classmethod
     def of(cls, seams) -> "Seams":

@@ -1,0 +1,150 @@
+"""Expert parallelism: the experts of every MoE block spread over the ranks, tokens dispatched to
+them and combined back with all-to-all (lesson 09).
+
+GShard (Lepikhin et al., 2020, "GShard: Scaling Giant Models with Conditional Computation and
+Automatic Sharding") and Switch Transformers (Fedus et al., 2021): each rank routes its own tokens
+(the dense parts are data-parallel), sends every (token, expert) assignment to the rank that owns
+the expert, the owner runs its experts and sends the results back.  Both exchanges are an
+all-to-all with uneven splits, written here from point-to-point sends
+(:func:`all_to_all`); ``torch.distributed.all_to_all_single`` is the reference.  The capacity rule
+is applied by the owner, to the assignments in global token order — the rule one process applies.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..comm import Comm
+from ..model import MoE, aux_loss_share, expert_capacity, route
+
+__all__ = ["all_to_all", "all_to_all_reference", "AllToAll", "ExpertParallelMoE",
+           "expert_parallel_", "expert_owner", "all_to_all_bytes"]
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
+               input_splits: list[int], comm: Comm, tag: str = "all_to_all") -> torch.Tensor:
+    """Rank r sends rows ``input[sum(input_splits[:p]) : ...+input_splits[p]]`` to every rank p and
+    receives rank p's rows for it into ``output`` at ``sum(output_splits[:p])`` — from isend/irecv,
+    every transfer posted at once; its own rows copied.  Returns ``output``."""
+    r = comm.rank
+    ins, outs = input.split(input_splits), output.split(output_splits)
+    works = []
+    for step in range(1, comm.size):  # a shifted order, so no rank waits on one peer first
+        dst, src = (r + step) % comm.size, (r - step) % comm.size
+        if input_splits[dst]:
+            works.append(comm.isend(ins[dst].contiguous(), dst, tag=tag, channel=4))
+        if output_splits[src]:
+            works.append(comm.irecv(outs[src], src, tag=tag, channel=4))
+    outs[r].copy_(ins[r])
+    for w in works:
+        w.wait()
+    return output
+
+
+def all_to_all_reference(output, input, output_splits, input_splits, comm: Comm, tag=""):
+    """``torch.distributed.all_to_all_single``: the library's all-to-all (what :func:`all_to_all`
+    is checked and timed against)."""
+    dist.all_to_all_single(output, input.contiguous(), output_splits, input_splits,
+                           group=comm.group)
+    return output
+
+
+class AllToAll(torch.autograd.Function):
+    """All-to-all as an autograd op: backward is the all-to-all with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, comm, fn, tag):
+        ctx.splits, ctx.comm, ctx.fn, ctx.tag = (output_splits, input_splits), comm, fn, tag
+        out = x.new_empty(sum(output_splits), *x.shape[1:])
+        return fn(out, x.contiguous(), output_splits, input_splits, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        back = grad.new_empty(sum(input_splits), *grad.shape[1:])
+        back = ctx.fn(back, grad.contiguous(), input_splits, output_splits, ctx.comm)
+        return back, None, None, None, None, None
+
+
+def expert_owner(n_expert: int, ep: int) -> list[int]:
+    """Which rank owns each expert: contiguous groups of ``n_expert / ep``."""
+    return [e // (n_expert // ep) for e in range(n_expert)]
+
+
+class ExpertParallelMoE(nn.Module):
+    """A :class:`~minitrain.model.MoE` whose experts live on their owners: the same router and
+    the local experts under the same names (``experts.<e>``), this rank's tokens in and out.
+
+    ``dispatch``: the all-to-all function (the seam; default :func:`all_to_all`).  ``tokens``: the
+    global batch's token count (for the capacity and the load-balancing loss)."""
+
+    def __init__(self, moe: MoE, comm: Comm, tokens: int, dispatch=None):
+        super().__init__()
+        self.cfg, self.comm, self.tokens = moe.cfg, comm, tokens
+        self.dispatch = dispatch or all_to_all
+        self.owner = expert_owner(self.cfg.n_expert, comm.size)
+        self.local = [e for e, o in enumerate(self.owner) if o == comm.rank]
+        self.router = moe.router
+        self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in self.local})
+        self.aux_loss = self.tokens_per_expert = None
+        self.dropped = 0
+        self.rows_moved = 0  # rows this rank sent to other ranks in forwards so far (x2 with backward)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        cfg, comm, n = self.cfg, self.comm, flat.shape[0]
+        probs, experts, gates = route(self.router, flat, cfg.top_k)
+        tokens = torch.arange(n, device=x.device).repeat_interleave(cfg.top_k)
+        order = torch.argsort(experts, stable=True)
+        counts = torch.bincount(experts, minlength=cfg.n_expert)
+        every = counts.new_empty(comm.size * cfg.n_expert)  # rows per (source rank, expert)
+        comm.all_gather(every, counts, tag="moe counts")
+        every = every.view(comm.size, cfg.n_expert)
+        to_rank = [int(counts[self.local_of(p)].sum()) for p in range(comm.size)]
+        from_rank = [int(every[p, self.local].sum()) for p in range(comm.size)]
+        got = AllToAll.apply(flat[tokens[order]], from_rank, to_rank, comm, self.dispatch,
+                             "moe dispatch")
+        # got: by source rank, then by expert, token order within; one expert's rows over all
+        # sources in rank order are its assignments in global token order
+        per_source = [seg.split(every[p, self.local].tolist())
+                      for p, seg in enumerate(got.split(from_rank))]
+        cap = expert_capacity(cfg, self.tokens)
+        outs = [[None] * len(self.local) for _ in range(comm.size)]
+        self.dropped = 0
+        for i, e in enumerate(self.local):
+            rows = torch.cat([per_source[p][i] for p in range(comm.size)])
+            kept = rows if cap is None else rows[:cap]
+            y = self.experts[str(e)](kept)
+            if kept.shape[0] < rows.shape[0]:
+                self.dropped += rows.shape[0] - kept.shape[0]
+                y = torch.cat([y, y.new_zeros(rows.shape[0] - kept.shape[0], y.shape[1])])
+            for p, part in enumerate(y.split(every[:, e].tolist())):
+                outs[p][i] = part
+        back_in = torch.cat([t for row in outs for t in row]) if got.shape[0] else got
+        back = AllToAll.apply(back_in, to_rank, from_rank, comm, self.dispatch, "moe combine")
+        out = torch.zeros_like(flat).index_add_(0, tokens[order],
+                                                 back * gates[order].unsqueeze(-1))
+        total = every.sum(0)
+        self.aux_loss = aux_loss_share(probs, total, self.tokens, cfg.top_k)
+        self.tokens_per_expert = total.tolist()
+        self.rows_moved += sum(to_rank) - to_rank[comm.rank] + sum(from_rank) - from_rank[comm.rank]
+        return out.view_as(x)
+
+    def local_of(self, rank: int) -> list[int]:
+        return [e for e, o in enumerate(self.owner) if o == rank]
+
+
+def expert_parallel_(model: nn.Module, comm: Comm, tokens: int, dispatch=None) -> nn.Module:
+    """Swap every MoE block for :class:`ExpertParallelMoE` in place (the experts this rank does not
+    own are dropped; state_dict names of the rest unchanged); returns the model."""
+    for block in model.blocks:
+        block.mlp = ExpertParallelMoE(block.mlp, comm, tokens, dispatch)
+    return model
+
+
+def all_to_all_bytes(tokens_local: int, k: int, d_model: int, ep: int, itemsize: int = 4) -> float:
+    """Expected bytes one rank sends per MoE layer per step with uniform routing: forward dispatch
+    and combine, backward the same two — each (ep-1)/ep of its tokens·k rows of d values."""
+    return 4 * tokens_local * k * d_model * itemsize * (ep - 1) / ep

@@ -19,7 +19,6 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..comm import Comm
 

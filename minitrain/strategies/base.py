@@ -31,7 +31,7 @@ from ..model import GPT, GPTConfig, PRESETS
 from ..precision import PRECISIONS, DynamicLossScaler, MixedPrecisionOptimizer, cast_model_
 from .portable import from_optimizer_state, to_optimizer_state
 
-__all__ = ["ConfigError", "TrainConfig", "Options", "NoOptions", "option", "positive",
+__all__ = ["ConfigError", "TrainConfig", "Options", "NoOptions", "Replicas", "option", "positive",
            "at_least", "Seams", "Strategy", "Lockstep", "FreeRunning", "register", "get_strategy",
            "strategy_names", "check_common", "option_fields"]
 
@@ -107,6 +107,14 @@ class Options:
 @dataclass(frozen=True)
 class NoOptions(Options):
     """A strategy without options of its own."""
+
+
+@dataclass(frozen=True)
+class Replicas(Options):
+    """The data-parallel axis beside a model-parallel one (3d, context)."""
+
+    dp: int | None = option(None, "data-parallel replicas beside the other axes (default: the "
+                            "world size divided by the other axes)", check=at_least(1))
 
 
 def option_fields(cls: type[Options]) -> list[tuple[dataclasses.Field, type]]:

@@ -14,23 +14,21 @@ from ..comm import all_reduce_coalesced
 from ..memory import ActivationMeter
 from ..parallel.context import (balanced_layout, context_parallel_, contiguous_layout,
                                 local_forward, ring_bytes_per_layer, ring_work)
-from .base import ConfigError, Lockstep, Options, TrainConfig, at_least, option, register
+from .base import ConfigError, Lockstep, Replicas, TrainConfig, at_least, option, register
 
 __all__ = ["ContextOptions", "ContextParallel"]
 
 
 @dataclass(frozen=True)
-class ContextOptions(Options):
-    # the data-parallel axis beside it is world size / cp (a --dp flag waits for a record shared
-    # with 3d's --dp: the CLI takes one definition per flag)
-    cp: int | None = option(None, "context-parallel ranks: each holds 1/cp of every sequence; "
-                            "world size / cp data-parallel replicas beside them (default: the "
-                            "world size)", check=at_least(1))
+class ContextOptions(Replicas):
+    cp: int | None = option(None, "context-parallel ranks: each holds 1/cp of every sequence "
+                            "(default: world size / dp)", check=at_least(1))
 
 
 def _sizes(cfg: TrainConfig) -> tuple[int, int]:
-    cp = cfg.options.cp or cfg.world_size
-    return cfg.world_size // cp, cp
+    o = cfg.options
+    cp = o.cp or cfg.world_size // (o.dp or 1)
+    return o.dp or max(1, cfg.world_size // cp), cp
 
 
 @register
@@ -55,6 +53,9 @@ class ContextParallel(Lockstep):
             raise ConfigError(f"--cp {cp} does not divide --world-size {cfg.world_size} (the "
                               f"data-parallel replicas are world size / cp); use --cp "
                               f"{', '.join(map(str, able))}")
+        if dp * cp != cfg.world_size:
+            raise ConfigError(f"--dp {dp} x --cp {cp} = {dp * cp} ranks but --world-size is "
+                              f"{cfg.world_size}; make them equal (or give only one of --dp, --cp)")
         if cfg.batch_size % dp:
             raise ConfigError(f"--batch-size {cfg.batch_size} does not split over --dp {dp}; "
                               f"use a multiple of {dp}")

@@ -29,7 +29,7 @@ from ..parallel.schedules import (bubble_fraction, bubble_formula, make_schedule
 from ..parallel.tensor_gpt import (TensorParallelParts, all_reduce_sequence_parallel_grads,
                                    tag_collectives)
 from ..parallel.zero import ZeroRedundancyOptimizer
-from .base import ConfigError, Lockstep, Options, TrainConfig, at_least, option, register
+from .base import ConfigError, Lockstep, Replicas, TrainConfig, at_least, option, register
 from .pipeline import ScheduleOptions, check_pipeline, merge_stages, schedule_shape
 from .tensor import (TensorOptions, check_tensor_parallel, comm_per_layer, full_state_dict,
                      merge_checkpoints, shard_checkpoint)
@@ -38,9 +38,7 @@ __all__ = ["MeshOptions", "ThreeDOptions", "ThreeD", "mesh_shape", "bytes_by_gro
 
 
 @dataclass(frozen=True)
-class MeshOptions(Options):
-    dp: int | None = option(None, "data-parallel replicas (default: world size / (pp * tp))",
-                            check=at_least(1))
+class MeshOptions(Replicas):
     pp: int | None = option(None, "pipeline stages of the 3D mesh (default: 1)", check=at_least(1))
     zero_stage: int = option(1, "1 shards Adam's states over the dp ranks (ZeRO-1); 0 all-reduces "
                              "the gradients", choices=(0, 1))

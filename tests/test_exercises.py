@@ -14,8 +14,16 @@ from minitrain.exercises import PLACEHOLDER, build_exercise, check, normalise, p
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_lessons_are_generated_from_the_solutions_and_up_to_date():
+def test_lessons_are_generated_from_the_solutions_and_up_to_date(capsys):
     assert exercises.main(["build", "--check"]) == 0, "run: python -m minitrain.exercises build"
+    stale = ROOT / "solutions" / "00_why_one_device_is_not_enough.ipynb"
+    text = stale.read_text()
+    try:  # the check must be able to fail: a solution edited without a build is caught
+        stale.write_text(text.replace("Lesson 00", "Lesson 00 (edited)", 1))
+        assert exercises.main(["build", "--check"]) == 1
+        assert "out of date" in capsys.readouterr().out
+    finally:
+        stale.write_text(text)
     names = sorted(p.name for p in (ROOT / "solutions").glob("[0-9]*.ipynb"))
     assert names == sorted(p.name for p in (ROOT / "lessons").glob("[0-9]*.ipynb"))
     assert len(names) >= 2
@@ -281,7 +289,35 @@ class ColumnBlank(torch.autograd.Function):
         ...  # YOUR CODE HERE
 
 
+class ColumnNone(torch.autograd.Function):  # written, but returns nothing
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm):
+        ctx.save_for_backward(x)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return None, None, None, None
+
+
 def test_column_parallel_linear_checker():
     assert problem("column_parallel_linear", ColumnRight) is None
     assert "sum it over the ranks" in problem("column_parallel_linear", ColumnWithoutTheSum)
-    assert "forward returned NoneType" in problem("column_parallel_linear", ColumnBlank)
+    assert problem("column_parallel_linear", ColumnBlank).startswith("not written yet: ColumnBlank")
+    assert "forward returned NoneType" in problem("column_parallel_linear", ColumnNone)
+
+
+def test_a_blank_exercise_says_not_written_yet_and_an_error_names_the_learners_line():
+    from minitrain.exercises import CHECKS
+
+    def blank_bytes(psi, n, stage):
+        ...  # YOUR CODE HERE
+
+    for name in CHECKS:  # every exercise, before its checker runs anything
+        assert problem(name, blank_bytes).startswith("not written yet: blank_bytes still has")
+
+    def broken_bytes(psi, n, stage):
+        per_param = {0: 16}
+        return psi * per_param[stage]
+
+    message = problem("zero_bytes_per_device", broken_bytes)
+    assert "raised KeyError: 1" in message and "line 3 of your broken_bytes: return psi * per_param[stage]" in message

@@ -47,7 +47,7 @@ def test_a_solved_notebook_passes(gradebook):
 def test_a_blank_notebook_fails_with_the_checkers_reason(gradebook):
     row = gradebook[0]["00_bob.ipynb"]
     assert row["status"] == "graded" and row["passed"] == "0/1"
-    assert row["zero_bytes_per_device"].startswith("fail: ") and "returned None" in row["zero_bytes_per_device"]
+    assert row["zero_bytes_per_device"].startswith("fail: not written yet: zero_bytes_per_device")
 
 
 def test_a_stuck_notebook_is_stopped_at_its_time_limit(tmp_path):

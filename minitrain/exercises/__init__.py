@@ -1,0 +1,32 @@
+"""Exercise checkers for the lessons (one module per lesson), and the tool that writes the learners'
+notebooks from the solutions (:mod:`.build`).
+
+How an exercise works (lessons 00–08):
+
+* the learner writes a function in an exercise cell;
+* the next cell, marked ``# NBVAL_CHECK_OUTPUT``, calls ``check("name", their_function)``, which runs
+  the checker and prints one fixed line: the pass verdict, or a line starting with ``✗`` that says
+  what is wrong (it never raises, so "Run All" goes on through the rest of the lesson, which uses the
+  package's own implementation);
+* ``pytest --nbval-lax`` compares that cell's output with the stored pass verdict: a blank or wrong
+  exercise fails there, a correct one passes.
+
+One source of truth: the teacher's notebooks in ``solutions/`` hold the answers between
+``# BEGIN SOLUTION`` and ``# END SOLUTION`` lines.  ``python -m minitrain.exercises build`` writes
+``lessons/`` from them, replacing each answer by a placeholder, stripping outputs (no widget state,
+no images) and storing the pass verdict as the check cells' expected output.  ``--check`` only
+verifies that ``lessons/`` is up to date (a test runs it).
+"""
+
+from . import (lesson00, lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07,
+               lesson08)
+from .build import build_exercise, main, normalise
+from .core import (BEGIN, CHECK_MARK, CHECKS, END, PLACEHOLDER, blank, check, exercise, problem,
+                   raised, ranks, release, verdict)
+
+__all__ = ["check", "problem", "verdict", "CHECKS", "build_exercise", "normalise", "main",
+           "exercise", "ranks", "release", "blank", "raised", "PLACEHOLDER", "CHECK_MARK",
+           "BEGIN", "END"]
+
+#: the lessons whose import registers their exercises in CHECKS
+LESSONS = (lesson00, lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07, lesson08)

@@ -1,0 +1,98 @@
+"""``python -m minitrain.exercises build``: the learners' notebooks in ``lessons/`` written from the
+teacher's in ``solutions/`` (answers replaced by a placeholder, outputs stripped, the pass verdicts
+stored as the check cells' expected output); ``--check`` only says whether ``lessons/`` is up to date."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from pathlib import Path
+
+from .core import BEGIN, CHECK_MARK, CHECKS, END, PLACEHOLDER, verdict
+
+
+def _strip_solution(source: str) -> str:
+    out, inside = [], False
+    for line in source.splitlines(keepends=True):
+        stripped = line.strip()
+        if stripped == BEGIN:
+            if inside:
+                raise ValueError(f"nested {BEGIN!r}")
+            inside = True
+            indent = line[: len(line) - len(line.lstrip())]
+            out.append(f"{indent}{PLACEHOLDER}\n")
+        elif stripped == END:
+            if not inside:
+                raise ValueError(f"{END!r} without {BEGIN!r}")
+            inside = False
+        elif not inside:
+            out.append(line)
+    if inside:
+        raise ValueError(f"{BEGIN!r} without {END!r}")
+    return "".join(out).rstrip("\n")
+
+
+def _check_name(source: str) -> str | None:
+    if not source.lstrip().startswith(CHECK_MARK):
+        return None
+    for name in CHECKS:
+        if f'check("{name}"' in source:
+            return name
+    raise ValueError(f"a {CHECK_MARK} cell must call check(\"<exercise>\", ...):\n{source}")
+
+
+def normalise(nb: dict) -> dict:
+    """Outputs stripped, except the check cells, which hold the pass verdict; no widget state."""
+    nb = copy.deepcopy(nb)
+    nb.get("metadata", {}).pop("widgets", None)
+    for cell in nb["cells"]:
+        cell.get("metadata", {}).pop("execution", None)
+        if cell["cell_type"] != "code":
+            continue
+        source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        name = _check_name(source)
+        cell["execution_count"] = None if name is None else 1  # nbval skips "unrun" cells
+        cell["outputs"] = [] if name is None else [
+            {"name": "stdout", "output_type": "stream", "text": [verdict(name) + "\n"]}]
+    return nb
+
+
+def build_exercise(solution: dict) -> dict:
+    """The learner's notebook: every answer replaced by a placeholder."""
+    nb = normalise(solution)
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+            if BEGIN in source or END in source:
+                cell["source"] = _strip_solution(source)
+    return nb
+
+
+def _dump(nb: dict) -> str:
+    return json.dumps(nb, indent=1, ensure_ascii=False, sort_keys=True) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    root = Path(__file__).resolve().parents[2]  # the repository: minitrain/exercises/build.py
+    parser = argparse.ArgumentParser(prog="python -m minitrain.exercises",
+                                     description="write lessons/ from solutions/")
+    parser.add_argument("command", choices=["build"])
+    parser.add_argument("--check", action="store_true",
+                        help="change nothing; exit 1 if lessons/ or solutions/ are out of date")
+    parser.add_argument("--solutions", type=Path, default=root / "solutions")
+    parser.add_argument("--lessons", type=Path, default=root / "lessons")
+    args = parser.parse_args(argv)
+    stale = []
+    for src in sorted(args.solutions.glob("[0-9]*.ipynb")):
+        solution = json.loads(src.read_text())
+        targets = {src: _dump(normalise(solution)),
+                   args.lessons / src.name: _dump(build_exercise(solution))}
+        for path, text in targets.items():
+            if not path.exists() or path.read_text() != text:
+                stale.append(path)
+                if not args.check:
+                    path.write_text(text)
+    for path in stale:
+        print(("out of date: " if args.check else "wrote ") + str(path))
+    return 1 if (args.check and stale) else 0

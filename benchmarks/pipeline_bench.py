@@ -40,7 +40,8 @@ from minitrain import PRESETS, Cluster, GPT
 from minitrain.benchmarking import alternate
 from minitrain.data import ArithmeticData
 from minitrain.model import GPTConfig, loss_fn
-from minitrain.parallel.schedules import bubble_formula, bubble_fraction, split_layers
+from minitrain.parallel.schedules import (Action, as_action, bubble_formula, bubble_fraction, dependencies,
+                                          split_layers)
 
 #: the presets, plus one deep enough for 4 stages whose compute dominates the point-to-point traffic
 MODELS = {**PRESETS, "8x256": GPTConfig(n_layer=8, n_head=8, d_model=256, seq_len=64)}
@@ -174,6 +175,57 @@ def step_times(model: str, schedule: str, microbatches: int, batch: int, steps: 
     return {k: {"times": v["times"], "losses": [loss for loss, _ in v["results"]],
                 "timelines": [tl for _, tl in v["results"][warmup:]]} for k, v in out.items()}
 
+def replay(timeline: list[dict], durations=None) -> list[dict]:
+    """The same ranks running the same actions in the same order with messages that take no time:
+    each action starts once its rank is free and what it needs (:func:`dependencies`) has ended.
+    ``durations(entry) -> seconds`` (default: the entry's own measured span).  The bubble of the
+    replay is what the durations alone give; measured minus replay is what communication (waiting
+    for a message longer than for the action that sends it) added."""
+    rows: dict[int, list] = {}
+    for e in sorted(timeline, key=lambda e: e["start"]):
+        rows.setdefault(e["rank"], []).append(e)
+    acts = {as_action(e["action"]) for e in timeline}
+    n_stages = 1 + max(a.stage for a in acts)
+    length = durations or (lambda e: e["end"] - e["start"])
+    pos, free, end, out = dict.fromkeys(rows, 0), dict.fromkeys(rows, 0.0), {}, []
+    progress = True
+    while progress:
+        progress = False
+        for r, row in rows.items():
+            while pos[r] < len(row):
+                e = row[pos[r]]
+                a = as_action(e["action"])
+                backward = "I" if Action("I", a.microbatch, a.stage + 1) in acts else "B"
+                deps = [d for d in dependencies(a, n_stages, backward) if d in acts]
+                if any(d not in end for d in deps):
+                    break
+                start = max([free[r]] + [end[d] for d in deps])
+                end[a] = free[r] = start + length(e)
+                out.append({"rank": r, "action": a, "start": start, "end": end[a]})
+                pos[r] += 1
+                progress = True
+    return out
+
+
+def bubble_parts(timeline: list[dict], stages: int) -> dict:
+    """The measured bubble taken apart: ``even`` = the replay with every action of one kind on one
+    rank at that rank's median for the kind (the stages' imbalance, beside the formula's equal
+    stages), ``replay`` = the replay with each action's own duration (+ jitter), ``measured``
+    (+ communication on the critical path); ``unsent`` = the replay with each action's own duration
+    less the time its sends took to post (ours records it: ``isend`` copies into the socket in the
+    calling thread, so that part of communication is inside the sender's action)."""
+    med: dict[tuple, float] = {}
+    for (r, k) in {(e["rank"], str(e["action"])[0]) for e in timeline}:
+        med[r, k] = statistics.median(e["end"] - e["start"] for e in timeline
+                                      if e["rank"] == r and str(e["action"])[0] == k)
+    even = replay(timeline, lambda e: med[e["rank"], str(e["action"])[0]])
+    unsent = replay(timeline, lambda e: e["end"] - e["start"] - e.get("send", 0.0))
+    return {"even": bubble_fraction(even, stages),
+            "unsent": bubble_fraction(unsent, stages),
+            "replay": bubble_fraction(replay(timeline), stages),
+            "measured": bubble_fraction(timeline, stages)}
+
+
 def single_losses(model: str, batch: int, steps: int) -> list[float]:
     """The reference: one process, the whole model, Adam, the same batches."""
     cfg = MODELS[model]
@@ -219,7 +271,7 @@ def main() -> None:
               + " " + " ".join(f"{'span ' + k[:5]:>10s}" for k in kinds)
               + " " + " ".join(f"{'bubble ' + k[:5]:>13s}" for k in kinds) + f" {'formula':>8s}"
               + " " + " ".join(f"{'err ' + k[:5]:>9s}" for k in kinds))
-    rows = []
+    rows, apart = [], []
     for n in args.ranks:
         if n > cfg.n_layer:
             print(f"skipping {n} ranks: more stages than the {cfg.n_layer} blocks of {args.model}")
@@ -233,6 +285,7 @@ def main() -> None:
                     per = {k: [] for k in kinds}
                     bub = {k: [] for k in kinds}
                     span = {k: [] for k in kinds}
+                    parts = {k: [] for k in kinds}
                     err = {k: 0.0 for k in kinds}
                     for _ in range(args.rounds):
                         res = cluster.run(step_times, args.model, sched, m, args.batch_size,
@@ -242,6 +295,7 @@ def main() -> None:
                             for tls in zip(*(r[k]["timelines"] for r in res)):
                                 tl = [e for t in tls for e in t]
                                 bub[k].append(bubble_fraction(tl, n))
+                                parts[k].append(bubble_parts(tl, n))
                                 span[k].append(max(e["end"] for e in tl)
                                                - min(e["start"] for e in tl))
                             losses = res[-1][k]["losses"]
@@ -261,7 +315,26 @@ def main() -> None:
                     if len(rows) == 1:
                         print(header)
                     print(row, flush=True)
-    print("ratio = minitrain / PyTorch step time (target <= 1.05); span = first action start to "
+                    formula = bubble_formula(n, m)
+                    for k in kinds:
+                        p = {q: statistics.median(d[q] for d in parts[k]) for q in parts[k][0]}
+                        over = p["measured"] / formula - 1
+                        apart.append(f"{n:2d} {m:2d} {sched:8s} {k:9s} {formula:8.3f} "
+                                     f"{p['even']:8.3f} {p['unsent']:8.3f} {p['replay']:8.3f} "
+                                     f"{p['measured']:8.3f} "
+                                     f"{over:+8.1%} {'yes' if abs(over) <= 0.10 else 'no':>6s} "
+                                     f"{p['measured'] - p['replay']:+8.3f}")
+    print("\nthe bubble taken apart (medians over steps): formula = (P-1)/(M+P-1), equal stages; "
+          "the same actions replayed with instant messages: even = each action at its rank's median "
+          "for its kind (the stages' imbalance), unsent = each at its own duration less the time "
+          "its isend calls took inside it (ours records it; torch: = replay), replay = each at its "
+          "own duration (+ jitter); measured (+ waiting for messages: comm = measured - replay); "
+          "over = measured vs formula, goal within 10 %")
+    print(f"{'P':>2s} {'M':>2s} {'schedule':8s} {'impl':9s} {'formula':>8s} {'even':>8s} "
+          f"{'unsent':>8s} {'replay':>8s} {'measured':>8s} {'over':>8s} {'<=10%':>6s} {'comm':>8s}")
+    for line in apart:
+        print(line)
+    print("\nratio = minitrain / PyTorch step time (target <= 1.05); span = first action start to "
           "last action end (ms; the step adds the optimizer, barriers, splitting); bubble = "
           "1 - busy/(P*span) from the recorded actions, formula (P-1)/(M+P-1); err = max "
           "relative difference of the per-step losses from one process (fp32, target <= 1e-5)")

@@ -357,3 +357,42 @@ def test_1f1b_holds_at_most_p_micro_batches_gpipe_all_m(measured):
     assert gpipe["peak_in_flight"] == {0: 4, 1: 4} == gpipe["peak_in_flight_ideal"]
     # and the activation bytes held follow: GPipe's first stage holds 2x 1F1B's
     assert gpipe["activation_bytes_peak"] > 1.8 * one["activation_bytes_peak"]
+
+
+def _waits_and_messages(schedule: str, M: int):
+    """On each rank: one step of ``schedule`` on timed stages; (timeline, messages)."""
+    from minitrain.comm import Comm
+    from minitrain.data import ArithmeticData
+    from minitrain.model import GPT
+    from minitrain.parallel.pipeline import PipelineExecutor
+
+    comm, cfg = Comm(), GPTConfig(n_layer=4, n_head=2, d_model=32, seq_len=16)
+    stage = _TimedStage(GPT(cfg, seed=0), comm.rank, comm.size)
+    executor = PipelineExecutor({comm.rank: stage}, make_schedule(schedule, comm.size, M), comm, M,
+                                cfg.d_model)
+    x, y = ArithmeticData(cfg.seq_len, 0).batch(0, 2 * M)
+    executor.step(x, y)
+    return executor.timeline, executor.messages
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_timeline_says_where_a_rank_waited_and_for_which_message(clusters, schedule):
+    """Every action records when its rank turned to it (``ready``) and the seconds its sends took;
+    every message that ended a wait was posted before the wait ended (one host clock)."""
+    M = 4
+    res = clusters(2).run(_waits_and_messages, schedule, M)
+    timeline = [e for tl, _ in res for e in tl]
+    posted = {(m["grad"], m["microbatch"], m["stage"]): m for _, msgs in res for m in msgs}
+    assert len(posted) == 2 * M  # F0..3 activations to stage 1, B0..3 gradients to stage 0
+    assert all(m["posted"] <= m["returned"] for m in posted.values())
+    for e in timeline:
+        a = e["action"]
+        assert e["ready"] <= e["start"] <= e["end"] and e["send"] >= 0
+        needs = (False, a.microbatch, 1) if (a.kind, a.stage) == ("F", 1) else (
+            (True, a.microbatch, 0) if (a.kind, a.stage) == ("B", 0) else None)
+        if needs is not None and e["start"] - e["ready"] > 0.005:  # waited for its message
+            assert posted[needs]["posted"] <= e["start"], (str(a), e, posted[needs])
+    # the first forward on stage 1 waits for stage 0's (SLEEP_F), the last stage sends no activation
+    first = next(e for e in timeline if str(e["action"]) == "F0@s1")
+    assert first["start"] - first["ready"] >= 0.5 * SLEEP_F
+    assert all(e["send"] == 0 for e in timeline if e["action"].kind == "F" and e["action"].stage == 1)

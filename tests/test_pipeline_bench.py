@@ -25,3 +25,24 @@ def test_both_pipelines_equal_one_process(bench, clusters, schedule):
         timeline = [e for r in res for e in r[kind]["timelines"][0]]
         assert sorted(e["action"][0] for e in timeline) == ["B"] * 2 * M + ["F"] * 2 * M, kind
         assert 0 <= bench.bubble_fraction(timeline, 2) < 1
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_the_replay_of_an_ideal_timeline_is_itself(bench, schedule):
+    """Replaying a timeline with instant messages changes nothing when nothing waited for one:
+    the ideal (simulated) table's bubble is every part of the breakdown."""
+    from minitrain.parallel.schedules import make_schedule, simulate
+
+    ideal = simulate(make_schedule(schedule, 3, 6))
+    parts = bench.bubble_parts(ideal, 3)
+    assert parts["replay"] == pytest.approx(parts["measured"])
+    assert parts["unsent"] == pytest.approx(parts["measured"])
+    assert parts["even"] == pytest.approx(parts["measured"])
+    # a message that arrives late shows as communication: stage 1's first forward (and so all
+    # that follows it) starts half a unit late
+    late = [dict(e) for e in ideal]
+    t = next(e["start"] for e in ideal if str(e["action"]) == "F0@s1")
+    for e in late:
+        if e["start"] >= t:
+            e["start"], e["end"] = e["start"] + 0.5, e["end"] + 0.5
+    assert bench.bubble_parts(late, 3)["measured"] > bench.bubble_parts(late, 3)["replay"]

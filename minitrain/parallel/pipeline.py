@@ -166,13 +166,20 @@ _stage_step = stage_step  # the default, under a name PipelineExecutor's paramet
 class PipelineExecutor:
     """Runs this rank's row of ``table`` for one batch, and records what really happened.
 
-    Activations go to the next stage and their gradients back with non-blocking sends (handles kept,
-    waited at the end of the step); every receive the row needs is posted before the step starts
-    and waited where the action needs it.  ``timeline`` holds, after :meth:`step`, one
-    ``{"rank", "action", "start", "end"}`` per action: seconds after rank 0 left the barrier that
-    starts the step (one clock for all ranks of a host; ranks on different hosts have different
-    clocks, so there only each rank's own times compare); an action starts once its input has
-    arrived, so waiting counts as idle.
+    Activations go to the next stage and their gradients back with non-blocking sends, posted as
+    soon as the stage's output exists (handles kept; their buffers are never reused within a step,
+    so they are waited only at its end); every receive the row needs is posted, into its own
+    buffer, before the barrier that starts the step and waited where the action needs it — so a
+    send never waits for its receive to be posted (gloo's point-to-point is a rendezvous: the data
+    goes straight out only once the receiver's "ready" notice has arrived).  ``timeline`` holds,
+    after :meth:`step`, one ``{"rank", "action", "ready", "start", "end", "send"}`` per action:
+    seconds after rank 0 left that barrier (one clock for all ranks of a host; ranks on different
+    hosts have different clocks, so there only each rank's own times compare).  ``ready`` is when
+    the rank turned to the action, ``start`` when its input had arrived (``start - ready`` is the
+    wait for the message, counted as idle), ``send`` the seconds its sends took to post (inside
+    the action: gloo copies into the socket in the calling thread).  ``messages`` holds one
+    ``{"rank", "to", "grad", "microbatch", "stage", "posted", "returned"}`` per send (``stage``:
+    the receiving virtual stage), so a wait can be matched to the send that ended it.
 
     Micro-batches are ``torch.tensor_split`` of the batch (sizes may differ by one); micro-batch
     m's loss is weighted by its share of the batch, so the accumulated gradient and the summed loss
@@ -239,8 +246,14 @@ class PipelineExecutor:
         if dst == self.comm.rank:  # the next virtual stage lives here too (e.g. one rank)
             self.local[(not grad, m, stage)] = t
         else:
+            posted = time.perf_counter()
             work = self.comm.isend(t, dst, tag="pp", channel=self._channel(grad, m, stage))
+            returned = time.perf_counter()
             self.sends.append((work, t))
+            self.sending += returned - posted
+            self.messages.append({"rank": self.comm.rank, "to": dst, "grad": grad, "microbatch": m,
+                                  "stage": stage, "posted": posted - self.t0,
+                                  "returned": returned - self.t0})
 
     # -- the actions
 
@@ -294,14 +307,16 @@ class PipelineExecutor:
         self._post_receives([self.activation_shape(len(t), x.shape[1]) for t in self.xs], self.dtype)
         self.saved, self.local, self.sends, self.losses = {}, {}, [], []
         run = {"F": self._forward, "B": self._backward, "I": self._backward, "W": self._weights}
-        t0 = self._common_t0()
-        self.timeline = []
+        self.t0 = t0 = self._common_t0()
+        self.timeline, self.messages = [], []
         for a in self.row:
+            ready = time.perf_counter()
             inp = self._input(a)  # waiting for a message is idle time, not the action's
-            start = time.perf_counter()
+            start, self.sending = time.perf_counter(), 0.0
             run[a.kind](a, inp)
-            self.timeline.append({"rank": self.comm.rank, "action": a,
-                                  "start": start - t0, "end": time.perf_counter() - t0})
+            self.timeline.append({"rank": self.comm.rank, "action": a, "ready": ready - t0,
+                                  "start": start - t0, "end": time.perf_counter() - t0,
+                                  "send": self.sending})
         for work, _ in self.sends:
             work.wait()
         return self._global_loss()

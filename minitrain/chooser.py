@@ -54,6 +54,11 @@ reduce-scatter of the gradients per micro-batch — can hide behind a micro-batc
 device then needs F/(s·b) bytes per second (F its FLOP rate, s·b the tokens per micro-batch;
 the model size cancels).  Slower links are "slow".
 
+Beyond DP × PP × TP (lesson 09): a long sequence whose activations fit no layout gets context
+parallelism (ring attention) inside a node — the same search on nodes of devices_per_node/cp devices
+with sequences of seq_len/cp tokens —, and a mixture-of-experts model (``ModelSpec.experts``) is priced
+on its active parameters and gets an expert-parallel degree; both add their reasons.
+
 Everything here is arithmetic on the inputs; nothing runs.  ``minitrain.viz.chooser`` puts it
 behind controls.
 """
@@ -94,12 +99,25 @@ SCENARIOS = {
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A transformer's size: parameters Ψ, layers, hidden size h, attention heads a."""
+    """A transformer's size: parameters Ψ, layers, hidden size h, attention heads a; for a
+    mixture of experts, ``experts`` per MoE layer, ``top_k`` of them per token, and
+    ``expert_params``, the parameters inside all the experts (part of Ψ)."""
 
     params: float
     layers: int
     hidden: int
     heads: int
+    experts: int = 0
+    top_k: int = 1
+    expert_params: float = 0.0
+
+    @property
+    def active_params(self) -> float:
+        """Parameters a token passes through (6 × this FLOPs per token): Ψ, less the experts it
+        is not routed to."""
+        if self.experts <= 1:
+            return self.params
+        return self.params - self.expert_params * (1 - self.top_k / self.experts)
 
     @property
     def layer_params(self) -> float:
@@ -226,6 +244,20 @@ class Recommendation:
     best: Candidate | None
     alternatives: list[Candidate]
     candidates: list[Candidate]
+    cp: int = 1  # context-parallel degree (lesson 09): > 1 when a sequence's activations fit no device
+    ep: int = 1  # expert-parallel degree (lesson 09): > 1 for a mixture of experts
+
+    def strategy(self) -> str | None:
+        """The ``--strategy`` that runs it: ``context`` when CP is needed on a DP-only layout,
+        ``expert`` for a mixture of experts on one; otherwise the layout's."""
+        if self.layout is None:
+            return None
+        plain = self.layout.strategy()
+        if plain in ("single", "ddp") and self.cp > 1:
+            return "context"
+        if plain in ("single", "ddp") and self.ep > 1:
+            return "expert"
+        return plain
 
     def rejected(self) -> dict[str, int]:
         """How many layouts each rule rejected (the reason's first clause)."""
@@ -239,7 +271,8 @@ class Recommendation:
     def to_dict(self) -> dict:
         return {"layout": asdict(self.layout) if self.layout else None,
                 "text": str(self.layout) if self.layout else None,
-                "strategy": self.layout.strategy() if self.layout else None,
+                "strategy": self.strategy(),
+                "cp": self.cp, "ep": self.ep,
                 "scenario": self.scenario, "situation": SCENARIOS[self.scenario][0],
                 "advice": self.advice, "reasons": self.reasons,
                 "best": self.best.to_dict() if self.best else None,
@@ -262,6 +295,11 @@ def _check_inputs(model: ModelSpec, hw: Hardware, job: Workload) -> None:
                         ("inter_node_gbps", hw.inter_node_gbps), ("device_tflops", hw.device_tflops)):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}; give the real size")
+    if model.experts < 0 or model.experts == 1 or (model.experts and not (
+            1 <= model.top_k <= model.experts and 0 < model.expert_params < model.params)):
+        raise ValueError(f"a mixture of experts needs experts >= 2, 1 <= top_k <= experts and "
+                         f"0 < expert_params < params; got experts={model.experts}, "
+                         f"top_k={model.top_k}, expert_params={model.expert_params:g}")
     if model.hidden % model.heads:
         raise ValueError(f"hidden={model.hidden} is not divisible by heads={model.heads}; use a "
                          f"hidden size that is a multiple of the heads (e.g. {model.heads * 128})")
@@ -322,7 +360,7 @@ def _comm_and_time(model: ModelSpec, hw: Hardware, job: Workload, layout: Layout
             else (hw.intra_node_gbps * 1e9, hw.latency_intra_s) for k in spans}
     dp, pp, tp = layout.dp, layout.pp, layout.tp
     tokens_mb = job.seq_len * job.micro_batch
-    compute_mb = 6 * model.params / (tp * pp) * tokens_mb / (hw.device_tflops * 1e12)
+    compute_mb = 6 * model.active_params / (tp * pp) * tokens_mb / (hw.device_tflops * 1e12)
     if layout.recompute:
         compute_mb *= 4 / 3  # one more forward
     compute = compute_mb * m
@@ -479,7 +517,86 @@ def _offload_last(cands: list[Candidate]) -> None:
 
 
 def choose(model: ModelSpec, hw: Hardware, job: Workload = Workload()) -> Recommendation:
-    """Recommend a layout for training ``model`` on ``hw`` with ``job``, and say why."""
+    """Recommend a layout for training ``model`` on ``hw`` with ``job``, and say why.
+
+    Beyond DP × PP × TP (lesson 09): when no layout fits because one micro-batch's activations
+    are too large — a long sequence — context parallelism over ``cp`` devices of a node is tried
+    (each holds seq_len/cp tokens: the problem becomes the same one on nodes of
+    devices_per_node/cp devices, with sequences of seq_len/cp); a mixture of experts gets an
+    expert-parallel degree ``ep``.  Both say why in ``reasons``."""
+    rec = _choose(model, hw, job)
+    if rec.layout is None:
+        rec = _with_context_parallel(model, hw, job, rec)
+    if model.experts > 1 and rec.layout is not None:
+        _with_expert_parallel(model, hw, job, rec)
+    return rec
+
+
+def _with_context_parallel(model, hw, job, rec: Recommendation) -> Recommendation:
+    """The smallest cp (dividing the node and the sequence) with which a layout fits, or ``rec``."""
+    smallest = min((c for c in rec.candidates if c.memory), key=lambda c: c.memory["total"],
+                   default=None)
+    if smallest is None or smallest.memory["activations"] <= smallest.memory["total"] / 2:
+        return rec  # not the sequence's fault: the states do not fit
+    for cp in _divisors(hw.devices_per_node)[1:]:
+        if job.seq_len % cp:
+            continue
+        sub_hw = Hardware(**{**asdict(hw), "devices_per_node": hw.devices_per_node // cp})
+        sub_job = Workload(job.seq_len // cp, job.global_batch, job.micro_batch, job.recipe)
+        sub = _choose(model, sub_hw, sub_job)
+        if sub.layout is None:
+            continue
+        lay, m = sub.layout, sub.best.comm["microbatches"]
+        local = job.seq_len // cp
+        ring = (3 * cp - 2) * 2 * local * job.micro_batch * model.hidden * BYTES_16
+        ring_step = ring * math.ceil(model.layers / lay.pp) * m
+        why = [f"long sequence: with {job.seq_len:,} tokens per sequence no DP × PP × TP layout "
+               f"fits — the smallest needs {_gb(smallest.memory['total'])} per device, "
+               f"{_gb(smallest.memory['activations'])} of it activations ({smallest.layout})",
+               f"context parallelism (ring attention, --cp {cp}): each of {cp} devices of a node "
+               f"holds {local:,} tokens of every sequence, so its activations are those of a "
+               f"{local:,}-token sequence; the layout below runs on each of the "
+               f"{hw.devices // cp} groups of {cp}",
+               f"the ring sends (3·cp−2) key/value blocks of 2·{local:,}·b·h values per layer and "
+               f"micro-batch: {_gb(ring_step)} per device per step, inside the node, overlapped "
+               "with each block's attention"]
+        sub.cp, sub.scenario, sub.advice = cp, rec.scenario, rec.advice
+        sub.reasons = ([f"Hugging Face guide's table: {SCENARIOS[rec.scenario][0]} → "
+                        f"{SCENARIOS[rec.scenario][1]}"] + why + sub.reasons[1:])
+        return sub
+    rec.reasons.append("context parallelism inside a node does not make it fit either")
+    return rec
+
+
+def _with_expert_parallel(model, hw, job, rec: Recommendation) -> None:
+    """Pick ep: the largest divisor of the experts that divides the DP degree and fits in a node
+    (the all-to-all is on the critical path, like TP's all-reduces); say what it saves and costs."""
+    lay = rec.layout
+    inner = lay.tp * (lay.pp if lay.outer == "dp" else 1)  # what sits inside a DP group's stride
+    ep = max(d for d in _divisors(model.experts)
+             if lay.dp % d == 0 and inner * d <= hw.devices_per_node)
+    rec.ep = ep
+    states = model_state_bytes(model.expert_params / (lay.tp * lay.pp), 1, 0, job.recipe)["total"]
+    tokens_mb = job.seq_len // rec.cp * job.micro_batch
+    a2a = 4 * tokens_mb * model.top_k * model.hidden * BYTES_16 * (ep - 1) / ep
+    m = rec.best.comm["microbatches"]
+    rec.reasons.append(
+        f"mixture of experts: {model.experts} experts, top {model.top_k} per token — "
+        f"{model.params / 1e9:,.2f}B parameters, {model.active_params / 1e9:,.2f}B active per "
+        f"token (the compute is priced on those)")
+    if ep > 1:
+        rec.reasons.append(
+            f"expert parallelism (--ep {ep}) over the DP group: each device keeps "
+            f"{model.experts // ep} of the {model.experts} experts, their states "
+            f"{_gb(states)} → {_gb(states / ep)} per device; tokens go to their experts and back "
+            f"by all-to-all, 4·tokens·k·h·(ep−1)/ep values per MoE layer and micro-batch: "
+            f"{_gb(a2a * math.ceil(model.layers / lay.pp) * m)} per device per step, inside a node")
+    else:
+        rec.reasons.append(f"expert parallelism: no degree > 1 divides both the {model.experts} "
+                           f"experts and DP {lay.dp} inside a node; every device keeps every expert")
+
+
+def _choose(model: ModelSpec, hw: Hardware, job: Workload) -> Recommendation:
     _check_inputs(model, hw, job)
     cands = [evaluate(model, hw, job, lay) for lay in layouts(hw)]
     _offload_last(cands)

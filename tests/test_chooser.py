@@ -179,3 +179,67 @@ def test_widget_builds_and_reacts():
     first = w.out.value
     w.nodes.value = 4
     assert w.out.value != first and "several machines" in w.out.value
+
+
+# Beyond 3D (lesson 09): long sequences call for context parallelism, MoE models for expert parallelism
+
+def test_a_long_sequence_gets_context_parallelism_with_the_reasons():
+    short = choose(GPT2_XL, NODE, Workload(seq_len=2048, global_batch=64))
+    assert short.cp == 1 and not any("context parallel" in r for r in short.reasons)
+    for seq, cp in ((32768, 2), (65536, 4)):
+        rec = choose(GPT2_XL, NODE, Workload(seq_len=seq, global_batch=64))
+        assert rec.cp == cp and rec.layout is not None, (seq, rec.reasons)
+        assert rec.layout.dp * rec.layout.pp * rec.layout.tp * rec.cp == NODE.devices
+        assert rec.strategy() == "context" and rec.to_dict()["cp"] == cp
+        text = " ".join(rec.reasons)
+        assert "long sequence" in text and f"--cp {cp}" in text and f"{seq // cp:,} tokens" in text
+        assert rec.reasons[0].startswith("Hugging Face guide's table")
+        # the layout is the one that fits a sequence of seq/cp tokens on nodes of 8/cp devices
+        from dataclasses import replace
+        sub = choose(GPT2_XL, replace(NODE, devices_per_node=8 // cp), Workload(seq_len=seq // cp, global_batch=64))
+        assert sub.layout == rec.layout and sub.cp == 1
+
+
+def test_states_that_do_not_fit_are_not_helped_by_context_parallelism():
+    rec = choose(GPT3, NODE)
+    assert rec.layout is None and rec.cp == 1
+
+
+MOE_47B = ModelSpec(47e9, 32, 4096, 32, experts=8, top_k=2, expert_params=45e9)
+
+
+def test_a_mixture_of_experts_gets_expert_parallelism_inside_a_node():
+    hw = Hardware(nodes=4, inter_node_gbps=IB)
+    rec = choose(MOE_47B, hw, Workload(seq_len=4096, global_batch=512))
+    lay = rec.layout
+    assert rec.ep > 1 and MOE_47B.experts % rec.ep == 0 and lay.dp % rec.ep == 0
+    assert lay.tp * rec.ep <= hw.devices_per_node  # the all-to-all stays inside a node
+    text = " ".join(rec.reasons)
+    assert f"--ep {rec.ep}" in text and "all-to-all" in text and "13.25B active" in text
+    assert MOE_47B.active_params == pytest.approx(47e9 - 45e9 * 6 / 8)
+    dense = choose(LLAMA_13B, hw, Workload(seq_len=4096, global_batch=512))
+    assert dense.ep == 1 and "expert" not in " ".join(dense.reasons)
+
+
+def test_moe_compute_is_priced_on_the_active_parameters():
+    dense = ModelSpec(47e9, 32, 4096, 32)
+    lay = Layout(dp=1, pp=4, tp=8)
+    hw = Hardware(nodes=4)
+    a = evaluate(MOE_47B, hw, LONG, lay).time["compute"]
+    b = evaluate(dense, hw, LONG, lay).time["compute"]
+    assert a / b == pytest.approx(MOE_47B.active_params / 47e9)
+
+
+@pytest.mark.parametrize("bad", [dict(experts=1), dict(experts=8, top_k=9, expert_params=1e9),
+                                 dict(experts=8, top_k=2, expert_params=0)])
+def test_bad_moe_specs_are_refused(bad):
+    with pytest.raises(ValueError, match="mixture of experts needs"):
+        choose(ModelSpec(2e9, 8, 1024, 8, **bad), NODE)
+
+
+def test_the_widget_shows_cp_and_ep():
+    rec = choose(GPT2_XL, NODE, Workload(seq_len=32768, global_batch=64))
+    page = recommendation_html(rec)
+    assert "CP 2" in page and "--strategy context" in page and "long sequence" in page
+    moe = choose(MOE_47B, Hardware(nodes=4, inter_node_gbps=IB), Workload(seq_len=4096, global_batch=512))
+    assert f"EP {moe.ep}" in recommendation_html(moe)

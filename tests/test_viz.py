@@ -145,3 +145,26 @@ def test_sharding_widget_draws_the_real_partition():
     stage3 = widget.out.value
     widget.stage.value = "0"
     assert widget.out.value != stage3
+
+
+def test_ring_attention_frames_follow_the_ring_and_count_the_work():
+    from minitrain.parallel.context import balanced_layout, ring_work
+    from minitrain.viz.context import RingAttentionWidget, frame_html, ring_attention_frames
+
+    frames = ring_attention_frames(16, 4)
+    assert len(frames) == 4 and frames[-1]["sends"] == []
+    assert [f["ranks"][1]["holds"] for f in frames] == [1, 0, 3, 2]  # rank r - s's block at step s
+    assert all(len(r["merged"]) == 4 for r in frames[-1]["ranks"])
+    work = ring_work(balanced_layout(16, 4)[1])
+    assert [r["pairs_so_far"] for r in frames[-1]["ranks"]] == [sum(w) for w in work]
+    html = frame_html(frames[1], 1, 4)
+    assert html.count("mt-cp-row") == 4 and "(idle)" not in html
+    lopsided = ring_attention_frames(16, 4, "contiguous")
+    assert "(idle)" in frame_html(lopsided[1], 1, 4)  # rank 0 sees nothing of a later block
+    with pytest.raises(ValueError, match="do not split"):
+        ring_attention_frames(5, 4)
+    widget = RingAttentionWidget()
+    widget.step.value = 3
+    assert "step 4/4" in widget.out.value
+    widget.ranks.value = 2
+    assert widget.step.max == 1 and "step 2/2" in widget.out.value

@@ -1,7 +1,7 @@
 """Exercise checkers for the lessons (one module per lesson), and the tool that writes the learners'
 notebooks from the solutions (:mod:`.build`).
 
-How an exercise works (lessons 00–08):
+How an exercise works (lessons 00–09):
 
 * the learner writes a function in an exercise cell;
 * the next cell, marked ``# NBVAL_CHECK_OUTPUT``, calls ``check("name", their_function)``, which runs
@@ -19,7 +19,7 @@ verifies that ``lessons/`` is up to date (a test runs it).
 """
 
 from . import (lesson00, lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07,
-               lesson08)
+               lesson08, lesson09)
 from .build import build_exercise, main, normalise
 from .core import (BEGIN, CHECK_MARK, CHECKS, END, PLACEHOLDER, blank, check, exercise, problem,
                    raised, ranks, release, verdict)
@@ -29,4 +29,5 @@ __all__ = ["check", "problem", "verdict", "CHECKS", "build_exercise", "normalise
            "BEGIN", "END"]
 
 #: the lessons whose import registers their exercises in CHECKS
-LESSONS = (lesson00, lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07, lesson08)
+LESSONS = (lesson00, lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07, lesson08,
+           lesson09)

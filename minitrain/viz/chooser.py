@@ -64,8 +64,9 @@ def _cell(value, fmt: str) -> str:
 def recommendation_html(rec: Recommendation, fastest: int = 3) -> str:
     """The recommendation, the scenario table's row, the reasons, and the candidates' table, as HTML."""
     if rec.layout is not None:
-        head = (f'<b class="mt-recommended">{html.escape(str(rec.layout))}</b> '
-                f'(<code>--strategy {rec.layout.strategy()}</code>)')
+        beyond = "".join(f" × {name} {k}" for name, k in (("CP", rec.cp), ("EP", rec.ep)) if k > 1)
+        head = (f'<b class="mt-recommended">{html.escape(str(rec.layout) + beyond)}</b> '
+                f'(<code>--strategy {rec.strategy()}</code>)')
     else:
         head = '<b class="mt-recommended" style="color:red">nothing fits</b>'
     reasons = "".join(f"<li>{html.escape(r)}</li>" for r in rec.reasons)

@@ -1,0 +1,172 @@
+"""Lesson 09: merging two partial attention results (the online-softmax rescale) and the MoE
+all-to-all dispatch from send/recv — each checked alone, then inside the real strategy through its
+seam (``context``'s ``online_softmax_merge``, ``expert``'s ``all_to_all_dispatch``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from .core import exercise, on_clusters, raised, ranks
+
+_MODEL = dict(n_layer=1, n_head=2, d_model=16, seq_len=10)  # small: the check runs in seconds
+
+
+def _parts(causal: bool):
+    """Full attention of 6 queries over 8 keys (float64), and the two partial results over keys
+    0-3 and 4-7 (with the causal mask some rows see none of the second part: lse = -inf)."""
+    from ..parallel.context import block_attention
+
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(2, t, 4, generator=g, dtype=torch.float64) for t in (6, 8, 8))
+    pos_q = torch.arange(6) if causal else torch.full((6,), 99)
+    pos_k = torch.arange(8)
+    q, k, v = (z.requires_grad_() for z in (q, k, v))
+    full = block_attention(q, k, v, pos_q, pos_k)
+    a = block_attention(q, k[:, :4], v[:, :4], pos_q, pos_k[:4])
+    b = block_attention(q, k[:, 4:], v[:, 4:], pos_q, pos_k[4:])
+    return (q, k, v), full, a, b
+
+
+def _merge_alone(fn) -> str | None:
+    for causal in (False, True):
+        leaves, (want, want_lse), (oa, la), (ob, lb) = _parts(causal)
+        case = "with the causal mask (rows 0-3 see none of part b: lse_b = -inf)" if causal else \
+            "without a mask"
+        try:
+            got = fn(oa, la, ob, lb)
+        except Exception as exc:  # noqa: BLE001 - the learner's code may raise anything
+            return raised(f"online_softmax_merge ({case})", exc, fn)
+        if not (isinstance(got, tuple) and len(got) == 2 and all(map(torch.is_tensor, got))):
+            return f"returned {type(got).__name__}: return the pair (out, lse)"
+        out, lse = got
+        if tuple(out.shape) != tuple(want.shape) or tuple(lse.shape) != tuple(want_lse.shape):
+            return (f"returned shapes {tuple(out.shape)} and {tuple(lse.shape)}, expected "
+                    f"{tuple(want.shape)} and {tuple(want_lse.shape)} (out_a's and lse_a's)")
+        if torch.isnan(out).any() or torch.isnan(lse).any():
+            return (f"{case} the result has NaN: where one part's lse is -inf, exp(lse_x - lse) must "
+                    "give weight 0 (subtract the merged lse, which is finite, not the part's own)")
+        if not torch.allclose(lse, want_lse, atol=1e-9):
+            if torch.allclose(lse, torch.maximum(la, lb), atol=1e-9):
+                return ("lse is the max of lse_a and lse_b: the merged log-sum-exp is "
+                        "log(exp(lse_a) + exp(lse_b)) — torch.logaddexp(lse_a, lse_b)")
+            return (f"{case} lse differs from the log-sum-exp of all the scores: "
+                    "lse = log(exp(lse_a) + exp(lse_b))")
+        if not torch.allclose(out, want, atol=1e-9):
+            if torch.allclose(out, oa + ob, atol=1e-9):
+                return ("out = out_a + out_b: each part is normalised over its own keys only; weight "
+                        "each by its share of the total, exp(lse_a - lse) and exp(lse_b - lse)")
+            if torch.allclose(out, (oa + ob) / 2, atol=1e-9):
+                return ("out is the plain average of the parts: weight each by its share of the "
+                        "softmax mass, exp(lse_x - lse), not 1/2")
+            return (f"{case} out differs from attention over all 8 keys: out = exp(lse_a - lse)·out_a"
+                    " + exp(lse_b - lse)·out_b")
+        upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(3),
+                               dtype=out.dtype)
+        grads = torch.autograd.grad((out * upstream).sum(), leaves, allow_unused=True)
+        wants = torch.autograd.grad((want * upstream).sum(), leaves)
+        for name, g, w in zip("qkv", grads, wants):
+            if g is None or not torch.allclose(g, w, atol=1e-8):
+                return (f"{case} the forward is right but the gradient of {name} is not: keep the "
+                        "merge differentiable (torch operations on the inputs, no .detach() or "
+                        ".item())")
+    return None
+
+
+def _tiny_run(strategy: str, world: int, seams=None, **model):
+    from .. import GPTConfig, TrainConfig, train
+    from ..model import PRESETS
+
+    base = PRESETS["tiny-moe"] if model.pop("moe", False) else GPTConfig()
+    cfg = TrainConfig(steps=3, batch_size=4, model=dataclasses.replace(base, **_MODEL, **model))
+    cluster = ranks(world) if world > 1 else None
+    return train(cfg.with_(strategy=strategy, world_size=world), cluster=cluster, seams=seams)
+
+
+def _same_losses(fn, seam: str, strategy: str, world: int, **model) -> str | None:
+    from ..launch import RankError
+
+    want = _tiny_run("single", 1, **model)["losses"]
+    try:
+        got = _tiny_run(strategy, world, {seam: fn}, **model)["losses"]
+    except RankError as exc:
+        return f"inside strategy '{strategy}' on {world} ranks: {str(exc).splitlines()[0]}"
+    except TimeoutError:
+        return f"inside strategy '{strategy}' on {world} ranks it did not finish (a rank waiting?)"
+    for step, (a, b) in enumerate(zip(got, want)):
+        if not (math.isfinite(a) and abs(a - b) <= 1e-5 * abs(b)):
+            return (f"alone it is right, but inside strategy '{strategy}' on {world} ranks the loss "
+                    f"at step {step} is {a:.6f}, one process gives {b:.6f}")
+    return None
+
+
+@exercise("online_softmax_merge",
+          "equals attention over all the keys (forward and backward, with and without fully "
+          "masked rows), and strategy 'context' with it equals one process")
+def _check_online_softmax_merge(fn) -> str | None:
+    return _merge_alone(fn) or _same_losses(fn, "online_softmax_merge", "context", 2)
+
+
+def _dispatch_rank(fn):
+    """On each rank: the learner's all-to-all with uneven splits (some 0) against
+    ``dist.all_to_all_single``, sent through ``comm`` by point-to-point messages."""
+    import torch.distributed as dist
+
+    from ..comm import Comm
+
+    comm = Comm()
+    n, r = comm.size, comm.rank
+    split = lambda src, dst: (3 * src + 2 * dst + src * dst) % 5 + (src == dst)  # noqa: E731
+    ins, outs = [split(r, p) for p in range(n)], [split(p, r) for p in range(n)]
+    x = torch.arange(sum(ins) * 3, dtype=torch.float32).view(-1, 3) + 1000 * r
+    want = x.new_empty(sum(outs), 3)
+    dist.all_to_all_single(want, x, outs, ins)
+    output = torch.full((sum(outs), 3), -1.0)
+    try:
+        got = fn(output, x.clone(), list(outs), list(ins), comm)
+    except Exception as exc:  # noqa: BLE001
+        msg = raised(f"rank {r}: your dispatch", exc, fn)
+        if "split" in str(exc) or "size" in str(exc).lower():
+            msg += (" — split input by input_splits (rows you send to each rank) and output by "
+                    "output_splits (rows you receive from each), not the other way round")
+        return msg
+    if got is None:
+        return "returned None: return output (filled with the rows received from every rank)"
+    if not torch.is_tensor(got) or tuple(got.shape) != tuple(want.shape):
+        return f"rank {r}: returned {getattr(got, 'shape', got)}, expected output, shape {tuple(want.shape)}"
+    if not torch.equal(got, want):
+        offsets = [sum(outs[:p]) for p in range(n)]
+        for p in range(n):
+            a, b = got[offsets[p]:offsets[p] + outs[p]], want[offsets[p]:offsets[p] + outs[p]]
+            if not torch.equal(a, b):
+                if p == r:
+                    return (f"rank {r}: its own rows are wrong: copy input's block for rank {r} into "
+                            "output's block for rank {r} (no message to yourself)")
+                if got[offsets[p]:offsets[p] + outs[p]].eq(-1).all():
+                    return (f"rank {r}: nothing arrived in the rows from rank {p}: receive into the "
+                            f"slice output[sum(output_splits[:{p}]) : … + output_splits[{p}]] itself "
+                            "(output.split(output_splits) gives views), and wait for the receive")
+                return (f"rank {r}: the rows from rank {p} are wrong: rank p's block of input for you "
+                        f"lands at output[sum(output_splits[:p]) : … + output_splits[p]]; split input "
+                        "by input_splits and output by output_splits, not the other way round")
+        return f"rank {r}: output differs from dist.all_to_all_single's"
+    ops = {e.op for e in comm.tracer.events}
+    if not ops & {"send", "recv"}:
+        return ("no send or receive went through comm: write it from comm.isend / comm.irecv "
+                "(or comm.send / comm.recv), not dist.all_to_all_single")
+    if ops - {"send", "recv"}:
+        return f"use only point-to-point messages; it also called {sorted(ops - {'send', 'recv'})}"
+    sent = [e for e in comm.tracer.events if e.op == "send"]
+    if any(e.peer == r for e in sent):
+        return f"rank {r} sent a message to itself: copy its own rows instead"
+    return None
+
+
+@exercise("all_to_all_dispatch",
+          "equals dist.all_to_all_single with uneven splits at 2 and 3 ranks, from send/recv, "
+          "and strategy 'expert' with it equals one process")
+def _check_all_to_all_dispatch(fn) -> str | None:
+    return (on_clusters(_dispatch_rank, fn, sizes=(2, 3))
+            or _same_losses(fn, "all_to_all_dispatch", "expert", 2, moe=True))

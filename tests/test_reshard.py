@@ -150,8 +150,9 @@ def test_a_pipeline_checkpoint_is_not_resharded(pipeline_save, runs, no_spawn):
         train(BASE.with_(strategy="ddp", world_size=2, resume=str(root)))
     message = str(info.value)
     assert "saved by strategy 'pipeline', this run is 'ddp'" in message
-    assert ("resharded on load between ddp, ddp-naive, single, zero1, zero2, zero3 only (3d, "
-            "pipeline, tensor resume on their own layout)") in message
+    assert "resharded on load between ddp, ddp-naive, single, zero1, zero2, zero3 only (" in message
+    same_layout = message.split(" only (", 1)[1].split(" resume on their own layout)")[0].split(", ")
+    assert {"3d", "pipeline", "tensor"} <= set(same_layout)
     assert "resume with --strategy pipeline" in message
     _, saved = runs
     with pytest.raises(CheckpointError, match="saved by strategy 'ddp', this run is 'pipeline'"):

@@ -163,8 +163,9 @@ class _ZeroStrategy(DataParallel):
 
     @torch.no_grad()
     def load_portable_state(self, weights: dict, optim: dict) -> None:
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        units = [(layout, [names[id(p)] for p in layout.params]) for layout, _ in self.shards()]
+        names = {id(p): n for n, p in self.model.named_parameters()}  # stages 1-2: the model's own
+        units = [(layout, [names.get(id(p), name) for p, name in zip(layout.params, layout.names)])
+                 for layout, _ in self.shards()]  # stage 3: the names the wrapper took them under
         if self.stage < 3:  # every rank holds the full weights; the shards are views of them
             self.model.load_state_dict(weights)
         else:  # the full weights exist only while gathered: write this rank's shard of each unit

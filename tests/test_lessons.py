@@ -11,12 +11,21 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def nbval(folder: str, tmp_path) -> dict[str, bool]:
-    """Run ``pytest --nbval-lax`` on a folder; return {"file::Cell k": passed}."""
+def nbval_start(folder: str, tmp_path) -> tuple[subprocess.Popen, Path]:
+    """Start ``pytest --nbval-lax`` on a folder (its JUnit report goes to a file)."""
     report = tmp_path / f"{folder}.xml"
-    subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "-p", "no:cacheprovider", "-q",
-                    f"--junitxml={report}", str(ROOT / folder)], capture_output=True, text=True,
-                   timeout=600, cwd=ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "--nbval-lax", "-p", "no:cacheprovider",
+                             "-q", f"--junitxml={report}", str(ROOT / folder)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    return proc, report
+
+
+def nbval_results(proc: subprocess.Popen, report: Path) -> dict[str, bool]:
+    """Wait for a run from :func:`nbval_start`; return {"file::Cell k": passed}."""
+    try:
+        proc.wait(timeout=600)
+    finally:
+        proc.kill()
     results = {}
     for case in ET.parse(report).getroot().iter("testcase"):
         failed = case.find("failure") is not None or case.find("error") is not None
@@ -46,9 +55,10 @@ def normalise_ids(results: dict) -> dict:
 
 @pytest.mark.timeout(600)
 def test_solutions_pass_and_exercises_fail_only_at_their_checks(tmp_path):
-    solutions = normalise_ids(nbval("solutions", tmp_path))
+    runs = {folder: nbval_start(folder, tmp_path) for folder in ("solutions", "lessons")}  # both at once
+    solutions = normalise_ids(nbval_results(*runs["solutions"]))
+    exercises = normalise_ids(nbval_results(*runs["lessons"]))
     assert all(solutions.values()), [k for k, ok in solutions.items() if not ok]
-    exercises = normalise_ids(nbval("lessons", tmp_path))
     failed = {k for k, ok in exercises.items() if not ok}
     assert failed == check_cells()
     assert set(exercises) == set(solutions)

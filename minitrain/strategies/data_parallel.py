@@ -76,8 +76,9 @@ class DataParallel(Lockstep):
         return shard(x, r, n).to(self.device), shard(y, r, n).to(self.device)
 
     def wrap(self, model):
-        """The data-parallel wrapper around the replica."""
-        raise NotImplementedError
+        """The data-parallel wrapper around the replica (ddp-naive and ddp wrap it; ZeRO's stages
+        shard it instead, in their own setup)."""
+        return model
 
     def after_backward(self) -> None:
         """Anything left before the optimizer step (DDP: nothing, its hooks did it)."""

@@ -8,6 +8,7 @@ Memory per rank (measured by :func:`minitrain.memory.ledger`, compared with
 
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass
 
@@ -114,9 +115,9 @@ class _ZeroStrategy(DataParallel):
         ignore = getattr(self.sharded, "is_gathered_parameter", None)
         self.meter = ActivationMeter(self.model, ignore=ignore)
 
+    @abc.abstractmethod
     def shard(self, model) -> tuple:
         """(what to call forward on, the optimizer, the object holding the shards)."""
-        raise NotImplementedError
 
     # -- checkpoints: every rank writes its shards and its optimizer states (1/N of each) -----------
 

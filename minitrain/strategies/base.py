@@ -393,7 +393,11 @@ class Strategy(abc.ABC):
         return None
 
     def state_dict(self) -> dict:
-        """This rank's full model (for a replica: the model's own state_dict)."""
+        """This rank's full model, for strategies whose ranks hold a replica; a strategy that
+        gathers its full model in :meth:`final_state` has no full model to give here."""
+        if type(self).final_state is not Strategy.final_state:
+            raise RuntimeError(f"strategy {self.name!r} gathers its full model with final_state() "
+                               "after the last step, on rank 0 only")
         return self.model.state_dict()
 
     def close(self) -> None:

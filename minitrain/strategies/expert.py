@@ -66,7 +66,6 @@ class ExpertParallel(Lockstep):
         self.dense = [p for n, p in self.model.named_parameters() if ".experts." not in n]
         self.routing: list[list[list[int]]] = []  # per step, per layer: tokens per expert
         self.dropped: list[int] = []
-        self._state = None
 
     def forward(self, x, y):
         logits = self.model(x)
@@ -101,18 +100,13 @@ class ExpertParallel(Lockstep):
         for part in parts:
             state.update(part)
         names = list(self._reference_names())
-        self._state = {k: state[k] for k in names}
-        return self._state
+        return {k: state[k] for k in names}
 
     def _reference_names(self):
         from ..model import GPT
         with torch.device("meta"):
             return GPT(self.cfg.model).state_dict().keys()
 
-    def state_dict(self) -> dict:
-        if self._state is None:
-            raise RuntimeError("expert gathers the full state after the last step, on rank 0 only")
-        return self._state
 
     def report(self) -> dict:
         """Tokens per expert per step (per layer), dropped assignments, and the all-to-all bytes

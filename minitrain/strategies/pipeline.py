@@ -121,7 +121,6 @@ class Pipeline(Lockstep):
         self.executor = PipelineExecutor(self.stages, self.table, comm, self.M, cfg.model.d_model,
                                          stage_step=self.seams.stage_step)
         self.timelines: list[list[dict]] = []  # this rank's measured timeline, per step
-        self._state = None
 
     def train_step(self, x, y) -> float:
         self.optimizer.zero_grad(set_to_none=True)
@@ -140,18 +139,12 @@ class Pipeline(Lockstep):
         states = [None] * self.comm.size if self.comm.rank == 0 else None
         mine = {k: v.detach().cpu() for k, v in self.stage_state().items()}
         dist.gather_object(mine, states, dst=self.comm.global_rank(0), group=self.comm.group)
-        self._state = merge_stages(states, self.cfg.model) if states is not None else None
-        return self._state
+        return merge_stages(states, self.cfg.model) if states is not None else None
 
     def stage_state(self) -> dict:
         """This rank's stages' state_dict under the single-process names (no ModuleList index)."""
         return {k.split(".", 1)[1]: v for k, v in self.model.state_dict().items()}
 
-    def state_dict(self) -> dict:
-        """The full model's state_dict, single-process names, on rank 0 after the run."""
-        if self._state is None:
-            raise RuntimeError("pipeline gathers the full state after the last step, on rank 0 only")
-        return self._state
 
     # -- checkpoints (lesson 08): each rank saves its stages and their optimizer state --------------
 

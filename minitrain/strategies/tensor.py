@@ -136,7 +136,6 @@ class TensorParallel(Lockstep):
                                        row=self.seams.row_parallel_linear)
         self.meter = ActivationMeter(self.model)
         self.optimizer = self.make_optimizer(self.model.parameters())
-        self._state = None
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         sp_sum = self.model.all_reduce_sequence_parallel_grads if self.sequence_parallel else None
@@ -145,13 +144,8 @@ class TensorParallel(Lockstep):
     def final_state(self) -> dict | None:
         """The full model, single-process names and shapes, on rank 0 (a collective)."""
         state = full_state_dict(self.model, self.comm)
-        self._state = state if self.comm.rank == 0 else None
-        return self._state
+        return state if self.comm.rank == 0 else None
 
-    def state_dict(self) -> dict:
-        if self._state is None:
-            raise RuntimeError("tensor gathers the full state after the last step, on rank 0 only")
-        return self._state
 
     # -- checkpoints (lesson 08): each rank saves its shards and their Adam states ----------------
     checkpoint_refusal = None

@@ -124,7 +124,6 @@ class ThreeD(Lockstep):
         else:
             self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.lr)
         self.timelines: list[list[dict]] = []
-        self._state = None
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         d, dp = self.mesh.coords.dp, self.shape.dp
@@ -152,8 +151,7 @@ class ThreeD(Lockstep):
             states = [None] * self.P if self.mesh.pp.rank == 0 else None
             dist.gather_object(mine, states, dst=self.mesh.pp.global_rank(0),
                                group=self.mesh.pp.group)
-        self._state = merge_stages(states, self.cfg.model) if self.comm.rank == 0 else None
-        return self._state
+        return merge_stages(states, self.cfg.model) if self.comm.rank == 0 else None
 
     def close(self) -> None:
         """Free the mesh's groups once every rank is done with them (a notebook that runs the
@@ -161,10 +159,6 @@ class ThreeD(Lockstep):
         dist.barrier(group=self.comm.group)
         self.mesh.destroy()
 
-    def state_dict(self) -> dict:
-        if self._state is None:
-            raise RuntimeError("3d gathers the full state after the last step, on rank 0 only")
-        return self._state
 
     # -- checkpoints (lesson 08): replica 0 saves its stages' tensor shards, every rank that holds
     # Adam states of its own saves them (ZeRO-1: each dp rank its 1/dp; ZeRO-0: replica 0 only).

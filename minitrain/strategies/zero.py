@@ -268,9 +268,6 @@ class Zero3(_ZeroStrategy):
         state = self.wrapper.full_state_dict()
         return state if self.comm.rank == 0 else None
 
-    def state_dict(self) -> dict:
-        raise RuntimeError("zero3's full state is gathered by final_state() after the last step")
-
 
 class _Zero3Memory:
     """The FSDP wrapper's shards plus, with offload, the host side."""

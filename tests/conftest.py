@@ -4,6 +4,7 @@ import importlib.util
 import os
 import pathlib
 import sys
+import tempfile
 from contextlib import contextmanager
 
 import cloudpickle
@@ -13,6 +14,8 @@ import torch
 from minitrain import Cluster
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# the functions a passing check keeps (your minitrain) go to a scratch folder, not the repository
+os.environ.setdefault("MINITRAIN_MINE", tempfile.mkdtemp(prefix="minitrain-mine-"))
 
 
 @pytest.fixture(scope="session")

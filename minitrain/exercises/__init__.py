@@ -21,12 +21,15 @@ verifies that ``lessons/`` is up to date (a test runs it).
 from . import (lesson00, lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07,
                lesson08, lesson09)
 from .build import build_exercise, main, normalise
+from .inside import (Row, Run, inside, keep, mine, mine_dir, predicted, rank_trouble, report,
+                     sent_per_rank, your_minitrain)
 from .core import (BEGIN, CHECK_MARK, CHECKS, END, PLACEHOLDER, blank, check, exercise, problem,
                    raised, ranks, release, verdict)
 
 __all__ = ["check", "problem", "verdict", "CHECKS", "build_exercise", "normalise", "main",
            "exercise", "ranks", "release", "blank", "raised", "PLACEHOLDER", "CHECK_MARK",
-           "BEGIN", "END"]
+           "BEGIN", "END", "inside", "report", "Row", "Run", "keep", "mine", "mine_dir",
+           "your_minitrain", "predicted", "rank_trouble", "sent_per_rank"]
 
 #: the lessons whose import registers their exercises in CHECKS
 LESSONS = (lesson00, lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07, lesson08,

@@ -1,0 +1,335 @@
+"""Running a learner's function inside the real strategy, what the run measured, and the learner's
+own minitrain: every function that passed its check, kept on disk for lesson 08.
+
+A plug-in check first tests the function alone, then :func:`inside` trains the real strategy with
+it in its seam (``train(cfg, seams={seam: fn})``) next to one process (and the package's own code),
+and keeps a :class:`Run`: losses, bytes per rank from the tracer, memory from the ledger and step
+times, beside the formulas the lesson derives.  ``report(name)`` shows it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .core import ranks
+
+# --------------------------------------------------------------------------------------------------
+# What a rank's failure means, in the learner's terms
+# --------------------------------------------------------------------------------------------------
+
+
+def learner_line(text: str, fn) -> str:
+    """`` (line L of your fn: code)`` for the last frame of ``fn``'s file in a traceback text."""
+    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "forward", None), "__code__", None)
+    if code is None:
+        return ""
+    lines, mine = text.splitlines(), []
+    for i, line in enumerate(lines):
+        m = re.match(r'\s*File "([^"]+)", line (\d+), in (\S+)', line)
+        if m and m.group(1) == code.co_filename:
+            nxt = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            source = "" if nxt.startswith("File ") or nxt.startswith("^") else nxt
+            mine.append((int(m.group(2)), m.group(3), source))
+    if not mine:
+        return ""
+    line, func, source = mine[-1]
+    first = _first_line(fn, func)
+    where = f"line {line - first + 1} of your {func}" if first else f"your {func}"
+    return f" ({where}{': ' + source if source else ''})"
+
+
+def _first_line(fn, func: str) -> int | None:
+    for obj in (fn, getattr(fn, "forward", None), getattr(fn, "backward", None)):
+        code = getattr(obj, "__code__", None)
+        if code is not None and code.co_name == func:
+            return code.co_firstlineno
+    return None
+
+
+def rank_trouble(exc: BaseException, fn, where: str) -> str:
+    """One or two sentences from a rank's failure: what waited for what, or the error and the line."""
+    from ..launch import CollectiveTimeout, Deadlock
+
+    text = str(exc)
+    if isinstance(exc, Deadlock):
+        waits = [line.strip() for line in text.splitlines()[1:] if line.startswith("  rank ")]
+        return (f"{where}: the ranks wait for each other and never will — " + "; ".join(waits) +
+                ". Every rank must make the same collective calls in the same order, and a send "
+                "needs the matching recv on its peer")
+    if isinstance(exc, CollectiveTimeout):
+        op = re.search(r"waiting \d+ms for (\w+) operation", text)
+        what = f"its {op.group(1)}" if op else "a collective"
+        return (f"{where}: rank {exc.rank} waited {_timeout(text)} for {what} to complete and no "
+                f"peer answered{learner_line(getattr(exc, 'remote_traceback', text), fn)} — a "
+                "send needs the matching recv on the peer (if every rank sends first, all wait), "
+                "and every rank must call each collective")
+    tb = getattr(exc, "remote_traceback", "") or text
+    kind = getattr(exc, "exc_type", "") or type(exc).__name__
+    message = text.splitlines()[0].split("failed: ", 1)[-1]
+    if kind and not message.startswith(kind):
+        message = f"{kind}: {message}"
+    return f"{where}: {message}{learner_line(tb, fn)}"
+
+
+def _timeout(text: str) -> str:
+    ms = re.search(r"waiting (\d+)ms", text)
+    return f"{int(ms.group(1)) / 1000:g} s" if ms else "until its timeout"
+
+
+# --------------------------------------------------------------------------------------------------
+# The real strategy with the learner's function in its seam
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """One measured quantity beside the lesson's formula for it."""
+    what: str
+    measured: float
+    formula: str = ""
+    expected: float | None = None
+    unit: str = "B"
+
+    def line(self) -> str:
+        got = _fmt(self.measured, self.unit)
+        if self.expected is None:
+            return f"  {self.what:<38s} {got:>12s}"
+        ratio = self.measured / self.expected if self.expected else float("nan")
+        return (f"  {self.what:<38s} {got:>12s}   formula {self.formula} = "
+                f"{_fmt(self.expected, self.unit)} (measured/formula {ratio:.2f})")
+
+
+def _fmt(x: float, unit: str) -> str:
+    if unit == "B":
+        return f"{x:,.0f} B"
+    if unit == "%":
+        return f"{x:.0%}"
+    if unit == "s":
+        return f"{x * 1e3:.1f} ms"
+    return f"{x:g}{unit}"
+
+
+@dataclass
+class Run:
+    """What the real strategy did with the learner's function in its seam (shown by :func:`report`)."""
+    exercise: str
+    strategy: str
+    world: int
+    options: dict
+    losses: list
+    reference: list
+    reference_name: str
+    summary: dict
+    package: dict
+    rows: list = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        opts = ", ".join(f"{k}={v}" for k, v in self.options.items())
+        worst = max((abs(a - b) / abs(b) for a, b in zip(self.losses, self.reference)), default=0)
+        out = [f"Strategy '{self.strategy}' on {self.world} ranks{' (' + opts + ')' if opts else ''} "
+               f"with your {self.exercise}:",
+               f"  losses     {' '.join(f'{v:.5f}' for v in self.losses)}",
+               f"  {self.reference_name:<11s}{' '.join(f'{v:.5f}' for v in self.reference)}"
+               f"   (largest relative difference {worst:.1e})"]
+        out += [row.line() for row in self.rows]
+        mine, own = self.summary["step_time_s"], self.package["step_time_s"]
+        pace = ("about as fast as" if 0.8 <= mine / own <= 1.25 else
+                f"{mine / own:.1f}× the time of" if mine > own else f"{own / mine:.1f}× faster than")
+        out.append(f"  step time: yours {mine * 1e3:.1f} ms, the package's {own * 1e3:.1f} ms — "
+                   f"yours is {pace} the package's")
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+    _repr_pretty_ = lambda self, p, cycle: p.text(str(self))  # noqa: E731
+
+
+#: exercise name -> the last Run of a passing check (what :func:`report` shows)
+RUNS: dict = {}
+
+
+def inside(name: str, fn, cfg, seam: str | None = None, reference: str = "single",
+           measure=None, tolerance: float = 1e-5) -> str | None:
+    """Train ``cfg``'s strategy with ``fn`` in seam ``seam`` (default: the exercise's name) on the
+    checkers' running ranks, and compare its losses with one process (``reference="single"``) or
+    with the package's own code (``"package"``, where the technique changes the maths, e.g. top-k).
+
+    ``measure(summary, cfg)`` returns the :class:`Row` s shown beside the losses.  Returns the
+    problem, or None (and keeps the :class:`Run` in :data:`RUNS`)."""
+    from .. import train
+    from ..launch import RankError
+
+    seam, n = seam or name, cfg.world_size
+    where = f"inside strategy '{cfg.strategy}' on {n} ranks"
+    cluster = ranks(n)
+    try:
+        theirs = train(cfg, cluster=cluster, seams={seam: fn})
+    except RankError as exc:
+        return rank_trouble(exc, fn, where)
+    except TimeoutError:
+        return f"{where} it did not finish within 60 s (a rank waiting for a message?)"
+    package = train(cfg, cluster=cluster)
+    if reference == "single":
+        single = cfg.with_(strategy="single", world_size=1, options={})
+        want, ref_name = train(single, cluster=ranks(1))["losses"], "one process"
+    else:
+        want, ref_name = package["losses"], "package's"
+    for step, (a, b) in enumerate(zip(theirs["losses"], want)):
+        if not (math.isfinite(a) and abs(a - b) <= tolerance * abs(b)):
+            return (f"alone it is right, but {where} the loss at step {step} is {a:.6f} where "
+                    f"{ref_name} {'gives' if ref_name == 'one process' else 'code gives'} {b:.6f}")
+    rows = measure(theirs["summary"], cfg) if measure else []
+    RUNS[name] = Run(name, cfg.strategy, n, theirs["summary"].get("options") or {}, theirs["losses"], want, ref_name, theirs["summary"],
+                     package["summary"], rows)
+    return None
+
+
+class NoRun(str):
+    """What :func:`report` shows before the exercise's check has passed (no error: the lesson goes on)."""
+
+    _repr_pretty_ = lambda self, p, cycle: p.text(str(self))  # noqa: E731
+
+
+def report(name: str):
+    """The last passing check's run of exercise ``name`` inside its strategy (shown as text); before
+    it has passed, a line saying so (never an error, so "Run All" goes on)."""
+    if name not in RUNS:
+        return NoRun(f"No run of your {name} inside the strategy yet: its check runs it once your "
+                     "function passes (fix it and run the check cell above again).")
+    return RUNS[name]
+
+
+def sent_per_rank(summary: dict, op: str | None = None) -> float:
+    """Mean bytes one rank sent per step (the tracer's ``sent_bytes``), over all ops or one."""
+    key = op or "total"
+    per_rank = [c.get(key, {}).get("sent_bytes", 0.0) for c in summary["comm"]]
+    return sum(per_rank) / len(per_rank) / summary["steps"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Your minitrain: the functions that passed, kept for lesson 08
+# --------------------------------------------------------------------------------------------------
+
+
+def mine_dir() -> Path:
+    """Where passed functions are kept: ``$MINITRAIN_MINE``, else ``my_minitrain/`` beside the
+    notebook (the kernel's working directory)."""
+    return Path(os.environ.get("MINITRAIN_MINE") or Path.cwd() / "my_minitrain")
+
+
+def keep(name: str, fn) -> Path | None:
+    """Save a passing ``fn`` as ``<name>.pkl`` (cloudpickle: the function with what it uses) and
+    ``<name>.py`` (its source, to read).  Returns the folder, or None if it cannot be written."""
+    import inspect
+
+    import cloudpickle
+
+    folder = mine_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{name}.pkl").write_bytes(cloudpickle.dumps(fn))
+        try:
+            source = inspect.getsource(fn)
+        except (OSError, TypeError):
+            source = f"# the source of {getattr(fn, '__name__', name)} was not available\n"
+        (folder / f"{name}.py").write_text(source)
+    except OSError:
+        return None
+    return folder
+
+
+def mine() -> dict:
+    """The learner's kept functions by exercise name (those that load)."""
+    import cloudpickle
+
+    out = {}
+    folder = mine_dir()
+    for path in sorted(folder.glob("*.pkl")) if folder.is_dir() else []:
+        try:
+            out[path.stem] = cloudpickle.loads(path.read_bytes())
+        except Exception:  # noqa: BLE001 - a file from another version: fall back to the package
+            continue
+    return out
+
+
+@dataclass
+class YourMinitrain:
+    """The seams of one strategy filled with the learner's kept functions where there is one."""
+    strategy: str
+    seams: dict
+    theirs: list
+    fallback: list
+
+    def __str__(self) -> str:
+        lines = [f"Strategy '{self.strategy}' takes {len(self.theirs) + len(self.fallback)} pieces "
+                 "you can write:"]
+        lines += [f"  ✓ {name:<24s} yours (from {mine_dir() / (name + '.py')})" for name in self.theirs]
+        lines += [f"  · {name:<24s} the package's (you have not passed its check yet)"
+                  for name in self.fallback]
+        return "\n".join(lines)
+
+    _repr_pretty_ = lambda self, p, cycle: p.text(str(self))  # noqa: E731
+
+
+def your_minitrain(strategy: str) -> YourMinitrain:
+    """Seams for ``strategy`` from your kept functions; the ones you have not written fall back."""
+    from ..strategies import get_strategy
+
+    kept, honoured = mine(), get_strategy(strategy).seams
+    theirs = [s for s in honoured if s in kept]
+    return YourMinitrain(strategy, {s: kept[s] for s in theirs}, theirs,
+                         [s for s in honoured if s not in kept])
+
+
+# --------------------------------------------------------------------------------------------------
+# Predict, then measure
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Prediction:
+    """A learner's guess beside the formula and the measurement of a real run, and why they differ."""
+    what: str
+    prediction: float | None
+    formula: str
+    expected: float
+    measured: float
+    unit: str = "B"
+    gap: str = ""
+
+    def lines(self) -> list[str]:
+        def ratio(x):
+            return f" ({x / self.measured:.2f}× the measurement)" if self.measured else ""
+        out = [f"{self.what}:"]
+        if self.prediction is None:
+            out.append("  your prediction   (none: write it in the cell above, then run both again)")
+        else:
+            out.append(f"  your prediction   {_fmt(self.prediction, self.unit):>14s}"
+                       f"{ratio(self.prediction)}")
+        out.append(f"  formula           {_fmt(self.expected, self.unit):>14s}   {self.formula}"
+                   f"{ratio(self.expected)}")
+        out.append(f"  measured          {_fmt(self.measured, self.unit):>14s}")
+        if self.gap:
+            out.append(f"  the gap: {self.gap}")
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+    _repr_pretty_ = lambda self, p, cycle: p.text(str(self))  # noqa: E731
+
+
+def predicted(what: str, prediction, formula: str, expected: float, measured: float,
+              unit: str = "B", gap: str = "") -> Prediction:
+    """Show a prediction cell's guess beside the formula and the measurement (``unit``: ``"B"``
+    bytes, ``"%"`` a fraction, ``"s"`` seconds, anything else is appended to the number)."""
+    if prediction is not None and not isinstance(prediction, (int, float)):
+        raise TypeError(f"write your prediction as a number (got {type(prediction).__name__} "
+                        f"{prediction!r})")
+    return Prediction(what, None if prediction is None else float(prediction), formula,
+                      float(expected), float(measured), unit, gap)

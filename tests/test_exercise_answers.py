@@ -1,0 +1,52 @@
+"""Every exercise: its blank says "not written yet", its solution passes inside the real strategy,
+and each typical wrong answer fails with its own message (within 15 s, clusters already running)."""
+
+import importlib
+import pkgutil
+import time
+
+import pytest
+
+from minitrain.exercises import CHECKS, problem
+
+import answers
+
+CASES, SOLUTIONS, NAMES = [], [], set()
+for info in pkgutil.iter_modules(answers.__path__):
+    module = importlib.import_module(f"{answers.__name__}.{info.name}")
+    for name, a in module.ANSWERS.items():
+        NAMES.add(name)
+        SOLUTIONS.append(pytest.param(name, a.solution, id=f"{name}-solution"))
+        for i, (fn, fragment) in enumerate(a.wrong):
+            CASES.append(pytest.param(name, fn, fragment, id=f"{name}-wrong{i}-{fn.__name__}"))
+
+
+def test_every_exercise_has_three_wrong_answers():
+    missing = sorted(set(CHECKS) - NAMES)
+    assert not missing, f"exercises without answers in tests/answers/: {missing}"
+    for info in pkgutil.iter_modules(answers.__path__):
+        module = importlib.import_module(f"{answers.__name__}.{info.name}")
+        for name, a in module.ANSWERS.items():
+            assert len(a.wrong) >= 3, f"{name}: {len(a.wrong)} wrong answers, want at least 3"
+
+
+@pytest.mark.parametrize("name", sorted(CHECKS))
+def test_a_blank_exercise_is_not_written_yet(name):
+    def blank(*args):
+        ...  # YOUR CODE HERE
+    assert problem(name, blank).startswith("not written yet")
+
+
+@pytest.mark.parametrize("name, fn", SOLUTIONS)
+def test_the_solution_passes(name, fn):
+    assert problem(name, fn) is None
+
+
+@pytest.mark.parametrize("name, fn, fragment", CASES)
+def test_a_wrong_answer_gets_its_message(name, fn, fragment):
+    start = time.perf_counter()
+    found = problem(name, fn)
+    took = time.perf_counter() - start
+    assert found is not None, f"{fn.__name__} passed the check of {name}"
+    assert fragment in found, f"{fn.__name__}: {found!r} does not say {fragment!r}"
+    assert took < 15, f"{fn.__name__}: the check took {took:.1f} s (at most 15 s)"

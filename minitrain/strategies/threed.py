@@ -74,8 +74,8 @@ class ThreeD(Lockstep):
     help = ("3D parallel: --dp replicas x --pp pipeline stages x --tp tensor ranks, ZeRO-1 over dp "
             "(--zero-stage 0 for plain all-reduce); pipeline and tensor options apply")
     options = ThreeDOptions
-    seams = ("one_f_one_b", "stage_step", "column_parallel_linear", "row_parallel_linear",
-             "mesh_groups")
+    seams = ("mesh_groups", "one_f_one_b", "stage_step", "column_parallel_linear",
+             "row_parallel_linear", "ring_all_reduce")
     checkpointing = False  # recomputing a block would re-run its tensor-parallel collectives
 
     @classmethod
@@ -136,7 +136,8 @@ class ThreeD(Lockstep):
                 all_reduce_sequence_parallel_grads(stage, self.mesh.tp)
         if self.zero_stage == 0:  # average over the replicas; ZeRO-1's step does it itself
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            all_reduce_coalesced(grads, self.mesh.dp, tag="grad", divide_by=dp)
+            all_reduce_coalesced(grads, self.mesh.dp, tag="grad", divide_by=dp,
+                                 all_reduce=self.seams.ring_all_reduce)
         self.optimizer.step()  # ZeRO-1: reduce-scatter over dp, step the shard, all-gather
         return mean_over_ranks(torch.tensor(loss, dtype=torch.float64, device=self.device),
                                self.mesh.dp)

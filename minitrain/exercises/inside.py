@@ -132,8 +132,8 @@ class Run:
         worst = max((abs(a - b) / abs(b) for a, b in zip(self.losses, self.reference)), default=0)
         out = [f"Strategy '{self.strategy}' on {self.world} ranks{' (' + opts + ')' if opts else ''} "
                f"with your {self.exercise}:",
-               f"  losses     {' '.join(f'{v:.5f}' for v in self.losses)}",
-               f"  {self.reference_name:<11s}{' '.join(f'{v:.5f}' for v in self.reference)}"
+               f"  {'yours':<12s}{' '.join(f'{v:.5f}' for v in self.losses)}",
+               f"  {self.reference_name:<12s}{' '.join(f'{v:.5f}' for v in self.reference)}"
                f"   (largest relative difference {worst:.1e})"]
         out += [row.line() for row in self.rows]
         mine, own = self.summary["step_time_s"], self.package["step_time_s"]

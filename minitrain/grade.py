@@ -93,7 +93,8 @@ def _execute(nb_path: Path, timeout: float) -> tuple[dict | None, str]:
         out = Path(work) / "executed.ipynb"
         proc = subprocess.Popen([sys.executable, "-c", _RUNNER, str(nb_path), str(out), work],
                                 cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
+                                text=True, start_new_session=True,  # one student's kept functions:
+                                env={**os.environ, "MINITRAIN_MINE": str(Path(work) / "my_minitrain")})
         try:
             _, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

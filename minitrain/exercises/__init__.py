@@ -8,6 +8,13 @@ How an exercise works (lessons 00–09):
   the checker and prints one fixed line: the pass verdict, or a line starting with ``✗`` that says
   what is wrong (it never raises, so "Run All" goes on through the rest of the lesson, which uses the
   package's own implementation);
+* a check first tests the function alone, then runs the real strategy with it in its seam
+  (:func:`.inside.inside`): losses against one process, bytes per rank from the tracer and memory
+  from the ledger beside the lesson's formulas, step time against the package's own code; the cell
+  after the check shows that run (``report("name")``);
+* a function that passes is kept in ``my_minitrain/`` beside the notebook (``$MINITRAIN_MINE``
+  overrides): lesson 08 trains the 3D mesh with every piece the learner wrote
+  (:func:`.inside.your_minitrain`) and says which fell back to the package's;
 * ``pytest --nbval-lax`` compares that cell's output with the stored pass verdict: a blank or wrong
   exercise fails there, a correct one passes.
 

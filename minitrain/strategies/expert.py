@@ -114,7 +114,9 @@ class ExpertParallel(Lockstep):
         routing theory."""
         m, steps = self.cfg.model, max(1, self.cfg.steps)
         moved = sum(b.mlp.rows_moved for b in self.model.blocks)
-        events = [e for e in self.comm.tracer.events if e.tag == "all_to_all"]
+        # the dispatch's messages, whoever wrote it (the seam's sends carry no tag of ours)
+        events = [e for e in self.comm.tracer.events
+                  if e.tag == "all_to_all" or e.op in ("send", "all_to_all")]
         tokens_local = self.cfg.batch_size // self.comm.size * m.seq_len
         return {
             "ep": self.comm.size, "experts_per_rank": m.n_expert // self.comm.size,

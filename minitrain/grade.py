@@ -50,13 +50,14 @@ def _checks(sources: list[str]) -> list[str]:
 
 
 def lessons(folder: Path = LESSONS) -> dict[str, Path]:
-    """``{"01": lessons/01_....ipynb, ...}``."""
-    return {p.name[:2]: p for p in sorted(folder.glob("[0-9][0-9]_*.ipynb"))}
+    """``{"01": lessons/01_....ipynb, "01b": lessons/01b_....ipynb, ...}``."""
+    return {p.name.split("_", 1)[0]: p for p in sorted(folder.glob("[0-9][0-9]*_*.ipynb"))}
 
 
 def _which_lesson(path: Path, nb: dict, known: dict[str, Path]) -> Path | None:
-    if path.name[:2] in known and path.name[2:3] in ("_", "-", " ", "."):
-        return known[path.name[:2]]
+    number = re.match(r"(\d\d[a-z]?)[_\- .]", path.name)
+    if number and number.group(1) in known:
+        return known[number.group(1)]
     def exercises(notebook: dict) -> set:
         return {n for c in _cells(notebook) for n in _CHECK_CALL.findall(c)}
     mine = exercises(nb)

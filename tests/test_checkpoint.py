@@ -2,6 +2,7 @@
 strategy that saves; consolidation gives the single-process state_dict; damaged or mismatched
 checkpoints are refused before any process starts, naming the problem and the fix."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -38,10 +39,12 @@ CASES = {  # name: (strategy, world size, options, precision)
                                              "sequence_parallel": True}, "fp32"),
     "3d-interleaved": ("3d", 4, {"pp": 2, "tp": 2, "schedule": "interleaved", "chunks": 2,
                                  "microbatches": 2}, "fp32"),
+    "expert": ("expert", 2, {}, "fp32"),  # each rank saves its own experts
 }
 MODELS = {  # where nano does not fit: 3 heads for tp 3 (vocabulary 13 and sequence 16 padded),
     "tensor-3-ranks-sequence-parallel": GPTConfig(n_layer=2, n_head=3, d_model=24, seq_len=16),
     "3d-interleaved": GPTConfig(n_layer=4, n_head=2, d_model=32, seq_len=16),  # 4 layers: 2x2 stages
+    "expert": dataclasses.replace(PRESETS["tiny-moe"], n_layer=2, d_model=32, seq_len=16),
 }
 
 
@@ -165,6 +168,7 @@ def test_a_mismatched_checkpoint_is_refused_before_spawning(saved, no_spawn, cha
       "checkpoint's (--dp, --pp)")),
     ("3d", dict(options={**CASES["3d"][2], "zero_stage": 0}), "zero_stage 1 there, 0 here"),
     ("3d-interleaved", dict(options={"pp": 2, "tp": 2, "microbatches": 2}), "chunks 2 there, 1 here"),
+    ("expert", dict(world_size=4, batch_size=8), "saved on 2 ranks, this run has 4"),
 ])
 def test_a_tensor_or_3d_checkpoint_resumes_only_on_its_mesh(saved, no_spawn, name, change, message):
     cfg, root, _, _ = saved(name)

@@ -44,6 +44,9 @@ The rules, and why (each rejected layout says which one it broke):
 * ZeRO-2/3 only without TP and PP (the Hugging Face guide: combined with PP and TP, ZeRO shards
   only the optimizer states): they would re-shard gradients or weights for every micro-batch;
 * a layout must fit in the device's memory (and, for offload, the optimizer states in the host's);
+* when not even the largest layer's training state fits one device, only TP (each layer split) or
+  ZeRO-3 (one layer's weights gathered at a time) will do: layouts that keep every whole layer on
+  every device are rejected;
 * of the layouts that fit, the fastest wins; layouts within 5 % of it count as equally fast, and
   among those the simplest wins — the least model parallelism (TP·PP), then the lowest ZeRO stage,
   no offload, no recomputation — since DP is the simplest and scales (Narayanan et al., 2021,

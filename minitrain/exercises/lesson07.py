@@ -94,6 +94,8 @@ def _step_problem(fn) -> str | None:
             want = mixed_precision_step(ref_params, ref_masters, ref_opt, scale)
             for m in masters + ref_masters:
                 m.grad = None  # as MixedPrecisionOptimizer does after the step
+            if torch.is_tensor(took) and took.numel() == 1:
+                took = bool(took)  # e.g. torch.isfinite(...).all()
             if took is None or not isinstance(took, (bool, int)):
                 return (f"{case}: returned {took!r}: return True when you took the step, False when "
                         "you skipped it (the loss scaler halves its scale on False)")

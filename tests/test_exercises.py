@@ -76,11 +76,8 @@ def zero_right(psi, n, stage):
     return 2 * psi / (n if stage >= 3 else 1) + 2 * psi / (n if stage >= 2 else 1) + 12 * psi / (n if stage >= 1 else 1)
 
 
-def test_zero_checker_passes_right_and_fails_wrong(capsys):
-    assert problem("zero_bytes_per_device", zero_right) is None
-    assert "returned None" in problem("zero_bytes_per_device", lambda psi, n, stage: None)
-    assert "expected" in problem("zero_bytes_per_device", lambda psi, n, stage: 16 * psi / n)
-    assert "raised ZeroDivisionError" in problem("zero_bytes_per_device", lambda psi, n, stage: 1 / 0)
+def test_a_passing_check_prints_only_its_verdict(capsys):
+    # the checker's wrong answers live in tests/answers/lesson00.py
     check("zero_bytes_per_device", zero_right)
     assert capsys.readouterr().out == verdict("zero_bytes_per_device") + "\n"
 
@@ -192,22 +189,6 @@ def test_zero1_step_checker():
     assert problem("zero1_step", zero1_right) is None
     assert "all-gather every rank's shard" in problem("zero1_step", zero1_without_gather)
     assert "differ from Adam" in problem("zero1_step", lambda *args: None)
-
-
-def scale_right(scale, good, found_inf, interval):
-    if found_inf:
-        return scale / 2, 0, False
-    good += 1
-    return (scale * 2, 0, True) if good == interval else (scale, good, True)
-
-
-def test_loss_scale_update_checker():
-    assert problem("loss_scale_update", scale_right) is None
-    never_grows = lambda s, g, f, i: (s / 2, 0, False) if f else (s, g + 1, True)  # noqa: E731
-    assert "double after" in problem("loss_scale_update", never_grows)
-    steps_anyway = lambda s, g, f, i: (*scale_right(s, g, f, i)[:2], True)  # noqa: E731
-    assert "skip the optimizer step" in problem("loss_scale_update", steps_anyway)
-    assert "return a tuple" in problem("loss_scale_update", lambda *a: None)
 
 
 def one_f_one_b_right(rank, stages, microbatches):

@@ -39,6 +39,7 @@ CASES = {  # name: (strategy, world size, options, precision)
                                              "sequence_parallel": True}, "fp32"),
     "3d-interleaved": ("3d", 4, {"pp": 2, "tp": 2, "schedule": "interleaved", "chunks": 2,
                                  "microbatches": 2}, "fp32"),
+    "3d-cp": ("3d", 4, {"dp": 2, "cp": 2}, "fp32"),  # cp ranks hold replicas; ZeRO-1 over dp
     "expert": ("expert", 2, {}, "fp32"),  # each rank saves its own experts
 }
 MODELS = {  # where nano does not fit: 3 heads for tp 3 (vocabulary 13 and sequence 16 padded),
@@ -168,6 +169,8 @@ def test_a_mismatched_checkpoint_is_refused_before_spawning(saved, no_spawn, cha
       "checkpoint's (--dp, --pp)")),
     ("3d", dict(options={**CASES["3d"][2], "zero_stage": 0}), "zero_stage 1 there, 0 here"),
     ("3d-interleaved", dict(options={"pp": 2, "tp": 2, "microbatches": 2}), "chunks 2 there, 1 here"),
+    ("3d-cp", dict(options={"dp": 1, "cp": 4}),
+     "cp 2 there, 4 here, dp 2 there, 1 here; resume with the checkpoint's (--cp, --dp)"),
     ("expert", dict(world_size=4, batch_size=8), "saved on 2 ranks, this run has 4"),
 ])
 def test_a_tensor_or_3d_checkpoint_resumes_only_on_its_mesh(saved, no_spawn, name, change, message):

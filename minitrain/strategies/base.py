@@ -292,6 +292,8 @@ def check_common(cls: type["Strategy"], cfg: TrainConfig, seams: Seams | None = 
             takers = [n for n in strategy_names() if name in _REGISTRY[n].seams]
             raise ConfigError(f"strategy {cls.name!r} has no seam {name!r}; strategies that take it: "
                               f"{', '.join(takers) or 'none'}")
+    if seams is not None and seams.given():
+        cls.check_seams(cfg, seams)
 
 
 def _check_precision(cls: type["Strategy"], cfg: TrainConfig) -> None:
@@ -340,6 +342,11 @@ class Strategy(abc.ABC):
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:
         """Raise :class:`ConfigError` if this strategy cannot run ``cfg`` (its own rules only)."""
+
+    @classmethod
+    def check_seams(cls, cfg: TrainConfig, seams: Seams) -> None:
+        """Raise :class:`ConfigError` if the seams given (all among ``cls.seams``) cannot serve
+        ``cfg`` (e.g. a function written for fewer axes than the run has)."""
 
     def __init__(self, cfg: TrainConfig, comm: Comm, seams: Seams | None = None):
         self.cfg, self.comm, self.seams = cfg, comm, seams or Seams()

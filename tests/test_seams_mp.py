@@ -145,3 +145,12 @@ def test_the_ring_seam_carries_the_3d_replicas_gradients(clusters):
     ours = train(cfg, cluster=clusters(4))
     dp_calls = lambda r: r["summary"]["report"][0]["comm_by_group"]["dp"]["calls"]  # noqa: E731
     assert dp_calls(run) == 4 * (2 - 1) * dp_calls(ours)  # 2 phases x (N-1) sends and recvs
+
+
+def test_a_seam_the_layout_does_not_use_is_refused_before_spawning(no_spawn):
+    """ZeRO-1 reduce-scatters: a ring given for the replicas' all-reduce would be silently unused."""
+    from minitrain.strategies import ConfigError
+
+    cfg = CFG.with_(strategy="3d", world_size=4, options={"dp": 2, "tp": 2})
+    with pytest.raises(ConfigError, match="add --zero-stage 0"):
+        train(cfg, seams={"ring_all_reduce": ring_all_reduce})

@@ -284,11 +284,14 @@ class YourMinitrain:
     theirs: list
     fallback: list
     unloadable: dict = field(default_factory=dict)
+    unused: dict = field(default_factory=dict)  # kept, but this run's layout does not take it: why
 
     def __str__(self) -> str:
-        lines = [f"Strategy '{self.strategy}' takes {len(self.theirs) + len(self.fallback)} pieces "
-                 "you can write:"]
+        total = len(self.theirs) + len(self.fallback) + len(self.unused)
+        lines = [f"Strategy '{self.strategy}' takes {total} pieces you can write:"]
         lines += [f"  ✓ {name:<24s} yours (from {mine_dir() / (name + '.py')})" for name in self.theirs]
+        lines += [f"  · {name:<24s} yours, not used by this layout: {why}"
+                  for name, why in self.unused.items()]
         lines += [f"  · {name:<24s} the package's ("
                   + (f"yours did not load: {self.unloadable[name]}; run its check again"
                      if name in self.unloadable else "you have not passed its check yet") + ")"
@@ -298,62 +301,23 @@ class YourMinitrain:
     _repr_pretty_ = lambda self, p, cycle: p.text(str(self))  # noqa: E731
 
 
-def your_minitrain(strategy: str) -> YourMinitrain:
-    """Seams for ``strategy`` from your kept functions; the ones you have not written fall back."""
-    from ..strategies import get_strategy
+def your_minitrain(strategy: str, cfg=None) -> YourMinitrain:
+    """Seams for ``strategy`` from your kept functions; the ones you have not written fall back.
+    With ``cfg`` (the run's config), a kept function the run's layout cannot take (say, the ring
+    merge of context parallelism in a run without ``--cp``) is left out, saying why."""
+    from ..strategies import ConfigError, get_strategy
+    from ..train import check_config
 
     problems: dict = {}
     kept, honoured = mine(problems), get_strategy(strategy).seams
-    theirs = [s for s in honoured if s in kept]
+    unused = {}
+    if cfg is not None:
+        for s in [s for s in honoured if s in kept]:
+            try:
+                check_config(cfg, {s: kept[s]})
+            except ConfigError as exc:
+                unused[s] = str(exc)
+    theirs = [s for s in honoured if s in kept and s not in unused]
     return YourMinitrain(strategy, {s: kept[s] for s in theirs}, theirs,
                          [s for s in honoured if s not in kept],
-                         {s: p for s, p in problems.items() if s in honoured})
-
-
-# --------------------------------------------------------------------------------------------------
-# Predict, then measure
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Prediction:
-    """A learner's guess beside the formula and the measurement of a real run, and why they differ."""
-    what: str
-    prediction: float | None
-    formula: str
-    expected: float
-    measured: float
-    unit: str = "B"
-    gap: str = ""
-
-    def lines(self) -> list[str]:
-        def ratio(x):
-            return f" ({x / self.measured:.2f}× the measurement)" if self.measured else ""
-        out = [f"{self.what}:"]
-        if self.prediction is None:
-            out.append("  your prediction   (none: write it in the cell above, then run both again)")
-        else:
-            out.append(f"  your prediction   {_fmt(self.prediction, self.unit):>14s}"
-                       f"{ratio(self.prediction)}")
-        out.append(f"  formula           {_fmt(self.expected, self.unit):>14s}   {self.formula}"
-                   f"{ratio(self.expected)}")
-        out.append(f"  measured          {_fmt(self.measured, self.unit):>14s}")
-        if self.gap:
-            out.append(f"  the gap: {self.gap}")
-        return out
-
-    def __str__(self) -> str:
-        return "\n".join(self.lines())
-
-    _repr_pretty_ = lambda self, p, cycle: p.text(str(self))  # noqa: E731
-
-
-def predicted(what: str, prediction, formula: str, expected: float, measured: float,
-              unit: str = "B", gap: str = "") -> Prediction:
-    """Show a prediction cell's guess beside the formula and the measurement (``unit``: ``"B"``
-    bytes, ``"%"`` a fraction, ``"s"`` seconds, anything else is appended to the number)."""
-    if prediction is not None and not isinstance(prediction, (int, float)):
-        raise TypeError(f"write your prediction as a number (got {type(prediction).__name__} "
-                        f"{prediction!r})")
-    return Prediction(what, None if prediction is None else float(prediction), formula,
-                      float(expected), float(measured), unit, gap)
+                         {s: p for s, p in problems.items() if s in honoured}, unused)

@@ -144,6 +144,10 @@ class ThreeD(Lockstep):
                               f"ranks of a 3D mesh, and this run has --cp {s.cp}; leave out --cp "
                               "(or the seam), or give a function that also takes cp= and the "
                               "axis 'cp' (rank = ((p·dp + d)·cp + c)·tp + t)")
+        if seams.ring_all_reduce is not None and (cfg.options.zero_stage != 0 or s.dp == 1):
+            raise ConfigError("the ring_all_reduce seam averages the replicas' gradients, which "
+                              "happens with --zero-stage 0 and --dp 2 or more (ZeRO-1 "
+                              "reduce-scatters instead); add --zero-stage 0 and --dp 2")
         if s.cp == 1 and seams.online_softmax_merge is not None:
             raise ConfigError("the online_softmax_merge seam merges the ring's partial attention "
                               "results, and with --cp 1 there is no ring; add --cp 2 (or more)")

@@ -6,7 +6,6 @@ import dataclasses
 import json
 import os
 import shutil
-import sys
 
 import pytest
 import torch
@@ -122,18 +121,6 @@ def test_save_every_and_resume_from_an_earlier_step(clusters, tmp_path):
 # --------------------------------------------------------------------------------------------------
 # Refusals
 # --------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def no_spawn(monkeypatch):
-    """train() and the CLI may not start ranks: every refusal comes before spawning.  (The ranks
-    the `clusters` fixture keeps — and `saved` uses — are another Cluster name, left alone, so a
-    refusal test also runs on its own.)"""
-    class Refused:
-        def __init__(self, *args, **kwargs):
-            raise AssertionError("a process was started")
-    for module in ("minitrain.train", "minitrain.cli"):  # (minitrain.train is also a function)
-        monkeypatch.setattr(sys.modules[module], "Cluster", Refused)
 
 
 @pytest.fixture

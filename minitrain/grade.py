@@ -1,7 +1,7 @@
 """``minitrain grade FOLDER``: check a class's submitted notebooks and write a gradebook (CSV).
 
-Each notebook is matched to its lesson (by its ``NN_`` file-name prefix, else by its check cells),
-its check cells are compared with the lesson's (a changed or deleted one is reported as tampered,
+Each notebook is matched to its lesson (by its ``NN_`` or ``NNb_`` file-name prefix, else by its
+check cells), its check cells are compared with the lesson's (a changed or deleted one is reported as tampered,
 not run), and it is executed on its own — a fresh kernel in a temporary folder, with a time limit,
 so one student's endless loop cannot stall the others (the kernel and every rank it started are
 stopped).  A row per notebook: the lesson, the status, each exercise's verdict (the checker's
@@ -50,13 +50,15 @@ def _checks(sources: list[str]) -> list[str]:
 
 
 def lessons(folder: Path = LESSONS) -> dict[str, Path]:
-    """``{"01": lessons/01_....ipynb, ...}``."""
-    return {p.name[:2]: p for p in sorted(folder.glob("[0-9][0-9]_*.ipynb"))}
+    """``{"01": lessons/01_....ipynb, "01b": lessons/01b_....ipynb, ...}``."""
+    return {p.name.split("_", 1)[0]: p for p in sorted(folder.glob("[0-9][0-9]*_*.ipynb"))}
 
 
 def _which_lesson(path: Path, nb: dict, known: dict[str, Path]) -> Path | None:
-    if path.name[:2] in known and path.name[2:3] in ("_", "-", " ", "."):
-        return known[path.name[:2]]
+    for prefix in sorted(known, key=len, reverse=True):  # "01b_x" is lesson 01b, not 01
+        rest = path.name[len(prefix):]
+        if path.name.startswith(prefix) and rest[:1] in ("_", "-", " ", "."):
+            return known[prefix]
     def exercises(notebook: dict) -> set:
         return {n for c in _cells(notebook) for n in _CHECK_CALL.findall(c)}
     mine = exercises(nb)

@@ -116,6 +116,12 @@ def ring_with_all_reduce(tensor, comm):
     return tensor
 
 
+def ring_behind_the_tracers_back(tensor, comm):
+    import torch.distributed as dist
+    dist.all_reduce(tensor, group=comm.group)
+    return tensor
+
+
 def ring_that_only_receives(tensor, comm):
     comm.recv(torch.empty(1, dtype=tensor.dtype), (comm.rank - 1) % comm.size)
     return tensor
@@ -128,6 +134,7 @@ ANSWERS = {
         (ring_without_all_gather, "the all-gather phase must pass the finished chunks around"),
         (ring_adds_into_the_sent_chunk, "line 11 of your ring_adds_into_the_sent_chunk"),
         (ring_with_all_reduce, "build it from send/recv"),
+        (ring_behind_the_tracers_back, "no send went through comm"),
         (ring_that_only_receives, "Every rank is receiving and none is sending"),
     ]),
 }

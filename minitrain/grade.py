@@ -1,11 +1,11 @@
 """``minitrain grade FOLDER``: check a class's submitted notebooks and write a gradebook (CSV).
 
-Each notebook is matched to its lesson (by its ``NN_`` file-name prefix, else by its check cells),
-its check cells are compared with the lesson's (a changed or deleted one is reported as tampered,
-not run), and it is executed on its own — a fresh kernel in a temporary folder, with a time limit,
-so one student's endless loop cannot stall the others (the kernel and every rank it started are
-stopped).  A row per notebook: the lesson, the status, each exercise's verdict (the checker's
-one-line reason when it fails) and the errors raised elsewhere in the notebook.
+Each notebook is matched to its lesson (by its ``NN_`` or ``NNb_`` file-name prefix, else by its
+check cells), its check cells are compared with the lesson's (a changed or deleted one is reported
+as tampered, not run), and it is executed on its own — a fresh kernel in a temporary folder, with a
+time limit, so one student's endless loop cannot stall the others (the kernel and every rank it
+started are stopped).  A row per notebook: the lesson, the status, each exercise's verdict (the
+checker's one-line reason when it fails) and the errors raised elsewhere in the notebook.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Exercise checkers for the lessons (one module per lesson), and the tool that writes the learners'
 notebooks from the solutions (:mod:`.build`).
 
-How an exercise works (lessons 00–09):
+How an exercise works (lessons 00–09, and the debugging lab 01b in :mod:`.lab`):
 
 * the learner writes a function in an exercise cell;
 * the next cell, marked ``# NBVAL_CHECK_OUTPUT``, calls ``check("name", their_function)``, which runs
@@ -25,7 +25,7 @@ no images) and storing the pass verdict as the check cells' expected output.  ``
 verifies that ``lessons/`` is up to date (a test runs it).
 """
 
-from . import (lesson00, lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07,
+from . import (lab, lesson00, lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07,
                lesson08, lesson09)
 from .build import build_exercise, main, normalise
 from .inside import (Row, Run, inside, keep, mine, mine_dir, predicted, rank_trouble, report,
@@ -39,5 +39,5 @@ __all__ = ["check", "problem", "verdict", "CHECKS", "build_exercise", "normalise
            "your_minitrain", "predicted", "rank_trouble", "sent_per_rank"]
 
 #: the lessons whose import registers their exercises in CHECKS
-LESSONS = (lesson00, lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07, lesson08,
-           lesson09)
+LESSONS = (lesson00, lesson01, lab, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07,
+           lesson08, lesson09)

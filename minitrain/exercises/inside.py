@@ -321,3 +321,52 @@ def your_minitrain(strategy: str, cfg=None) -> YourMinitrain:
     return YourMinitrain(strategy, {s: kept[s] for s in theirs}, theirs,
                          [s for s in honoured if s not in kept],
                          {s: p for s, p in problems.items() if s in honoured}, unused)
+
+
+# --------------------------------------------------------------------------------------------------
+# Predict, then measure
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Prediction:
+    """A learner's guess beside the formula and the measurement of a real run, and why they differ."""
+    what: str
+    prediction: float | None
+    formula: str
+    expected: float
+    measured: float
+    unit: str = "B"
+    gap: str = ""
+
+    def lines(self) -> list[str]:
+        def ratio(x):
+            return f" ({x / self.measured:.2f}× the measurement)" if self.measured else ""
+        out = [f"{self.what}:"]
+        if self.prediction is None:
+            out.append("  your prediction   (none: write it in the cell above, then run both again)")
+        else:
+            out.append(f"  your prediction   {_fmt(self.prediction, self.unit):>14s}"
+                       f"{ratio(self.prediction)}")
+        out.append(f"  formula           {_fmt(self.expected, self.unit):>14s}   {self.formula}"
+                   f"{ratio(self.expected)}")
+        out.append(f"  measured          {_fmt(self.measured, self.unit):>14s}")
+        if self.gap:
+            out.append(f"  the gap: {self.gap}")
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+    _repr_pretty_ = lambda self, p, cycle: p.text(str(self))  # noqa: E731
+
+
+def predicted(what: str, prediction, formula: str, expected: float, measured: float,
+              unit: str = "B", gap: str = "") -> Prediction:
+    """Show a prediction cell's guess beside the formula and the measurement (``unit``: ``"B"``
+    bytes, ``"%"`` a fraction, ``"s"`` seconds, anything else is appended to the number)."""
+    if prediction is not None and not isinstance(prediction, (int, float)):
+        raise TypeError(f"write your prediction as a number (got {type(prediction).__name__} "
+                        f"{prediction!r})")
+    return Prediction(what, None if prediction is None else float(prediction), formula,
+                      float(expected), float(measured), unit, gap)

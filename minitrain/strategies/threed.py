@@ -75,7 +75,7 @@ class ThreeD(Lockstep):
             "(--zero-stage 0 for plain all-reduce); pipeline and tensor options apply")
     options = ThreeDOptions
     seams = ("one_f_one_b", "stage_step", "column_parallel_linear", "row_parallel_linear",
-             "mesh_groups")
+             "mesh_groups", "zero1_step")
     checkpointing = False  # recomputing a block would re-run its tensor-parallel collectives
 
     @classmethod
@@ -120,7 +120,8 @@ class ThreeD(Lockstep):
         self.meter = ActivationMeter(self.model)
         if self.zero_stage == 1:
             self.optimizer = ZeroRedundancyOptimizer(self.model.parameters(), torch.optim.Adam,
-                                                     self.mesh.dp, lr=cfg.lr)
+                                                     self.mesh.dp, step_shard=seams.zero1_step,
+                                                     lr=cfg.lr)
         else:
             self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.lr)
         self.timelines: list[list[dict]] = []

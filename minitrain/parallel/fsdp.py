@@ -108,7 +108,8 @@ class FullyShardedDataParallel(nn.Module):
         mp_policy: a :class:`MixedPrecisionPolicy` (default: compute in the parameters' dtype).
         replicate: parameters left whole on every rank (e.g. the norms), gradients averaged.
         prefetch: how many units ahead to issue all-gathers (forward: the next units in the last
-            forward's order; backward: the previous ones).  0: gather when needed.
+            forward's order; backward: the previous ones).  0: gather when needed (always, with a
+            hook of one's own).
         record_timeline: keep ``timeline`` (gather, compute, free, reduce-scatter per unit).
 
     After wrapping, ``module.parameters()`` are this rank's shards (1-D: each parameter's piece of

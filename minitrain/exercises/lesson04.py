@@ -102,10 +102,12 @@ def _zero1_rank(fn):
                 ref_opt[k].step()
             local = torch.zeros(layout.total)
             local[:_PSI] = grads[r]
-            mark = len(comm.tracer.events)
+            mark, before = len(comm.tracer.events), flat.clone()
             try:
                 fn(flat, local, shard, optimizer, comm)
             except Exception as exc:  # noqa: BLE001 - the learner's code may raise anything
+                if _timed_out(exc):
+                    raise  # a collective nobody answered: the launcher says who waited for what
                 return raised(f"rank {r}: your zero1_step", exc, fn)
             events = comm.tracer.events[mark:]
             where = f"with {opt_name}, step {step}"
@@ -120,6 +122,10 @@ def _zero1_rank(fn):
             if torch.allclose(got, want, rtol=1e-5, atol=1e-6):
                 continue
             mine = slice(lo, min(hi, _PSI))
+            if torch.equal(flat, before):
+                return (f"{where}: flat_params did not change on rank {r}: the optimizer steps "
+                        "shard from shard.grad, which must hold this rank's slice of the averaged "
+                        "gradient when optimizer.step() runs")
             if torch.allclose(got[mine], ref["sum"].detach()[mine], rtol=1e-5, atol=1e-6):
                 return (f"{where}: rank {r}'s shard was stepped with the sum of the ranks' "
                         f"gradients, {n}× their mean: divide by N (Adam hardly notices — it "
@@ -203,6 +209,8 @@ class _Spy:
         result = problem = None
         try:
             result = self.fn(unit, comm, moment)
+            if result is not None and hasattr(result, "wait"):
+                result.wait()  # an asynchronous collective's work, returned as the package's does
         except Exception as exc:  # noqa: BLE001 - the learner's code may raise anything
             if _timed_out(exc):
                 raise  # a collective nobody answered: the launcher says who waited for what
@@ -223,6 +231,8 @@ class _Spy:
         if isinstance(exc, AttributeError) and "full" in str(exc):
             text += (" — unit.full cannot be replaced: the module's parameters are views of it, "
                      "so the gathered values must go into it (allocate it, then fill it)")
+        elif moment != "after backward" and "NoneType" in str(exc):
+            text += " — unit.grad and unit.grad_shard exist only at 'after backward'"
         return text
 
     def _verify(self, unit, moment, was, ops, want_full, grad, want_grad, n) -> str | None:

@@ -55,6 +55,13 @@ def zero1_gather_before_step(flat_params, flat_grads, shard, optimizer, comm):
     optimizer.step()
 
 
+def zero1_without_stepping(flat_params, flat_grads, shard, optimizer, comm):
+    grad = torch.empty_like(shard)
+    comm.reduce_scatter(grad, flat_grads)
+    shard.grad = grad / comm.size
+    comm.all_gather(flat_params, shard.detach().clone())
+
+
 # --------------------------------------------------------------------------------------------------
 # zero3_hook(unit, comm, moment)
 # --------------------------------------------------------------------------------------------------
@@ -157,6 +164,27 @@ def zero3_without_reduce_scatter(unit, comm, moment):
         unit.free()
 
 
+def zero3_reduce_after_forward_too(unit, comm, moment):
+    if moment.startswith("before"):
+        unit.allocate()
+        comm.all_gather(unit.full, unit.shard)
+    else:
+        comm.reduce_scatter(unit.grad_shard, unit.grad)
+        unit.free()
+
+
+def zero3_only_rank_0_gathers(unit, comm, moment):
+    """A collective called by one rank: the others never answer (a deadlock, diagnosed)."""
+    if moment.startswith("before"):
+        unit.allocate()
+        if comm.rank == 0:
+            comm.all_gather(unit.full, unit.shard)
+    else:
+        if moment == "after backward":
+            comm.reduce_scatter(unit.grad_shard, unit.grad)
+        unit.free()
+
+
 ANSWERS = {
     "zero1_step": Answers(zero1_step, [
         (zero1_without_dividing, "divide by N"),
@@ -164,6 +192,7 @@ ANSWERS = {
         (zero1_all_reduce, "a reduce-scatter sends half"),
         (zero1_without_gather, "own shard is right but element"),
         (zero1_gather_before_step, "ran before the optimizer stepped"),
+        (zero1_without_stepping, "flat_params did not change"),
     ]),
     "zero3_hook": Answers(zero3_hook, [
         (zero3_never_free, "held"),
@@ -174,5 +203,7 @@ ANSWERS = {
         (zero3_own_shard_only, "only rank 0's own shard is in unit.full"),
         (zero3_reversed_order, "in the wrong order"),
         (zero3_without_reduce_scatter, "holds only rank"),
+        (zero3_reduce_after_forward_too, "exist only at 'after backward'"),
+        (zero3_only_rank_0_gathers, "every rank must call each collective"),
     ]),
 }

@@ -234,13 +234,13 @@ class FullyShardedDataParallel(nn.Module):
 
     def _acquire(self, u: _Unit, phase: str) -> None:
         if u.refs == 0:
-            start = time.perf_counter()
+            start, end = time.perf_counter(), None
             if u.pending is not None:  # issued ahead: wait for it
                 work, start, _ = u.pending
                 work.wait()
-                u.pending = None
+                end, u.pending = work.end, None
             self._call(u, f"before {phase}")
-            self._event(u, "gather", start, time.perf_counter())
+            self._event(u, "gather", start, end or time.perf_counter())
             if not u.gathered:
                 raise RuntimeError(
                     f"unit {u.name!r} is about to run its {phase} with its parameters not "

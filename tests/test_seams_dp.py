@@ -5,7 +5,7 @@ trains exactly as the package's own code does."""
 import pytest
 import torch
 
-from minitrain import TrainConfig, train
+from minitrain import GPT, TrainConfig, train
 from minitrain.comm import ring_all_reduce
 
 CFG = TrainConfig(steps=4, batch_size=12, seed=0, world_size=2)
@@ -35,15 +35,24 @@ def topk_error_feedback(grad, residual, k):
 
 
 def zero1_step(flat_params, flat_grads, shard, optimizer, comm):
-    """The lesson-04 exercise's solution."""
-    size, r = flat_params.numel() // comm.size, comm.rank
-    shard.grad = flat_grads[r * size:(r + 1) * size].clone()
+    """The lesson-04 exercise's solution: this rank's own gradient reduce-scattered, the shard
+    stepped, the shards all-gathered."""
+    grad = torch.empty_like(shard)
+    comm.reduce_scatter(grad, flat_grads)
+    shard.grad = grad / comm.size
     optimizer.step()
     comm.all_gather(flat_params, shard.detach().clone())
 
 
-def zero3_gather(full, shard, comm):
-    comm.all_gather(full, shard)
+def zero3_hook(unit, comm, moment):
+    """The lesson-04 exercise's solution: blocking, no prefetch (the package's own is neither)."""
+    if moment.startswith("before"):
+        unit.allocate()
+        comm.all_gather(unit.full, unit.shard)
+    else:
+        if moment == "after backward":
+            comm.reduce_scatter(unit.grad_shard, unit.grad)
+        unit.free()
 
 
 CASES = [
@@ -54,7 +63,7 @@ CASES = [
      topk_error_feedback),
     ("ddp-naive", {}, "sync_gradients", sync_gradients),
     ("zero1", {}, "zero1_step", zero1_step),
-    ("zero3", {}, "zero3_gather", zero3_gather),
+    ("zero3", {}, "zero3_hook", zero3_hook),
 ]
 
 
@@ -83,3 +92,23 @@ def test_a_seam_is_really_called(clusters):
     own = train(cfg, cluster=clusters(2))
     broken = train(cfg, cluster=clusters(2), seams={"sync_gradients": no_sync})
     assert broken["losses"][0] == own["losses"][0] and broken["losses"][1:] != own["losses"][1:]
+
+
+def test_zero3_gathered_peak_is_one_unit_blocking_two_with_prefetch_all_when_never_freed(clusters):
+    """The ledger's ``gathered_peak``: the largest unit with a blocking hook, two units with the
+    package's prefetch, the whole model with a hook that never frees."""
+    def keep_all(unit, comm, moment):
+        if moment.startswith("before"):
+            unit.allocate()
+            comm.all_gather(unit.full, unit.shard)
+        elif moment == "after backward":
+            comm.reduce_scatter(unit.grad_shard, unit.grad)
+
+    cfg = CFG.with_(strategy="zero3", steps=2)
+    peaks = {name: train(cfg, cluster=clusters(2), seams=seams)["summary"]["memory"][0]["gathered_peak"]
+             for name, seams in (("package", None), ("blocking", {"zero3_hook": zero3_hook}),
+                                 ("never freed", {"zero3_hook": keep_all}))}
+    block = 4 * sum(p.numel() for p in GPT(CFG.model).blocks[0].parameters())  # fp32, N=2: no padding
+    assert peaks["blocking"] == block
+    assert peaks["package"] == 2 * block
+    assert peaks["never freed"] == 4 * GPT(CFG.model).num_params()

@@ -94,6 +94,15 @@ def mesh_groups(dp, pp, tp, axis):
     return [[rank(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)]
 
 
+def zero1_step(flat_params, flat_grads, shard, optimizer, comm):
+    """Lesson 04: ZeRO-1's step from this rank's own gradient (3d's ZeRO-1 over its dp group)."""
+    grad = torch.empty_like(shard)
+    comm.reduce_scatter(grad, flat_grads)
+    shard.grad = grad / comm.size
+    optimizer.step()
+    comm.all_gather(flat_params, shard.detach().clone())
+
+
 TENSOR = {"column_parallel_linear": ColumnParallelLinear, "row_parallel_linear": RowParallelLinear}
 PIPE = {"one_f_one_b": one_f_one_b, "stage_step": stage_step}
 
@@ -114,6 +123,8 @@ CASES = {
     "3d 2x2x1 ring": (CFG.with_(strategy="3d", world_size=4,
                                options={"dp": 2, "pp": 2, "zero_stage": 0, "microbatches": 2}),
                       {**PIPE, "mesh_groups": mesh_groups, "ring_all_reduce": ring_all_reduce}),
+    "3d 2x1x2 zero1": (CFG.with_(strategy="3d", world_size=4, options={"dp": 2, "tp": 2}),
+                       {"zero1_step": zero1_step}),
 }
 
 

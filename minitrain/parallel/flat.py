@@ -237,7 +237,8 @@ class GradientReducer:
         max_in_flight: None, or 1: finish the unit in flight before launching the next (ZeRO-3:
             at most one unit's gradient buffer waits on the network).
         flush_untouched: at the end of backward also launch units no gradient reached (zeros);
-            False leaves them out (ZeRO-3: such a unit's shard gets no gradient, as in one process).
+            False leaves them out; a function ``flush_untouched(slot) -> bool`` decides per unit
+            (ZeRO-3: only the units still gathered for a backward).
         on_begin, before_flush, after_flush, on_full: optional callbacks (no argument, no argument,
             no argument, ``on_full(slot)``) at the first hook of a backward, at its end before and
             after the remaining launches and waits, and when a unit's last gradient is in.
@@ -335,7 +336,9 @@ class GradientReducer:
         if self.ordered:
             self._launch_ready()
         for s in self.slots[self._next if self.ordered else 0:]:
-            if s.work is None and (s.ready or self.flush_untouched):
+            untouched = (self.flush_untouched(s) if callable(self.flush_untouched)
+                         else self.flush_untouched)
+            if s.work is None and (s.ready or untouched):
                 self._launch(s)
         for s in self.slots:
             if s.work is not None:

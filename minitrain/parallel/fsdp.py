@@ -4,9 +4,11 @@
 Papers: Rajbhandari et al., 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 Models" (SC'20); Zhao et al., 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data
 Parallel" (VLDB).  Each unit (the embedding, each block, the head) all-gathers its parameters just
-before its forward and again before its backward (the next unit's gather issued ahead, so it runs
-behind this unit's compute), frees them after, and reduce-scatters its gradients
-(:class:`~minitrain.parallel.flat.GradientReducer`): 3Ψ per step, 1.5× DDP's traffic.
+before its forward and again before its backward, frees them after, and reduce-scatters its
+gradients once they are in (:class:`~minitrain.parallel.flat.GradientReducer`): 3Ψ per step, 1.5×
+DDP's traffic.  What happens around a unit's compute is one function, :func:`zero3_hook` (lesson
+04's exercise writes it); the wrapper calls it at the four moments and issues the next unit's gather
+ahead (prefetch), so it runs behind this unit's compute.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..comm import Comm, all_reduce_coalesced
 from .data_parallel import broadcast_module, comm_for
-from .flat import FlatUnit, GradientReducer
+from .flat import Done, FlatUnit, GradientReducer
 from .fsdp_timeline import hidden_fraction
+from .fsdp_unit import MOMENTS, Unit, _Unit, all_gather_unit, zero3_hook
 from .zero import master_shard
 
-__all__ = ["FullyShardedDataParallel", "MixedPrecisionPolicy", "default_units", "all_gather_unit",
-           "hidden_fraction"]
+__all__ = ["FullyShardedDataParallel", "MixedPrecisionPolicy", "MOMENTS", "Unit", "zero3_hook",
+           "default_units", "all_gather_unit", "hidden_fraction"]
 
 
 @dataclass(frozen=True)
@@ -51,12 +54,6 @@ def default_units(module: nn.Module) -> list[nn.Module]:
     return out
 
 
-def all_gather_unit(full: torch.Tensor, shard: torch.Tensor, comm: Comm, index: int = 0,
-                    async_op: bool = False):
-    """Fill a unit's flat parameter buffer ``full`` (just allocated) with every rank's ``shard``."""
-    return comm.all_gather(full, shard, async_op=async_op, tag=f"params-unit{index}")
-
-
 def _refuse_unwrapped(optimizer, args, kwargs):
     """Optimizer step pre-hook: a parameter replaced by its shard at wrapping never gets a gradient."""
     for group in optimizer.param_groups:
@@ -68,64 +65,6 @@ def _refuse_unwrapped(optimizer, args, kwargs):
 
 
 register_optimizer_step_pre_hook(_refuse_unwrapped)
-
-
-class _Unit:
-    """One module's parameters under stage 3: a shard always, the full flat vector only in use.
-
-    ``layout.params`` are the original parameters: unregistered, they hold views of ``full`` while
-    the unit is gathered (forward and backward run on them).  ``sharded[i]`` (registered on the
-    module in their place) is a view of ``shard``: this rank's piece of parameter i, flattened."""
-
-    def __init__(self, index, module, layout: FlatUnit, rank: int, param_dtype=None):
-        self.index, self.module, self.layout = index, module, layout
-        self.needs: list[int] = []  # the units whose parameters this module's forward uses
-        self.refs = 0               # how many running forwards/backwards hold it gathered
-        self.held_for_backward = False
-        self.pending = None         # (work, start, cast input) of a gather issued ahead
-        self.full = self.shard = None
-        self.sharded: list[nn.Parameter] = []
-        self.ranges: list[tuple] = []  # each registered shard's [start, end) in ``shard``
-        self.slots: list[list] = []  # per parameter: the (module, name) places it is registered at
-        if layout.params:
-            lo, hi = layout.owned_range(rank)
-            self.shard = layout.flatten([p.detach() for p in layout.params])[lo:hi].clone()
-            dtype = param_dtype or self.shard.dtype
-            self.full = torch.empty(layout.total, dtype=dtype, device=self.shard.device)
-            for p, view in zip(layout.params, layout.views(self.full)):
-                p.data = view
-            for off, n, p in zip(layout.offsets, layout.numels, layout.params):
-                start, end = max(lo, off), min(hi, off + n)
-                self.ranges.append((start - lo, end - lo) if start < end else (0, 0))
-                piece = self.shard[slice(*self.ranges[-1])]
-                self.sharded.append(nn.Parameter(piece, requires_grad=p.requires_grad))
-                p._fsdp_replaced = True
-            self.nbytes = self.full.untyped_storage().nbytes()
-            self.free()
-
-    def free(self) -> None:
-        self.full.untyped_storage().resize_(0)
-
-    def allocate(self) -> None:
-        self.full.untyped_storage().resize_(self.nbytes)
-
-    def show(self, gathered: bool) -> None:
-        """Register the full parameters (gathered) or the shards at every place they belong."""
-        for p, q, places in zip(self.layout.params, self.sharded, self.slots):
-            for m, name in places:
-                m._parameters[name] = p if gathered else q
-
-    def shard_grad(self, grad: torch.Tensor) -> None:
-        """``grad`` (flat, this rank's shard) into ``shard.grad``; each registered shard's
-        ``.grad`` a view of it.  Accumulates unless the optimizer set the gradients to None."""
-        fresh = self.shard.grad is None or all(q.grad is None for q in self.sharded)
-        if fresh:
-            self.shard.grad = grad.to(self.shard.dtype)
-        else:
-            self.shard.grad.add_(grad)
-        for q, (a, b) in zip(self.sharded, self.ranges):
-            if fresh or q.grad is None:
-                q.grad = self.shard.grad[a:b]
 
 
 class _BeforeBackward(torch.autograd.Function):
@@ -161,23 +100,28 @@ class FullyShardedDataParallel(nn.Module):
         comm / process_group: the data-parallel ranks (default: the whole world).
         units: the submodules to shard one by one (default :func:`default_units`); parameters no
             unit holds form one more unit for ``module`` itself.
-        gather: ``gather(full, shard, comm)`` fills a unit's just-allocated flat parameter buffer
-            with every rank's shard, blocking (no prefetch then).  Default None:
-            :func:`all_gather_unit`, asynchronous.
+        hook: ``hook(unit, comm, moment)``, what happens around a unit's compute: called with a
+            :class:`Unit` at "before forward", "after forward", "before backward" (the unit must
+            then be gathered) and "after backward" (its gradient is complete: reduce it into
+            ``unit.grad_shard``; it may return the work of an asynchronous collective).  Default
+            None: :func:`zero3_hook`, the only one the wrapper prefetches for.
         mp_policy: a :class:`MixedPrecisionPolicy` (default: compute in the parameters' dtype).
         replicate: parameters left whole on every rank (e.g. the norms), gradients averaged.
         prefetch: how many units ahead to issue all-gathers (forward: the next units in the last
-            forward's order; backward: the previous ones).  0: gather when needed.
+            forward's order; backward: the previous ones).  0: gather when needed (always, with a
+            hook of one's own).
         record_timeline: keep ``timeline`` (gather, compute, free, reduce-scatter per unit).
 
     After wrapping, ``module.parameters()`` are this rank's shards (1-D: each parameter's piece of
     its unit's flat shard, possibly empty): hand them to any ``torch.optim`` optimizer; after
     ``backward()`` each ``.grad`` is its shard of the averaged gradient (in the shard's dtype).
     While a unit runs, the full parameters (views of a flat buffer in ``param_dtype``) are
-    registered in their place: a forward pre-hook gathers, a forward hook frees, a
-    :class:`_BeforeBackward` on the unit's output gathers again in backward, and once the unit's
-    gradients are in they are reduce-scattered (one unit in flight) and the buffer freed.  A tied
-    parameter belongs to the first unit that has it; a unit that uses another's gathers it too.
+    registered in their place: a forward pre-hook calls the hook "before forward", a forward hook
+    "after forward", a :class:`_BeforeBackward` on the unit's output "before backward", and once
+    the unit's gradients are in (or at the end of backward), "after backward" (one unit's
+    reduce-scatter in flight).  ``gathered_peak`` is the most bytes of full parameters held at once.
+    A tied parameter belongs to the first unit that has it; a unit that uses another's gathers it
+    too, and keeps it gathered in backward until that unit's own gradient is in.
     An optimizer built before wrapping (over the replaced parameters) is refused at ``step()``.
     ``full_state_dict()`` gathers the model.  The flat shards themselves
     (``sharded_parameters()``) can be stepped instead, e.g. with fp32 masters of a 16-bit model:
@@ -185,12 +129,14 @@ class FullyShardedDataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, comm: Comm | None = None, process_group=None,
-                 units: list | None = None, gather=None, mp_policy: MixedPrecisionPolicy | None = None,
+                 units: list | None = None, hook=None, mp_policy: MixedPrecisionPolicy | None = None,
                  replicate=(), prefetch: int = 1, record_timeline: bool = False):
         super().__init__()
         self.module = module
         self.comm = comm_for(comm, process_group)
-        self.gather, self.prefetch = gather, prefetch
+        self.hook = hook or zero3_hook
+        self.prefetch = prefetch if self.hook is zero3_hook else 0
+        self.gathered_peak = 0  # bytes of full parameters held at once, at most
         self.policy = mp_policy or MixedPrecisionPolicy()
         self.replicated = list(replicate)
         self.timeline: list[dict] | None = [] if record_timeline else None
@@ -199,6 +145,7 @@ class FullyShardedDataParallel(nn.Module):
         self._fresh: dict = {}            # replicated parameter -> [this backward's gradient, new?]
         broadcast_module(module, self.comm)
         names = {id(p): k for k, p in module.named_parameters()}
+        module_names = {id(m): k or "(the model itself)" for k, m in module.named_modules()}
         places: dict = {}
         for m in module.modules():
             for name, p in m._parameters.items():
@@ -215,7 +162,8 @@ class FullyShardedDataParallel(nn.Module):
             for p in mine:
                 owner[id(p)] = len(self.units)
             layout = FlatUnit(mine, self.comm.size, [names[id(p)] for p in mine])
-            u = _Unit(len(self.units), m, layout, self.comm.rank, self.policy.param_dtype)
+            u = _Unit(len(self.units), m, layout, self.comm.rank, self.policy.param_dtype,
+                      module_names.get(id(m), type(m).__name__))
             u.slots = [places[id(p)] for p in mine]
             self.units.append(u)
         for u in self.units:
@@ -232,8 +180,8 @@ class FullyShardedDataParallel(nn.Module):
             p.register_hook(lambda g, p=p: self._replicated_grad(p, g))
         self.reducer = _Reducer(
             [u.layout for u in self._sharded], self.comm.size, self._launch, self._finish,
-            ordered=False, max_in_flight=1, flush_untouched=False,
-            on_full=lambda slot: self._after_backward(self._sharded[slot.index]),
+            ordered=False, max_in_flight=1,
+            flush_untouched=lambda slot: self._sharded[slot.index].refs > 0,  # gathered, no grad
             after_flush=self._end_backward)
         self.reducer.dtype = self.policy.reduce_dtype or self.policy.param_dtype
 
@@ -256,7 +204,7 @@ class FullyShardedDataParallel(nn.Module):
         """``{id(registered shard): the parameter's name}`` (checkpoints map state_dict keys)."""
         return {id(q): name for u in self._sharded for q, name in zip(u.sharded, u.layout.names)}
 
-    # -- gathering and freeing -----------------------------------------------------------------------
+    # -- gathering and freeing: the hook, at the four moments ---------------------------------------
 
     def _event(self, u: _Unit, kind: str, start: float, end: float | None = None) -> None:
         if self.timeline is not None:
@@ -264,45 +212,57 @@ class FullyShardedDataParallel(nn.Module):
                                       end=start if end is None else end,
                                       backward=self.reducer.in_backward))
 
-    def _issue(self, u: _Unit) -> None:
-        """Allocate ``u``'s buffer and start its all-gather (asynchronous unless a custom gather)."""
-        u.allocate()
-        start = time.perf_counter()
-        src = u.shard if u.shard.dtype == u.full.dtype else u.shard.to(u.full.dtype)
-        if self.gather is not None:
-            self.gather(u.full, src, self.comm)
-            self._event(u, "gather", start, time.perf_counter())
-            u.pending = None
-        else:
-            u.pending = (all_gather_unit(u.full, src, self.comm, u.index, async_op=True), start, src)
+    def _source(self, u: _Unit) -> torch.Tensor:
+        """This rank's shard in the dtype the unit computes in (the policy's param_dtype)."""
+        return u.shard if u.shard.dtype == u.full.dtype else u.shard.to(u.full.dtype)
 
-    def _acquire(self, u: _Unit) -> None:
+    def _call(self, u: _Unit, moment: str, grad=None, grad_shard=None):
+        """The hook at ``moment`` for unit ``u``; what it returned (the work of a collective)."""
+        work = self.hook(Unit(u, self._source(u), grad, grad_shard), self.comm, moment)
+        held = sum(v.full.untyped_storage().nbytes() for v in self._sharded)
+        self.gathered_peak = max(self.gathered_peak, held)
+        return work
+
+    def _issue(self, u: _Unit) -> None:
+        """Prefetch (the package's hook only): allocate ``u``'s buffer and start its all-gather."""
+        u.allocate()
+        src = self._source(u)
+        u.pending = (all_gather_unit(u.full, src, self.comm, u.index, async_op=True),
+                     time.perf_counter(), src)
+        held = sum(v.full.untyped_storage().nbytes() for v in self._sharded)
+        self.gathered_peak = max(self.gathered_peak, held)
+
+    def _acquire(self, u: _Unit, phase: str) -> None:
         if u.refs == 0:
-            if u.pending is None and u.full.untyped_storage().nbytes() == 0:
-                self._issue(u)
-            if u.pending is not None:
+            start, end = time.perf_counter(), None
+            if u.pending is not None:  # issued ahead: wait for it
                 work, start, _ = u.pending
                 work.wait()
-                self._event(u, "gather", start, work.end)
-                u.pending = None
+                end, u.pending = work.end, None
+            self._call(u, f"before {phase}")
+            self._event(u, "gather", start, end or time.perf_counter())
+            if not u.gathered:
+                raise RuntimeError(
+                    f"unit {u.name!r} is about to run its {phase} with its parameters not "
+                    f"gathered: after the hook's 'before {phase}' unit.full has no memory; gather "
+                    "every rank's shard into it first")
             u.show(True)
         u.refs += 1
 
     def _release(self, u: _Unit) -> None:
+        """The end of a forward that used ``u``: "after forward" once no forward holds it."""
         u.refs -= 1
         if u.refs == 0:
             u.show(False)
-            u.free()
+            self._call(u, "after forward")
             self._event(u, "free", time.perf_counter())
 
     def _prefetch(self, order: list[int], at: int) -> None:
         """Issue the gathers of the ``prefetch`` units after position ``at`` of ``order``."""
-        if self.gather is not None:
-            return
         for k in order[at + 1:at + 1 + self.prefetch]:
             for i in self.units[k].needs:
                 v = self.units[i]
-                if v.refs == 0 and v.pending is None and v.full.untyped_storage().nbytes() == 0:
+                if v.refs == 0 and v.pending is None and not v.gathered:
                     self._issue(v)
 
     def _start_forward(self) -> None:
@@ -314,7 +274,7 @@ class FullyShardedDataParallel(nn.Module):
         if u.index not in self._running:
             self._running.append(u.index)
         for k in u.needs:
-            self._acquire(self.units[k])
+            self._acquire(self.units[k], "forward")
         if u.index in self._order:
             self._prefetch(self._order, self._order.index(u.index))
         u.compute_start = time.perf_counter()
@@ -338,22 +298,35 @@ class FullyShardedDataParallel(nn.Module):
         if not u.held_for_backward:
             u.held_for_backward = True
             for k in u.needs:
-                self._acquire(self.units[k])
+                self._acquire(self.units[k], "backward")
             backward_order = (self._running or self._order)[::-1]
             if u.index in backward_order:
                 self._prefetch(backward_order, backward_order.index(u.index))
             u.compute_start = time.perf_counter()
 
-    def _after_backward(self, u: _Unit) -> None:
+    def _launch(self, slot):
+        """``u``'s gradient is in (or backward ended with ``u`` gathered): its backward is done —
+        the hook's "after backward" reduces the gradient and frees the parameters."""
+        u = self._sharded[slot.index]
         if u.held_for_backward:
             u.held_for_backward = False
             self._event(u, "compute", u.compute_start, time.perf_counter())
-            for k in u.needs:
-                self._release(self.units[k])
+        u.refs = 0  # a unit that needed it (a tied weight) has finished its backward already
+        u.show(False)
+        slot.out = torch.empty(u.shard.numel(), dtype=slot.buffer.dtype, device=u.shard.device)
+        work = self._call(u, "after backward", slot.buffer, slot.out)
+        self._event(u, "free", time.perf_counter())
+        return work if work is not None else Done()
+
+    def _finish(self, slot) -> None:
+        """Add the averaged gradient shard into the shards' ``.grad``."""
+        u = self._sharded[slot.index]
+        self._event(u, "reduce_scatter", slot.launched_at, slot.work.end)
+        u.shard_grad(slot.out)
 
     def _end_backward(self) -> None:
         for u in self.units:
-            self._after_backward(u)
+            u.held_for_backward = False
         for u in self._sharded:  # a gather issued ahead that no unit used
             if u.pending is not None:
                 u.pending[0].wait()
@@ -386,18 +359,6 @@ class FullyShardedDataParallel(nn.Module):
             else:
                 p.grad.add_(avg - old)
         self._fresh.clear()
-
-    def _launch(self, slot):
-        u = self._sharded[slot.index]
-        slot.out = torch.empty(u.shard.numel(), dtype=slot.buffer.dtype, device=u.shard.device)
-        return self.comm.reduce_scatter(slot.out, slot.buffer, async_op=True,
-                                        tag=f"grad-unit{u.index}")
-
-    def _finish(self, slot) -> None:
-        """Add the averaged gradient shard into the shards' ``.grad``."""
-        u = self._sharded[slot.index]
-        self._event(u, "reduce_scatter", slot.launched_at, slot.work.end)
-        u.shard_grad(slot.out)
 
     # -- full parameters -----------------------------------------------------------------------------
 

@@ -4,8 +4,8 @@ Papers: Rajbhandari et al., 2020, "ZeRO: Memory Optimizations Toward Training Tr
 Models" (SC'20); Ren et al., 2021, "ZeRO-Offload: Democratizing Billion-Scale Model Training"
 (USENIX ATC'21).  Each rank keeps and steps the optimizer states of its shard of the flat, padded
 parameter vector (:class:`~minitrain.parallel.flat.FlatUnit`): stage 1 reduce-scatters the
-gradients after backward, stage 2 bucket by bucket during it (and drops the full gradients); the
-updated shards are all-gathered.  :class:`HostOffload` keeps the fp32 masters, the states and the
+gradients after backward (:func:`zero1_step`, the lesson's exercise), stage 2 bucket by bucket
+during it (and drops the full gradients); the updated shards are all-gathered.  :class:`HostOffload` keeps the fp32 masters, the states and the
 step on the host.  Stage 3 is :mod:`minitrain.parallel.fsdp`.  Limits: one parameter group and
 one dtype; fp16 loss scaling is not supported (an overflow verdict would need every rank's shard).
 """
@@ -19,7 +19,7 @@ from ..precision import MixedPrecisionOptimizer
 from .data_parallel import comm_for
 from .flat import FlatUnit, GradientReducer, bucket_caps, make_buckets
 
-__all__ = ["master_shard", "shard_optimizer", "HostOffload", "ZeroRedundancyOptimizer"]
+__all__ = ["zero1_step", "master_shard", "shard_optimizer", "HostOffload", "ZeroRedundancyOptimizer"]
 
 
 def _trainable(params) -> tuple[list, list]:
@@ -147,6 +147,25 @@ class HostOffload(_WrappedOptimizer):
 # --------------------------------------------------------------------------------------------------
 
 
+@torch.no_grad()
+def zero1_step(flat_params: torch.Tensor, flat_grads: torch.Tensor, shard: torch.Tensor,
+               optimizer, comm: Comm) -> None:
+    """ZeRO-1's step of one flat unit on this rank (lesson 04's exercise writes it).
+
+    ``flat_grads``: this rank's own gradient (its part of the batch), flat and zero-padded like
+    ``flat_params`` to a multiple of N.  ``shard``: this rank's slice of ``flat_params`` (a view),
+    the one parameter ``optimizer`` steps.  One reduce-scatter leaves this rank the sum of its
+    slice over the ranks (divided by N: the average), the optimizer steps the shard in place, and
+    one all-gather brings every rank's updated shard into ``flat_params``: 2(N−1)/N of the
+    gradient's bytes per rank, what an all-reduce of it would send.
+    """
+    grad = torch.empty_like(shard)
+    comm.reduce_scatter(grad, flat_grads, tag="grad")
+    shard.grad = grad.div_(comm.size)
+    optimizer.step()
+    comm.all_gather(flat_params, shard.clone(), tag="params")  # the input must not alias the output
+
+
 class _Bucket:
     """One unit of ZeroRedundancyOptimizer: a flat parameter buffer, its shard, its gradient shard."""
 
@@ -179,10 +198,10 @@ class ZeroRedundancyOptimizer(_WrappedOptimizer):
             :func:`~minitrain.precision.cast_model_`.  16-bit parameters are reduced and gathered in
             16 bits and stepped on fp32 master *shards* cut from these (:func:`shard_optimizer`);
             without it a 16-bit parameter's master starts from its rounded value.
-        step_shard: stage 1 only: ``step_shard(flat_params, grad, shard, optimizer, comm)`` takes the
-            step from the averaged flat gradient (every rank holds all of it: it is all-reduced
-            instead of reduce-scattered): give the shard its slice, step, all-gather into
-            ``flat_params`` (the lesson-04 exercise).  Default None: the package's own step.
+        step_shard: stage 1's step, ``step_shard(flat_params, flat_grads, shard, optimizer, comm)``
+            with this rank's own flat gradient (:func:`zero1_step`'s contract; the lesson-04
+            exercise).  Default None: :func:`zero1_step`.  Not with ``shard_gradients`` (stage 2
+            reduces during backward) nor ``reduce_gradients=False`` (nothing left to reduce).
         **defaults: the optimizer's arguments (``lr=...``).
 
     ``step()`` then steps the shard and all-gathers the updated parameters into every rank's buffers.
@@ -195,9 +214,10 @@ class ZeroRedundancyOptimizer(_WrappedOptimizer):
                  master_weights: dict | None = None, step_shard=None, **defaults):
         self.comm = comm_for(comm, process_group)
         self.stage = 2 if shard_gradients else 1
-        if step_shard is not None and shard_gradients:
-            raise ValueError("step_shard= replaces stage 1's step; stage 2 reduces in backward")
-        self.step_shard = step_shard
+        if step_shard is not None and (shard_gradients or not reduce_gradients):
+            raise ValueError("step_shard= is stage 1's step from each rank's own gradients; stage 2 "
+                             "reduces in backward, and reduce_gradients=False has nothing to reduce")
+        self.step_shard = step_shard or zero1_step
         self.reduce_gradients = reduce_gradients or shard_gradients
         self.offload = offload
         names, tensors = _trainable(params)
@@ -229,18 +249,21 @@ class ZeroRedundancyOptimizer(_WrappedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Average (stage 1) or collect (stage 2) the gradient shards, step them, all-gather."""
+        """Stage 1: :func:`zero1_step` (or ``step_shard``) from each rank's own flat gradient.
+        Stage 2 (gradient shards already reduced in backward) and gradients already averaged by a
+        DDP: step the shards, all-gather."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.step_shard is not None:
+        if self.stage == 1 and self.reduce_gradients:  # one flat unit: one optimizer step
             for b in self.buckets:
-                self.step_shard(b.flat, self._averaged_gradient(b), b.shard, self.optim, self.comm)
+                flat_grads = b.layout.flatten([p.grad for p in b.layout.params])
+                self.step_shard(b.flat, flat_grads, b.shard, self.optim, self.comm)
                 b.shard.grad = None
             return loss
         if self.stage == 1:
-            self._reduce_scatter_gradients()
+            self._slice_gradients()
         for b in self.buckets:
             b.shard.grad = b.grad_shard
         self.optim.step()
@@ -251,27 +274,12 @@ class ZeroRedundancyOptimizer(_WrappedOptimizer):
         self._all_gather_parameters()
         return loss
 
-    # -- stage 1: after backward ---------------------------------------------------------------------
+    # -- stage 1 behind a DDP: the gradients are already averaged -------------------------------------
 
-    def _averaged_gradient(self, b: _Bucket) -> torch.Tensor:
-        """The whole averaged flat gradient, on every rank (for ``step_shard``)."""
-        flat = b.layout.flatten([p.grad for p in b.layout.params])
-        if self.reduce_gradients:
-            self.comm.all_reduce(flat, tag="grad")
-            flat.div_(self.comm.size)
-        return flat
-
-    def _reduce_scatter_gradients(self) -> None:
-        n, r = self.comm.size, self.comm.rank
+    def _slice_gradients(self) -> None:
         for b in self.buckets:
-            flat = b.layout.flatten([p.grad for p in b.layout.params])
-            if self.reduce_gradients:
-                b.grad_shard = torch.empty_like(b.shard)
-                self.comm.reduce_scatter(b.grad_shard, flat, tag="grad")
-                b.grad_shard.div_(n)
-            else:  # already averaged by a DDP: take this rank's slice
-                lo, hi = b.layout.owned_range(r)
-                b.grad_shard = flat[lo:hi].clone()
+            lo, hi = b.layout.owned_range(self.comm.rank)
+            b.grad_shard = b.layout.flatten([p.grad for p in b.layout.params])[lo:hi].clone()
 
     def _all_gather_parameters(self) -> None:
         for b in self.buckets:

@@ -197,8 +197,11 @@ class Seams:
     sync_gradients: typing.Callable | None = None          # (model, comm): lesson 02, naive DP
     bucket_hook: typing.Callable | None = None             # DDP's overlapped bucket hook: lesson 02
     topk_error_feedback: typing.Callable | None = None     # lesson 03
-    zero1_step: typing.Callable | None = None              # (flat, grad, shard, optimizer, comm): 04
-    zero3_gather: typing.Callable | None = None            # ZeRO-3's gather / free: lesson 04
+    zero1_step: typing.Callable | None = None              # (flat_params, flat_grads (this rank's
+    #                                                         own), shard, optimizer, comm): 04
+    zero3_hook: typing.Callable | None = None              # (unit, comm, moment): ZeRO-3's gather
+    #                                                         before / free after a unit's compute,
+    #                                                         reduce-scatter after backward: 04
     one_f_one_b: typing.Callable | None = None             # (rank, P, M) -> ["F0", "B0", ...]: 05
     stage_step: typing.Callable | None = None              # a pipeline stage's send/recv step: 05
     column_parallel_linear: typing.Callable | None = None  # lesson 06

@@ -109,7 +109,7 @@ class ThreeD(Lockstep):
             "context parallelism (ring attention) as a fourth axis")
     options = ThreeDOptions
     seams = ("mesh_groups", "one_f_one_b", "stage_step", "column_parallel_linear",
-             "row_parallel_linear", "ring_all_reduce", "online_softmax_merge")
+             "row_parallel_linear", "ring_all_reduce", "zero1_step", "online_softmax_merge")
     checkpointing = False  # recomputing a block would re-run its tensor-parallel collectives
 
     @classmethod
@@ -148,6 +148,10 @@ class ThreeD(Lockstep):
             raise ConfigError("the ring_all_reduce seam averages the replicas' gradients, which "
                               "happens with --zero-stage 0 and --dp 2 or more (ZeRO-1 "
                               "reduce-scatters instead); add --zero-stage 0 and --dp 2")
+        if seams.zero1_step is not None and (cfg.options.zero_stage != 1 or s.dp == 1):
+            raise ConfigError("the zero1_step seam is ZeRO-1's step over the replicas, which "
+                              "runs with --zero-stage 1 and --dp 2 or more; leave out "
+                              "--zero-stage 0 and use --dp 2")
         if s.cp == 1 and seams.online_softmax_merge is not None:
             raise ConfigError("the online_softmax_merge seam merges the ring's partial attention "
                               "results, and with --cp 1 there is no ring; add --cp 2 (or more)")
@@ -182,7 +186,8 @@ class ThreeD(Lockstep):
         self.meter = ActivationMeter(self.model)
         if self.zero_stage == 1:
             self.optimizer = ZeroRedundancyOptimizer(self.model.parameters(), torch.optim.Adam,
-                                                     self.mesh.dp, lr=cfg.lr)
+                                                     self.mesh.dp, step_shard=seams.zero1_step,
+                                                     lr=cfg.lr)
         else:
             self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.lr)
         self.timelines: list[list[dict]] = []

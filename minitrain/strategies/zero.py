@@ -178,9 +178,13 @@ class _ZeroStrategy(DataParallel):
                                                         self.comm.rank, optim, weights))
 
     def memory(self) -> dict:
+        """The ledger; stage 3 adds ``gathered_peak``, the most bytes of full (gathered)
+        parameters held at once beside the shards."""
         extra, host = self.sharded.memory_tensors()
         out = ledger(self.model, self.optimizer, self.meter.peak, extra=extra, host=host)
         out["rss_peak"] = rss_bytes(peak=True)
+        if self.stage == 3:
+            out["gathered_peak"] = self.wrapper.gathered_peak
         return out
 
     @property
@@ -246,13 +250,13 @@ class Zero3(_ZeroStrategy):
     name = "zero3"
     help = "ZeRO stage 3 (FSDP): parameters too, gathered per block for forward and backward (--offload)"
     stage = 3
-    seams = ("zero3_gather",)
+    seams = ("zero3_hook",)
     checkpointing = False  # recomputation would re-enter the gather hooks; not supported yet
     checkpoint_refusal = None
     reshardable = True
 
     def shard(self, model):
-        fsdp = FullyShardedDataParallel(model, self.comm, gather=self.seams.zero3_gather)
+        fsdp = FullyShardedDataParallel(model, self.comm, hook=self.seams.zero3_hook)
         opt = shard_optimizer(fsdp.sharded_parameters(), torch.optim.Adam,
                               fsdp.master_shards(self.master_weights), self.offload, lr=self.cfg.lr)
         return fsdp, opt, _Zero3Memory(fsdp, opt if self.offload else None)

@@ -1,0 +1,146 @@
+"""ZeRO-3's unit (lesson 04): one module's parameters as a shard always and as full parameters only
+while in use, and what happens around its compute — :func:`zero3_hook`, the function
+:class:`~minitrain.parallel.fsdp.FullyShardedDataParallel` calls before and after each unit's forward
+and backward (lesson 04's exercise writes it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..comm import Comm
+from .flat import FlatUnit
+
+__all__ = ["MOMENTS", "Unit", "zero3_hook", "all_gather_unit"]
+
+#: the moments at which :class:`FullyShardedDataParallel` calls its hook, in the order one unit sees them
+MOMENTS = ("before forward", "after forward", "before backward", "after backward")
+
+
+def all_gather_unit(full: torch.Tensor, shard: torch.Tensor, comm: Comm, index: int = 0,
+                    async_op: bool = False):
+    """Fill a unit's flat parameter buffer ``full`` (just allocated) with every rank's ``shard``."""
+    return comm.all_gather(full, shard, async_op=async_op, tag=f"params-unit{index}")
+
+
+def zero3_hook(unit: "Unit", comm: Comm, moment: str):
+    """What ZeRO-3 does around one unit's compute (the package's; lesson 04's exercise writes it).
+
+    Before the unit computes (forward or backward) its full parameters are gathered into
+    ``unit.full`` from every rank's shard; after, they are freed; after its backward, this rank's
+    gradient ``unit.grad`` (already divided by N) is reduce-scattered into ``unit.grad_shard``.
+    The package's reduce-scatter is asynchronous: the work is returned and the wrapper waits for
+    it when the next unit's gradients are in.  A unit whose gather was issued ahead (prefetch) is
+    already gathered."""
+    if moment.startswith("before"):
+        if not unit.gathered:
+            unit.allocate()
+            all_gather_unit(unit.full, unit.shard, comm, unit.index)
+        return None
+    work = None
+    if moment == "after backward":
+        work = comm.reduce_scatter(unit.grad_shard, unit.grad, async_op=True,
+                                   tag=f"grad-unit{unit.index}")
+    unit.free()
+    return work
+
+
+class _Unit:
+    """One module's parameters under stage 3: a shard always, the full flat vector only in use.
+
+    ``layout.params`` are the original parameters: unregistered, they hold views of ``full`` while
+    the unit is gathered (forward and backward run on them).  ``sharded[i]`` (registered on the
+    module in their place) is a view of ``shard``: this rank's piece of parameter i, flattened."""
+
+    def __init__(self, index, module, layout: FlatUnit, rank: int, param_dtype=None, name=""):
+        self.index, self.module, self.layout, self.name = index, module, layout, name
+        self.needs: list[int] = []  # the units whose parameters this module's forward uses
+        self.refs = 0               # how many running forwards/backwards hold it gathered
+        self.held_for_backward = False
+        self.pending = None         # (work, start, cast input) of a gather issued ahead
+        self.full = self.shard = None
+        self.sharded: list[nn.Parameter] = []
+        self.ranges: list[tuple] = []  # each registered shard's [start, end) in ``shard``
+        self.slots: list[list] = []  # per parameter: the (module, name) places it is registered at
+        if layout.params:
+            lo, hi = layout.owned_range(rank)
+            self.shard = layout.flatten([p.detach() for p in layout.params])[lo:hi].clone()
+            dtype = param_dtype or self.shard.dtype
+            self.full = torch.empty(layout.total, dtype=dtype, device=self.shard.device)
+            for p, view in zip(layout.params, layout.views(self.full)):
+                p.data = view
+            for off, n, p in zip(layout.offsets, layout.numels, layout.params):
+                start, end = max(lo, off), min(hi, off + n)
+                self.ranges.append((start - lo, end - lo) if start < end else (0, 0))
+                piece = self.shard[slice(*self.ranges[-1])]
+                self.sharded.append(nn.Parameter(piece, requires_grad=p.requires_grad))
+                p._fsdp_replaced = True
+            self.nbytes = self.full.untyped_storage().nbytes()
+            self.free()
+
+    def free(self) -> None:
+        self.full.untyped_storage().resize_(0)
+
+    def allocate(self) -> None:
+        self.full.untyped_storage().resize_(self.nbytes)
+
+    @property
+    def gathered(self) -> bool:
+        """True while ``full`` has its memory."""
+        return self.full is not None and self.full.untyped_storage().nbytes() > 0
+
+    def show(self, gathered: bool) -> None:
+        """Register the full parameters (gathered) or the shards at every place they belong."""
+        for p, q, places in zip(self.layout.params, self.sharded, self.slots):
+            for m, name in places:
+                m._parameters[name] = p if gathered else q
+
+    def shard_grad(self, grad: torch.Tensor) -> None:
+        """``grad`` (flat, this rank's shard) into ``shard.grad``; each registered shard's
+        ``.grad`` a view of it.  Accumulates unless the optimizer set the gradients to None."""
+        fresh = self.shard.grad is None or all(q.grad is None for q in self.sharded)
+        if fresh:
+            self.shard.grad = grad.to(self.shard.dtype)
+        else:
+            self.shard.grad.add_(grad)
+        for q, (a, b) in zip(self.sharded, self.ranges):
+            if fresh or q.grad is None:
+                q.grad = self.shard.grad[a:b]
+
+
+class Unit:
+    """One unit as the hook sees it (:func:`zero3_hook`).
+
+    ``name``: the module's (e.g. ``"blocks.1"``).  ``shard``: this rank's flat shard of the unit's
+    parameters, in ``full``'s dtype.  ``full``: the flat vector of all N shards, in rank order;
+    the module's parameters are views of it, and it has memory only between ``allocate()`` (its
+    contents are then undefined) and ``free()``; ``gathered`` says whether it has.  At "after
+    backward": ``grad``, this rank's gradient of ``full`` (already divided by N), and
+    ``grad_shard``, where this rank's shard of their sum over the ranks goes."""
+
+    def __init__(self, unit: _Unit, shard: torch.Tensor, grad=None, grad_shard=None):
+        self._unit, self.shard, self.grad, self.grad_shard = unit, shard, grad, grad_shard
+        self.name, self.index = unit.name, unit.index
+
+    @property
+    def full(self) -> torch.Tensor:
+        if not self._unit.gathered:  # a collective into a tensor without memory would crash
+            raise RuntimeError(f"unit.full of {self.name!r} has no memory now (it is freed): "
+                               "unit.allocate() gives it memory (its contents undefined)")
+        return self._unit.full
+
+    @property
+    def gathered(self) -> bool:
+        return self._unit.gathered
+
+    def allocate(self) -> None:
+        self._unit.allocate()
+
+    def free(self) -> None:
+        self._unit.free()
+
+    def __repr__(self) -> str:
+        return (f"Unit({self.name!r}: {self._unit.layout.numel} parameters, full "
+                f"{self._unit.full.numel()} "
+                f"elements, shard {self.shard.numel()}, {'gathered' if self.gathered else 'freed'})")

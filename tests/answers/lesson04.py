@@ -1,0 +1,209 @@
+"""Lesson 04: ZeRO-1's step and ZeRO-3's hook — the solutions and typical wrong answers."""
+
+import torch
+
+from answers import Answers
+
+# --------------------------------------------------------------------------------------------------
+# zero1_step(flat_params, flat_grads, shard, optimizer, comm)
+# --------------------------------------------------------------------------------------------------
+
+
+def zero1_step(flat_params, flat_grads, shard, optimizer, comm):
+    grad = torch.empty_like(shard)
+    comm.reduce_scatter(grad, flat_grads)
+    shard.grad = grad / comm.size
+    optimizer.step()
+    comm.all_gather(flat_params, shard.detach().clone())
+
+
+def zero1_without_dividing(flat_params, flat_grads, shard, optimizer, comm):
+    grad = torch.empty_like(shard)
+    comm.reduce_scatter(grad, flat_grads)
+    shard.grad = grad
+    optimizer.step()
+    comm.all_gather(flat_params, shard.detach().clone())
+
+
+def zero1_own_slice(flat_params, flat_grads, shard, optimizer, comm):
+    size, r = shard.numel(), comm.rank
+    shard.grad = flat_grads[r * size:(r + 1) * size].clone()
+    optimizer.step()
+    comm.all_gather(flat_params, shard.detach().clone())
+
+
+def zero1_all_reduce(flat_params, flat_grads, shard, optimizer, comm):
+    size, r = shard.numel(), comm.rank
+    comm.all_reduce(flat_grads)
+    shard.grad = flat_grads[r * size:(r + 1) * size] / comm.size
+    optimizer.step()
+    comm.all_gather(flat_params, shard.detach().clone())
+
+
+def zero1_without_gather(flat_params, flat_grads, shard, optimizer, comm):
+    grad = torch.empty_like(shard)
+    comm.reduce_scatter(grad, flat_grads)
+    shard.grad = grad / comm.size
+    optimizer.step()
+
+
+def zero1_gather_before_step(flat_params, flat_grads, shard, optimizer, comm):
+    grad = torch.empty_like(shard)
+    comm.reduce_scatter(grad, flat_grads)
+    shard.grad = grad / comm.size
+    comm.all_gather(flat_params, shard.detach().clone())
+    optimizer.step()
+
+
+def zero1_without_stepping(flat_params, flat_grads, shard, optimizer, comm):
+    grad = torch.empty_like(shard)
+    comm.reduce_scatter(grad, flat_grads)
+    shard.grad = grad / comm.size
+    comm.all_gather(flat_params, shard.detach().clone())
+
+
+# --------------------------------------------------------------------------------------------------
+# zero3_hook(unit, comm, moment)
+# --------------------------------------------------------------------------------------------------
+
+
+def zero3_hook(unit, comm, moment):
+    if moment.startswith("before"):
+        unit.allocate()
+        comm.all_gather(unit.full, unit.shard)
+    else:
+        if moment == "after backward":
+            comm.reduce_scatter(unit.grad_shard, unit.grad)
+        unit.free()
+
+
+def zero3_never_free(unit, comm, moment):
+    if moment.startswith("before"):
+        unit.allocate()
+        comm.all_gather(unit.full, unit.shard)
+    elif moment == "after backward":
+        comm.reduce_scatter(unit.grad_shard, unit.grad)
+
+
+def zero3_no_gather_for_backward(unit, comm, moment):
+    if moment == "before forward":
+        unit.allocate()
+        comm.all_gather(unit.full, unit.shard)
+    elif moment.startswith("after"):
+        if moment == "after backward":
+            comm.reduce_scatter(unit.grad_shard, unit.grad)
+        unit.free()
+
+
+def zero3_free_when_backward_starts(unit, comm, moment):
+    """Forward is over when backward starts: free then (too early: backward needs the weights)."""
+    if moment == "before forward":
+        unit.allocate()
+        comm.all_gather(unit.full, unit.shard)
+    elif moment == "before backward":
+        unit.free()
+    elif moment == "after backward":
+        comm.reduce_scatter(unit.grad_shard, unit.grad)
+
+
+def zero3_allocate_only_for_backward(unit, comm, moment):
+    """The memory comes back, so the values must be there too (they are not)."""
+    if moment == "before forward":
+        unit.allocate()
+        comm.all_gather(unit.full, unit.shard)
+    elif moment == "before backward":
+        unit.allocate()
+    else:
+        if moment == "after backward":
+            comm.reduce_scatter(unit.grad_shard, unit.grad)
+        unit.free()
+
+
+def zero3_into_a_new_tensor(unit, comm, moment):
+    if moment.startswith("before"):
+        full = torch.empty(unit.shard.numel() * comm.size, dtype=unit.shard.dtype)
+        comm.all_gather(full, unit.shard)
+    else:
+        if moment == "after backward":
+            comm.reduce_scatter(unit.grad_shard, unit.grad)
+        unit.free()
+
+
+def zero3_own_shard_only(unit, comm, moment):
+    if moment.startswith("before"):
+        unit.allocate()
+        size = unit.shard.numel()
+        unit.full[comm.rank * size:(comm.rank + 1) * size] = unit.shard
+    else:
+        if moment == "after backward":
+            comm.reduce_scatter(unit.grad_shard, unit.grad)
+        unit.free()
+
+
+def zero3_reversed_order(unit, comm, moment):
+    if moment.startswith("before"):
+        unit.allocate()
+        gathered = torch.empty(unit.shard.numel() * comm.size, dtype=unit.shard.dtype)
+        comm.all_gather(gathered, unit.shard)
+        pieces = list(gathered.chunk(comm.size))[::-1]
+        unit.full.copy_(torch.cat(pieces))
+    else:
+        if moment == "after backward":
+            comm.reduce_scatter(unit.grad_shard, unit.grad)
+        unit.free()
+
+
+def zero3_without_reduce_scatter(unit, comm, moment):
+    if moment.startswith("before"):
+        unit.allocate()
+        comm.all_gather(unit.full, unit.shard)
+    else:
+        if moment == "after backward":
+            size = unit.grad_shard.numel()
+            unit.grad_shard.copy_(unit.grad[comm.rank * size:(comm.rank + 1) * size])
+        unit.free()
+
+
+def zero3_reduce_after_forward_too(unit, comm, moment):
+    if moment.startswith("before"):
+        unit.allocate()
+        comm.all_gather(unit.full, unit.shard)
+    else:
+        comm.reduce_scatter(unit.grad_shard, unit.grad)
+        unit.free()
+
+
+def zero3_only_rank_0_gathers(unit, comm, moment):
+    """A collective called by one rank: the others never answer (a deadlock, diagnosed)."""
+    if moment.startswith("before"):
+        unit.allocate()
+        if comm.rank == 0:
+            comm.all_gather(unit.full, unit.shard)
+    else:
+        if moment == "after backward":
+            comm.reduce_scatter(unit.grad_shard, unit.grad)
+        unit.free()
+
+
+ANSWERS = {
+    "zero1_step": Answers(zero1_step, [
+        (zero1_without_dividing, "divide by N"),
+        (zero1_own_slice, "with its own gradient only"),
+        (zero1_all_reduce, "a reduce-scatter sends half"),
+        (zero1_without_gather, "own shard is right but element"),
+        (zero1_gather_before_step, "ran before the optimizer stepped"),
+        (zero1_without_stepping, "flat_params did not change"),
+    ]),
+    "zero3_hook": Answers(zero3_hook, [
+        (zero3_never_free, "held"),
+        (zero3_no_gather_for_backward, "does not gather them again at 'before backward'"),
+        (zero3_free_when_backward_starts, "before its backward used them"),
+        (zero3_allocate_only_for_backward, "memory that was freed keeps nothing"),
+        (zero3_into_a_new_tensor, "gather into it, not into another tensor"),
+        (zero3_own_shard_only, "only rank 0's own shard is in unit.full"),
+        (zero3_reversed_order, "in the wrong order"),
+        (zero3_without_reduce_scatter, "holds only rank"),
+        (zero3_reduce_after_forward_too, "exist only at 'after backward'"),
+        (zero3_only_rank_0_gathers, "every rank must call each collective"),
+    ]),
+}

@@ -192,32 +192,33 @@ def _tensor_config():
 
 
 def _tensor_rows(which: str):
-    """``measure`` for :func:`inside`: the all-reduces your function made (the collectives the
-    layers' tags do not name are yours) and the blocks' all-reduce bytes per rank per layer."""
+    """``measure`` for :func:`inside`: the all-reduces your linear made (the collectives that no
+    layer's tag names are yours), the blocks' all-reduce bytes per layer (row: every one of yours
+    is in a block) and the whole model's, each beside Megatron's count."""
     from .inside import Row
 
     def measure(summary: dict, cfg) -> list:
         per = summary["report"][0]["comm_per_layer"]  # rank 0, per step
         L, N = cfg.model.n_layer, cfg.world_size
-        bsd = cfg.batch_size * cfg.model.seq_len * cfg.model.d_model * 4
-        ring = 2 * (N - 1) / N
+        b, s, d = cfg.batch_size, cfg.model.seq_len, cfg.model.d_model
+        ring, bsd = 2 * (N - 1) / N, b * s * d * 4  # bytes a rank sends per all-reduced byte; fp32
         yours = per.get("", {}).get("all_reduce ", {"calls": 0, "sent_bytes": 0.0})
-        blocks = sum(v["sent_bytes"] for where, ops in per.items() if where.startswith("blocks.")
-                     for v in ops.values())
-        if which == "row":  # g after attention's projection and the MLP's: 2 per block, forward
-            calls, calls_text = 2 * L, "2·L (g: attention, MLP)"
-            in_blocks = yours["sent_bytes"]
-        else:  # f before q;k;v and the MLP's first layer, and the vocabulary-parallel head
-            calls, calls_text = 2 * L + 1, "2·L + 1 (f: attention, MLP; the head)"
-            in_blocks = yours["sent_bytes"] * 2 * L / (2 * L + 1)  # each moves b·s·d: the head's share out
-        return [
-            Row(f"all-reduces by your {which}-parallel linear / step", yours["calls"], calls_text,
-                calls, unit=""),
-            Row("bytes they sent per rank / step", yours["sent_bytes"],
-                f"{calls_text.split(' (')[0]} × 2(N−1)/N·b·s·d·4", calls * ring * bsd),
-            Row("all-reduce bytes per rank per layer", (blocks + in_blocks) / L,
-                "(2 fwd + 2 bwd) × 2(N−1)/N·b·s·d·4", 4 * ring * bsd),
-        ]
+        calls, text = (2 * L, "2·L") if which == "row" else (2 * L + 1, "(2·L + 1)")
+        rows = [Row("all-reduces by your linear / step", yours["calls"],
+                    f"{text} ({'g' if which == 'row' else 'f'}: attention, MLP"
+                    f"{'' if which == 'row' else ', the head'})", calls, unit=""),
+                Row("  their bytes sent per rank / step", yours["sent_bytes"],
+                    f"{text}·2(N−1)/N·b·s·d·4", calls * ring * bsd)]
+        if which == "row":
+            blocks = sum(v["sent_bytes"] for where, ops in per.items()
+                         if where.startswith("blocks.") for v in ops.values())
+            rows.append(Row("all-reduce bytes per rank per layer", (blocks + yours["sent_bytes"]) / L,
+                            "(2 fwd + 2 bwd)·2(N−1)/N·b·s·d·4", 4 * ring * bsd))
+        model = summary["comm"][0].get("all_reduce", {}).get("sent_bytes", 0.0) / summary["steps"]
+        rows.append(Row("all-reduce bytes per rank / step", model,
+                        "(4·L + 2)·2(N−1)/N·b·s·d·4 + 2(N−1)/N·3·b·s·4 (loss)",
+                        (4 * L + 2) * ring * bsd + ring * 3 * b * s * 4))
+        return rows
     return measure
 
 

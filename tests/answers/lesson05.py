@@ -34,8 +34,8 @@ def backwards_first(rank, stages, microbatches):  # a backward before its forwar
     return one_f_one_b(rank, stages, microbatches)[::-1]
 
 
-def returns_nothing(rank, stages, microbatches):
-    actions = one_f_one_b(rank, stages, microbatches)  # noqa: F841 - forgot to return it
+def returns_nothing(rank, stages, microbatches):  # builds the list, forgets to return it
+    one_f_one_b(rank, stages, microbatches)
 
 
 def words_not_actions(rank, stages, microbatches):

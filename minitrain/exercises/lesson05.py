@@ -52,9 +52,10 @@ def _one_f_one_b_table(fn, P: int, M: int):
     return table
 
 
-@exercise('one_f_one_b',
-          "valid 1F1B order for P = 2, 3, 4 with M below, equal to and above P, at most "
-                    "P − rank micro-batches in flight; trains like one process on 2 and 3 ranks")
+@exercise("one_f_one_b",
+          "a valid order for P = 2, 3, 4 with M below, equal to and above P, at most P − rank "
+          "micro-batches in flight, as fast as 1F1B; strategy 'pipeline' with it trains like one "
+          "process on 2 and 3 ranks")
 def _check_one_f_one_b(fn) -> str | None:
     """Valid (the validator), 1F1B's memory bound, 1F1B's order or makespan, then run for real."""
     from ..parallel.schedules import ScheduleError, orders, peak_in_flight, simulate, validate

@@ -210,78 +210,86 @@ def _stage_step_alone(fn, timeout: float):
         return buf
 
     for a in table[r]:
-        m = a.microbatch
-        sent: list = []
+        m, sent = a.microbatch, []
         if a.kind == "F":
             inp = xs[m] if r == 0 else receive(False, m, r - 1).requires_grad_()
             loss = lambda out, y=ys[m]: loss_fn(out, y) * (y.shape[0] / batch)  # noqa: E731
-            act = Action("F", m, r)
-            out = _call(fn, f"rank {r}: your {name}(F{m} on stage {r}, …)", act, stage, inp, saved,
-                        sent.append, loss)
-            most = max(most, len(saved))
+            out = _call(fn, f"rank {r}: your {name}(F{m} on stage {r}, …)", Action("F", m, r),
+                        stage, inp, saved, sent.append, loss)
             if stage.last:
-                if out is None:
-                    raise _Wrong(f"F{m} on the last stage returned None: return the micro-batch's "
-                                 "loss, loss(out) of the stage's output")
-                if not torch.is_tensor(out) or out.dim() != 0:
-                    shape = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
-                    raise _Wrong(f"F{m} on the last stage returned {shape}, the stage's output, not "
-                                 "its loss: turn the output into the micro-batch's loss with "
-                                 "loss(out) and return that")
-                if abs(out.item() - want_losses[m]) > 1e-4 * abs(want_losses[m]):
-                    raise _Wrong(f"F{m} on the last stage returned {out.item():.6f}, not the "
-                                 f"micro-batch's loss {want_losses[m]:.6f}: return loss(out) of the "
-                                 "stage's output")
-                continue
-            want = acts[(m, r)]
+                _check_loss(m, out, want_losses[m])
+            want = None if stage.last else acts[(m, r)]
         else:
             inp = None if stage.last else receive(True, m, r + 1)
-            act = Action("B", m, r)
-            _call(fn, f"rank {r}: your {name}(B{m} on stage {r}, …)", act, stage, inp, saved, sent.append,
-                  None)
-            most = max(most, len(saved))
-            if stage.first:
-                continue
-            want = grads[(m, r)]
-        what = "output" if a.kind == "F" else "input's gradient"
-        if not sent:
-            # not a problem here: the peer waits for it, and says so after the group's timeout
-            continue
-        t = sent[0]
-        if len(sent) > 1:
-            raise _Wrong(f"rank {r}: {a.kind}{m} called send {len(sent)} times: send the {what} "
-                         "once")
-        if not torch.is_tensor(t):
-            raise _Wrong(f"rank {r}: {a.kind}{m} sent {type(t).__name__}, not a tensor: send the "
-                         f"stage's {what}" + (" (x.grad is None when the input you saved is not the "
-                                              "tensor the stage ran on)" if t is None else ""))
-        if tuple(t.shape) != tuple(want.shape):
-            raise _Wrong(f"rank {r}: {a.kind}{m} sent a tensor of shape {tuple(t.shape)}, expected "
-                         f"{tuple(want.shape)}: the stage's {what}")
-        if a.kind == "F" and t.requires_grad:
-            raise _Wrong(f"rank {r}: F{m} sent its output still attached to this stage's autograd "
-                         "graph: a message carries numbers, not a graph — send out.detach(), and "
-                         "keep the output itself in saved for the backward")
-        if not torch.allclose(t.detach(), want, rtol=1e-4, atol=1e-6):
-            if a.kind == "F":
-                raise _Wrong(f"rank {r}: the activation F{m} sent differs from stage {r}'s output "
-                             "for that micro-batch: send the stage's output")
-            if inp is not None and torch.allclose(t.detach(), inp):
-                raise _Wrong(f"rank {r}: B{m} sent back the gradient it received: send the "
-                             "gradient of the stage's input (the tensor F got as inp)")
-            raise _Wrong(f"rank {r}: the gradient B{m} sent back differs from dL/d(input) of "
-                         f"stage {r}: backpropagate from the gradient the next stage sent, "
-                         "backward(inp), and send the input's .grad")
-        works.append((comm.isend(t.detach(), r + 1 if a.kind == "F" else r - 1,
-                                 tag="stage_step check", channel=channel(a.kind == "B", m)), t))
-    for work, _ in works:
+            _call(fn, f"rank {r}: your {name}(B{m} on stage {r}, …)", Action("B", m, r), stage,
+                  inp, saved, sent.append, None)
+            want = None if stage.first else grads[(m, r)]
+        most = max(most, len(saved))
+        t = _check_message(r, a.kind, m, sent, want, inp) if want is not None else None
+        if t is not None:  # none sent: the peer waits for it, and says so after the timeout
+            works.append(comm.isend(t, r + 1 if a.kind == "F" else r - 1, tag="stage_step check",
+                                    channel=channel(a.kind == "B", m)))
+    for work in works:
         work.wait()
-    bound = peak_in_flight(table)[r]
+    _check_after_step(r, stage, saved, most, peak_in_flight(table)[r], reference)
+    dist.barrier(group=comm.group)
+    return None
+
+
+def _check_loss(m: int, out, want: float) -> None:
+    """The last stage's F returns the micro-batch's share of the loss."""
+    if out is None:
+        raise _Wrong(f"F{m} on the last stage returned None: return the micro-batch's loss, "
+                     "loss(out) of the stage's output")
+    if not torch.is_tensor(out) or out.dim() != 0:
+        shape = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
+        raise _Wrong(f"F{m} on the last stage returned {shape}, the stage's output, not its loss: "
+                     "turn the output into the micro-batch's loss with loss(out) and return that")
+    if abs(out.item() - want) > 1e-4 * abs(want):
+        raise _Wrong(f"F{m} on the last stage returned {out.item():.6f}, not the micro-batch's "
+                     f"loss {want:.6f}: return loss(out) of the stage's output")
+
+
+def _check_message(r: int, kind: str, m: int, sent: list, want, inp):
+    """What the learner passed to ``send`` in action ``kind``/``m`` on rank ``r``, against the
+    unsplit model's ``want``: the tensor to send on, or None when nothing was sent."""
+    what = "output" if kind == "F" else "input's gradient"
+    if not sent:
+        return None
+    t = sent[0]
+    if len(sent) > 1:
+        raise _Wrong(f"rank {r}: {kind}{m} called send {len(sent)} times: send the {what} once")
+    if not torch.is_tensor(t):
+        raise _Wrong(f"rank {r}: {kind}{m} sent {type(t).__name__}, not a tensor: send the stage's "
+                     f"{what}" + (" (x.grad is None when the input you saved is not the tensor "
+                                  "the stage ran on)" if t is None else ""))
+    if tuple(t.shape) != tuple(want.shape):
+        raise _Wrong(f"rank {r}: {kind}{m} sent a tensor of shape {tuple(t.shape)}, expected "
+                     f"{tuple(want.shape)}: the stage's {what}")
+    if kind == "F" and t.requires_grad:
+        raise _Wrong(f"rank {r}: F{m} sent its output still attached to this stage's autograd "
+                     "graph: a message carries numbers, not a graph — send out.detach(), and keep "
+                     "the output itself in saved for the backward")
+    if torch.allclose(t.detach(), want, rtol=1e-4, atol=1e-6):
+        return t.detach()
+    if kind == "F":
+        raise _Wrong(f"rank {r}: the activation F{m} sent differs from stage {r}'s output for "
+                     "that micro-batch: send the stage's output")
+    if inp is not None and torch.allclose(t.detach(), inp):
+        raise _Wrong(f"rank {r}: B{m} sent back the gradient it received: send the gradient of "
+                     "the stage's input (the tensor F got as inp)")
+    raise _Wrong(f"rank {r}: the gradient B{m} sent back differs from dL/d(input) of stage {r}: "
+                 "backpropagate from the gradient the next stage sent, backward(inp), and send "
+                 "the input's .grad")
+
+
+def _check_after_step(r: int, stage, saved: dict, most: int, bound: int, reference) -> None:
+    """After the step: ``saved`` emptied, and the stage's gradients the unsplit model's."""
     if saved:
         raise _Wrong(f"rank {r}: after the step saved still holds {len(saved)} micro-batches' "
-                     f"tensors (at most {max(most, len(saved))} at once) where 1F1B needs at most "
-                     f"P − rank = {bound}: B must take its micro-batch's tensors out of saved "
-                     "(pop), or every micro-batch's activations stay alive until the step ends")
+                     f"tensors (at most {most} at once) where 1F1B needs at most P − rank = "
+                     f"{bound}: B must take its micro-batch's tensors out of saved (pop), or "
+                     "every micro-batch's activations stay alive until the step ends")
     full = dict(reference.named_parameters())
     for pname, p in stage.named_parameters():
         ref = full[pname].grad
@@ -294,9 +302,6 @@ def _stage_step_alone(fn, timeout: float):
                          f"(its norm is {ratio:.2f}× the right one): each micro-batch's backward "
                          "must run once, starting from the gradient the next stage sent, "
                          "backward(inp) (the last stage's output is the loss itself)")
-    dist.barrier(group=comm.group)
-    return None
-
 
 
 def _wrong_of(exc) -> str | None:

@@ -44,6 +44,9 @@ The rules, and why (each rejected layout says which one it broke):
 * ZeRO-2/3 only without TP and PP (the Hugging Face guide: combined with PP and TP, ZeRO shards
   only the optimizer states): they would re-shard gradients or weights for every micro-batch;
 * a layout must fit in the device's memory (and, for offload, the optimizer states in the host's);
+* when not even the largest layer's training state fits one device, only TP (each layer split) or
+  ZeRO-3 (one layer's weights gathered at a time) will do: layouts that keep every whole layer on
+  every device are rejected;
 * of the layouts that fit, the fastest wins; layouts within 5 % of it count as equally fast, and
   among those the simplest wins — the least model parallelism (TP·PP), then the lowest ZeRO stage,
   no offload, no recomputation — since DP is the simplest and scales (Narayanan et al., 2021,
@@ -596,13 +599,26 @@ def _with_expert_parallel(model, hw, job, rec: Recommendation) -> None:
                            f"experts and DP {lay.dp} inside a node; every device keeps every expert")
 
 
+def _whole_layers_rejected(cands: list[Candidate]) -> None:
+    """When not even the largest layer's training state fits one device, only splitting each layer
+    (TP) or keeping no whole layer between uses (ZeRO-3 gathers one layer's weights at a time) will
+    do: a layout that keeps every whole layer on every device is rejected."""
+    for c in cands:
+        if c.feasible and c.layout.tp == 1 and c.layout.zero < 3:
+            c.rejected = ("the largest layer's state does not fit one device: keeping whole layers "
+                          "on every device (no TP, ZeRO below 3) is the wrong cut; split each layer "
+                          "with TP, or gather one layer at a time with ZeRO-3")
+
+
 def _choose(model: ModelSpec, hw: Hardware, job: Workload) -> Recommendation:
     _check_inputs(model, hw, job)
     cands = [evaluate(model, hw, job, lay) for lay in layouts(hw)]
     _offload_last(cands)
+    key = scenario(model, hw, job)
+    if key == "one-node-layer-too-big":
+        _whole_layers_rejected(cands)
     feasible = sorted((c for c in cands if c.feasible), key=lambda c: c.time["total"])
     rejected = [c for c in cands if not c.feasible]
-    key = scenario(model, hw, job)
     if not feasible:
         smallest = min((c for c in rejected if c.memory), key=lambda c: c.memory["total"],
                        default=None)
@@ -688,8 +704,8 @@ SCENARIO_TABLE = [
     # 单机多卡: 最大层无法放在单GPU上 → only TP, ZeRO
     ("one machine, even the largest layer does not fit on one GPU: TP or ZeRO", WIDE,
      Hardware(device_memory_gb=24), Workload(), "one-node-layer-too-big",
-     [{"TP"}, {"TP", "DP"}, {"TP", "DP", "ZeRO-1"}, {"DP", "ZeRO-1"}, {"DP", "ZeRO-2"},
-      {"DP", "ZeRO-3"}]),
+     [{"TP"}, {"TP", "DP"}, {"TP", "DP", "ZeRO-1"}, {"DP", "ZeRO-3"}, {"PP", "TP"},
+      {"PP", "TP", "DP"}, {"PP", "TP", "DP", "ZeRO-1"}]),
     # 多机多卡: 节点间通讯比较快 → ZeRO, PP+TP+DP
     ("several machines, fast links: ZeRO", LLAMA_13B, Hardware(nodes=4, inter_node_gbps=IB), LONG,
      "nodes-fast", [{"DP", "ZeRO-1"}, {"DP", "ZeRO-2"}, {"DP", "ZeRO-3"}]),

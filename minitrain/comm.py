@@ -294,14 +294,22 @@ class Comm:
 
 
 @torch.no_grad()
-def all_reduce_coalesced(tensors: list, comm: Comm, tag: str = "", divide_by: int = 1) -> None:
+def all_reduce_coalesced(tensors: list, comm: Comm, tag: str = "", divide_by: int = 1,
+                         all_reduce=None) -> None:
     """Sum ``tensors`` over ``comm``'s ranks in place with one all-reduce of them flattened
-    together (one message instead of one per tensor), then divide by ``divide_by``."""
+    together (one message instead of one per tensor), then divide by ``divide_by``.
+    ``all_reduce(flat, comm)`` (in place or returned, e.g. :func:`ring_all_reduce`) replaces
+    ``comm.all_reduce``."""
     if not tensors or comm.size == 1:
         return
     unit = FlatUnit(tensors)
     flat = unit.flatten(tensors)
-    comm.all_reduce(flat, tag=tag)
+    if all_reduce is None:
+        comm.all_reduce(flat, tag=tag)
+    else:
+        out = all_reduce(flat, comm)
+        if out is not None and out is not flat:
+            flat.copy_(out)
     if divide_by != 1:
         flat.div_(divide_by)
     unit.unflatten(flat)

@@ -1,11 +1,11 @@
 """``minitrain grade FOLDER``: check a class's submitted notebooks and write a gradebook (CSV).
 
-Each notebook is matched to its lesson (by its ``NN_`` file-name prefix, else by its check cells),
-its check cells are compared with the lesson's (a changed or deleted one is reported as tampered,
-not run), and it is executed on its own — a fresh kernel in a temporary folder, with a time limit,
-so one student's endless loop cannot stall the others (the kernel and every rank it started are
-stopped).  A row per notebook: the lesson, the status, each exercise's verdict (the checker's
-one-line reason when it fails) and the errors raised elsewhere in the notebook.
+Each notebook is matched to its lesson (by its ``NN_`` or ``NNb_`` file-name prefix, else by its
+check cells), its check cells are compared with the lesson's (a changed or deleted one is reported
+as tampered, not run), and it is executed on its own — a fresh kernel in a temporary folder, with a
+time limit, so one student's endless loop cannot stall the others (the kernel and every rank it
+started are stopped).  A row per notebook: the lesson, the status, each exercise's verdict (the
+checker's one-line reason when it fails) and the errors raised elsewhere in the notebook.
 """
 
 from __future__ import annotations
@@ -50,13 +50,14 @@ def _checks(sources: list[str]) -> list[str]:
 
 
 def lessons(folder: Path = LESSONS) -> dict[str, Path]:
-    """``{"01": lessons/01_....ipynb, ...}``."""
-    return {p.name[:2]: p for p in sorted(folder.glob("[0-9][0-9]_*.ipynb"))}
+    """``{"01": lessons/01_....ipynb, "01b": lessons/01b_....ipynb, ...}``."""
+    return {p.name.split("_", 1)[0]: p for p in sorted(folder.glob("[0-9][0-9]*_*.ipynb"))}
 
 
 def _which_lesson(path: Path, nb: dict, known: dict[str, Path]) -> Path | None:
-    if path.name[:2] in known and path.name[2:3] in ("_", "-", " ", "."):
-        return known[path.name[:2]]
+    number = re.match(r"(\d\d[a-z]?)[_\- .]", path.name)
+    if number and number.group(1) in known:
+        return known[number.group(1)]
     def exercises(notebook: dict) -> set:
         return {n for c in _cells(notebook) for n in _CHECK_CALL.findall(c)}
     mine = exercises(nb)
@@ -93,7 +94,8 @@ def _execute(nb_path: Path, timeout: float) -> tuple[dict | None, str]:
         out = Path(work) / "executed.ipynb"
         proc = subprocess.Popen([sys.executable, "-c", _RUNNER, str(nb_path), str(out), work],
                                 cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
+                                text=True, start_new_session=True,  # one student's kept functions:
+                                env={**os.environ, "MINITRAIN_MINE": str(Path(work) / "my_minitrain")})
         try:
             _, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

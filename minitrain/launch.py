@@ -16,8 +16,10 @@ import datetime
 import faulthandler
 import importlib
 import io
+import linecache
 import multiprocessing as mp
 import os
+import re
 import signal
 import socket
 import sys
@@ -741,6 +743,7 @@ class Cluster:
         return err
 
     def _error(self, rank: int, name: str, text: str, tb: str, timed_out: bool) -> RankError:
+        tb = _with_source(tb)
         if timed_out:
             err = CollectiveTimeout(
                 rank, f"{name}: {text}\n(a collective did not complete within the group's timeout "
@@ -752,6 +755,44 @@ class Cluster:
         err.priority = 2 if any(k in text for k in _PEER_LOST) else 1 if timed_out else 0
         err.secondary = err.priority > 0
         return err
+
+
+_FRAME = re.compile(r'(\s*)File "([^"]+)", line (\d+), in ')
+
+
+def _with_source(text: str) -> str:
+    """A stack or traceback from a rank, with the source lines the rank could not show filled in
+    from the parent's: a rank forked before a notebook cell ran has no copy of that cell's code
+    (its linecache predates the cell), the notebook's kernel has."""
+    lines, out = text.splitlines(), []
+    for i, line in enumerate(lines):
+        out.append(line)
+        m = _FRAME.match(line)
+        nxt = lines[i + 1] if i + 1 < len(lines) else ""
+        if m is None or (nxt.startswith(m.group(1) + "  ") and not _FRAME.match(nxt)):
+            continue
+        code = linecache.getline(m.group(2), int(m.group(3))).strip()
+        if code:
+            out.append(f"{m.group(1)}    {code}")
+    return "\n".join(out) + ("\n" if text.endswith("\n") else "")
+
+
+def _where_with_source(where: tuple, stack: str) -> tuple:
+    """``(op, "cell line 5")`` -> ``(op, "cell line 5: dist.all_reduce(x)")`` from the parent's
+    copy of the source, when the rank had none (see :func:`_with_source`)."""
+    op, user = where
+    m = re.fullmatch(r"cell line (\d+)|(\S+):(\d+)", user or "")
+    if m is None:
+        return where
+    lineno = int(m.group(1) or m.group(3))
+    for frame in reversed(list(_FRAME.finditer(stack))):
+        path = frame.group(2)
+        cell = "ipykernel" in path or path.startswith("<ipython-input")
+        if int(frame.group(3)) == lineno and (cell if m.group(1) else
+                                               os.path.basename(path) == m.group(2)):
+            code = linecache.getline(path, lineno).strip()
+            return (op, f"{user}: {code}") if code else where
+    return where
 
 
 def _tail(path: str, lines: int = 40) -> str:
@@ -811,7 +852,8 @@ class _Watch:
         self.sample()
 
     def status(self, rank: int, where: tuple, stack: str) -> None:
-        self.where[rank], self.stack[rank] = where, stack
+        stack = _with_source(stack)
+        self.where[rank], self.stack[rank] = _where_with_source(where, stack), stack
         self.since[rank] = (time.monotonic(), _cpu_ticks(self.pids[rank]))
 
     def sample(self) -> None:

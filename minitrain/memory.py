@@ -102,17 +102,19 @@ class _Tally:
         self.host_keys = host or set()
         self.host_rows: dict = defaultdict(int)
 
-    def add(self, kind: str, t: torch.Tensor | None) -> None:
+    def add(self, kind: str, t: torch.Tensor | None) -> int:
+        """Count ``t`` under ``kind``; the bytes it added (0: None, or a storage already seen)."""
         if t is None:
-            return
+            return 0
         storage = t.untyped_storage()
         key = (storage.data_ptr(), t.device)
         if key in self.seen:
-            return
+            return 0
         self.seen.add(key)
         self.rows[kind][_dtype_name(t.dtype)] += storage.nbytes()
         if key in self.host_keys:
             self.host_rows[kind] += storage.nbytes()
+        return storage.nbytes()
 
 
 def ledger(model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
@@ -125,7 +127,9 @@ def ledger(model: torch.nn.Module | None = None, optimizer: torch.optim.Optimize
     ``optimizer_other`` (scalar bookkeeping such as Adam's step counters) and
     ``activations_peak`` (from :class:`ActivationMeter`).  Returns
     ``{"bytes": {kind: total}, "by_dtype": {kind: {dtype: bytes}}, "total": ...,
-    "device": {kind: bytes}, "host": {kind: bytes}}``.
+    "device": {kind: bytes}, "host": {kind: bytes}, "by_state": {state key: bytes}}`` —
+    ``by_state`` splits the optimizer's tensors by their key in ``optimizer.state[p]`` (``master``,
+    ``exp_avg``, ``exp_avg_sq``, ...: lesson 07 shows the 4 + 4 + 4 bytes apart).
 
     ``extra`` (``{kind: [tensors]}``) counts tensors held outside ``.grad`` and ``optimizer.state``
     — ZeRO's gradient shards, parameter shards, offloaded master weights.  ``host`` names the
@@ -140,11 +144,13 @@ def ledger(model: torch.nn.Module | None = None, optimizer: torch.optim.Optimize
         tally.add("parameters", p)
     for p in params:
         tally.add("gradients", p.grad)
+    by_state: dict = defaultdict(int)
     if optimizer is not None:
         for state in optimizer.state.values():
-            for value in state.values():
+            for key, value in state.items():
                 if torch.is_tensor(value):
-                    tally.add("optimizer_states" if value.dim() > 0 else "optimizer_other", value)
+                    by_state[str(key)] += tally.add(
+                        "optimizer_states" if value.dim() > 0 else "optimizer_other", value)
     for kind, tensors in (extra or {}).items():
         for t in tensors:
             tally.add(kind, t)
@@ -158,6 +164,7 @@ def ledger(model: torch.nn.Module | None = None, optimizer: torch.optim.Optimize
         "total": sum(out.values()),
         "device": {k: out[k] - on_host.get(k, 0) for k in out},
         "host": on_host,
+        "by_state": dict(by_state),
     }
 
 

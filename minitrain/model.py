@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["GPTConfig", "GPT", "Block", "PRESETS", "loss_fn", "MoE", "route", "expert_capacity",
-           "aux_loss_share"]
+           "aux_loss_share", "recompute_block"]
 
 
 @dataclass(frozen=True)
@@ -226,18 +226,26 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def recompute_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``block(x)``, keeping only ``x`` for backward, which runs the block again (non-reentrant
+    ``torch.utils.checkpoint``; lesson 07's exercise writes one as a ``torch.autograd.Function``)."""
+    return checkpoint(block, x, use_reentrant=False)
+
+
 class GPT(nn.Module):
     """The tiny GPT.  ``GPT(cfg, seed)`` gives the same weights on every rank and every run.
 
     ``checkpoint_activations=True`` (an attribute, can be switched at any time) runs each block
-    under non-reentrant ``torch.utils.checkpoint`` while gradients are being recorded.
+    through ``recompute(block, x)`` (default :func:`recompute_block`) while gradients are being
+    recorded.
     """
 
     def __init__(self, cfg: GPTConfig = GPTConfig(), seed: int = 0,
-                 checkpoint_activations: bool = False):
+                 checkpoint_activations: bool = False, recompute=None):
         super().__init__()
         self.cfg = cfg
         self.checkpoint_activations = checkpoint_activations
+        self.recompute = recompute or recompute_block
         self.embed = Embedding(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.head = Head(cfg)
@@ -265,9 +273,9 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of shape (batch, seq, vocab), or the mean loss when ``targets`` are given."""
         x = self.embed(idx)
-        recompute = self.checkpoint_activations and torch.is_grad_enabled()
+        again = self.checkpoint_activations and torch.is_grad_enabled()
         for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+            x = self.recompute(block, x) if again else block(x)
         logits = self.head(x)
         if targets is None:
             return logits

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 __all__ = ["PRECISIONS", "compute_dtype", "cast_model_", "DynamicLossScaler",
-           "MixedPrecisionOptimizer", "gradient_underflow"]
+           "MixedPrecisionOptimizer", "mixed_precision_step", "gradient_underflow"]
 
 #: ``--precision`` → the dtype weights and gradients are kept in (fp32: no mixed precision)
 PRECISIONS = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
@@ -113,6 +113,29 @@ class DynamicLossScaler:
         self.history = [tuple(h) for h in state.get("history", [])]
 
 
+@torch.no_grad()
+def mixed_precision_step(params, masters, optimizer, loss_scale: float | None = None) -> bool:
+    """One step of ``optimizer`` (over the fp32 ``masters``) for the 16-bit ``params``.
+
+    Each master gets its parameter's gradient in fp32, divided by ``loss_scale`` when there is one;
+    if any of them is then inf or NaN (fp16 overflowed) nothing changes and the step is skipped.
+    Otherwise the optimizer steps the masters, which are rounded back into the parameters.
+    Returns True when the step was taken.  (Lesson 07's exercise: the ``mixed_precision_step``
+    seam of :class:`MixedPrecisionOptimizer`.)
+    """
+    for p, m in zip(params, masters):
+        m.grad = None if p.grad is None else p.grad.float()  # a new fp32 tensor for 16-bit p
+    grads = [m.grad for m in masters if m.grad is not None]
+    if loss_scale is not None and grads:
+        torch._foreach_mul_(grads, 1.0 / loss_scale)
+        if not bool(torch.stack([g.isfinite().all() for g in grads]).all()):
+            return False
+    optimizer.step()
+    for p, m in zip(params, masters):
+        p.copy_(m)  # round to nearest 16-bit value
+    return True
+
+
 class MixedPrecisionOptimizer(torch.optim.Optimizer):
     """Steps ``optimizer_class`` on fp32 master copies of 16-bit parameters.
 
@@ -125,6 +148,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         master_weights: ``{parameter: fp32 tensor}`` from :func:`cast_model_` (used as they are);
             a parameter missing from it gets ``p.float()`` — its 16-bit value, upcast.
         loss_scaler: a :class:`DynamicLossScaler` (fp16); None: no scaling (bf16).
+        step: ``step(params, masters, inner_optimizer, loss_scale) -> took_step``, the step itself
+            (lesson 07's exercise); None: :func:`mixed_precision_step`.
         **defaults: the inner optimizer's hyperparameters (``lr``, ``betas``, ...).
 
     ``self.state[p]`` holds ``"master"`` and, after the first step, the inner optimizer's state
@@ -133,10 +158,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params, optimizer_class=torch.optim.Adam, master_weights: dict | None = None,
-                 loss_scaler: DynamicLossScaler | None = None, **defaults):
+                 loss_scaler: DynamicLossScaler | None = None, step=None, **defaults):
         super().__init__(params, defaults)
         master_weights = master_weights or {}
         self.loss_scaler = loss_scaler
+        self.master_step = step or mixed_precision_step
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (16-bit weight, fp32 master)
         groups = []
         for group in self.param_groups:
@@ -163,16 +189,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 loss = closure()
         for group, inner in zip(self.param_groups, self.optimizer.param_groups):
             inner.update({k: v for k, v in group.items() if k != "params"})  # e.g. an lr schedule
-        for p, m in self.pairs:
-            m.grad = None if p.grad is None else p.grad.float()  # a new fp32 tensor for 16-bit p
-        skip = False
+        params, masters = [p for p, _ in self.pairs], [m for _, m in self.pairs]
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else None
+        took = bool(self.master_step(params, masters, self.optimizer, scale))
         if self.loss_scaler is not None:
-            skip = self.loss_scaler.unscale_([m.grad for _, m in self.pairs])
-            self.loss_scaler.update(skip)
-        if not skip:
-            self.optimizer.step()
+            self.loss_scaler.update(not took)
+        if took:
             for p, m in self.pairs:
-                p.copy_(m)  # round to nearest 16-bit value
                 self.state[p].update(self.optimizer.state[m])
         for _, m in self.pairs:
             m.grad = None  # the fp32 gradients live only during the step

@@ -72,3 +72,15 @@ def benchmark_module(name: str):
     finally:
         cloudpickle.unregister_pickle_by_value(module)
         sys.modules.pop(name, None)
+
+
+@pytest.fixture
+def no_spawn(monkeypatch):
+    """train() and the CLI may not start ranks: every refusal comes before spawning.  (The ranks
+    the `clusters` fixture keeps are another Cluster name, left alone, so a refusal test also runs
+    on its own.)"""
+    class Refused:
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("a process was started")
+    for module in ("minitrain.train", "minitrain.cli"):  # (minitrain.train is also a function)
+        monkeypatch.setattr(sys.modules[module], "Cluster", Refused)

@@ -2,10 +2,10 @@
 strategy that saves; consolidation gives the single-process state_dict; damaged or mismatched
 checkpoints are refused before any process starts, naming the problem and the fix."""
 
+import dataclasses
 import json
 import os
 import shutil
-import sys
 
 import pytest
 import torch
@@ -38,10 +38,13 @@ CASES = {  # name: (strategy, world size, options, precision)
                                              "sequence_parallel": True}, "fp32"),
     "3d-interleaved": ("3d", 4, {"pp": 2, "tp": 2, "schedule": "interleaved", "chunks": 2,
                                  "microbatches": 2}, "fp32"),
+    "3d-cp": ("3d", 4, {"dp": 2, "cp": 2}, "fp32"),  # cp ranks hold replicas; ZeRO-1 over dp
+    "expert": ("expert", 2, {}, "fp32"),  # each rank saves its own experts
 }
 MODELS = {  # where nano does not fit: 3 heads for tp 3 (vocabulary 13 and sequence 16 padded),
     "tensor-3-ranks-sequence-parallel": GPTConfig(n_layer=2, n_head=3, d_model=24, seq_len=16),
     "3d-interleaved": GPTConfig(n_layer=4, n_head=2, d_model=32, seq_len=16),  # 4 layers: 2x2 stages
+    "expert": dataclasses.replace(PRESETS["tiny-moe"], n_layer=2, d_model=32, seq_len=16),
 }
 
 
@@ -121,18 +124,6 @@ def test_save_every_and_resume_from_an_earlier_step(clusters, tmp_path):
 
 
 @pytest.fixture
-def no_spawn(monkeypatch):
-    """train() and the CLI may not start ranks: every refusal comes before spawning.  (The ranks
-    the `clusters` fixture keeps — and `saved` uses — are another Cluster name, left alone, so a
-    refusal test also runs on its own.)"""
-    class Refused:
-        def __init__(self, *args, **kwargs):
-            raise AssertionError("a process was started")
-    for module in ("minitrain.train", "minitrain.cli"):  # (minitrain.train is also a function)
-        monkeypatch.setattr(sys.modules[module], "Cluster", Refused)
-
-
-@pytest.fixture
 def copy_of(saved, tmp_path):
     """A private copy of a saved case's checkpoint, to damage."""
     def get(name):
@@ -165,6 +156,9 @@ def test_a_mismatched_checkpoint_is_refused_before_spawning(saved, no_spawn, cha
       "checkpoint's (--dp, --pp)")),
     ("3d", dict(options={**CASES["3d"][2], "zero_stage": 0}), "zero_stage 1 there, 0 here"),
     ("3d-interleaved", dict(options={"pp": 2, "tp": 2, "microbatches": 2}), "chunks 2 there, 1 here"),
+    ("3d-cp", dict(options={"dp": 1, "cp": 4}),
+     "cp 2 there, 4 here, dp 2 there, 1 here; resume with the checkpoint's (--cp, --dp)"),
+    ("expert", dict(world_size=4, batch_size=8), "saved on 2 ranks, this run has 4"),
 ])
 def test_a_tensor_or_3d_checkpoint_resumes_only_on_its_mesh(saved, no_spawn, name, change, message):
     cfg, root, _, _ = saved(name)

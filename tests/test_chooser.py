@@ -243,3 +243,17 @@ def test_the_widget_shows_cp_and_ep():
     assert "CP 2" in page and "--strategy context" in page and "long sequence" in page
     moe = choose(MOE_47B, Hardware(nodes=4, inter_node_gbps=IB), Workload(seq_len=4096, global_batch=512))
     assert f"EP {moe.ep}" in recommendation_html(moe)
+
+
+def test_when_not_even_a_layer_fits_whole_layers_are_not_kept_on_every_device():
+    """The source's row: the largest layer does not fit one GPU -> TP (or ZeRO-3's gather of one
+    layer at a time); a layout that keeps every whole layer on every device is rejected, saying why."""
+    from minitrain.chooser import WIDE, Hardware, scenario
+
+    hw = Hardware(device_memory_gb=24)
+    assert scenario(WIDE, hw) == "one-node-layer-too-big"
+    rec = choose(WIDE, hw)
+    assert rec.layout.tp > 1 or rec.layout.zero == 3
+    zero2 = [c for c in rec.candidates if c.layout.tp == 1 and c.layout.zero == 2]
+    assert any(c.rejected and "split each layer with TP" in c.rejected for c in zero2)
+    assert not [c for c in rec.candidates if c.feasible and c.layout.tp == 1 and c.layout.zero < 3]

@@ -191,3 +191,25 @@ class _Boom:
 
 def _explode():
     raise RuntimeError("cannot be rebuilt here")
+
+
+def test_a_cell_defined_after_the_ranks_started_still_shows_its_line(two):
+    """A rank forked before a notebook cell ran has no copy of its source; the parent fills it in."""
+    import linecache
+
+    two.start()
+    src = ("def late_cell():\n"
+           "    if dist.get_rank() == 0:\n"
+           "        dist.all_reduce(torch.ones(1))  # the line to show\n")
+    path = "/tmp/ipykernel_0/late_cell.py"  # how ipykernel names a cell; the file never exists
+    linecache.cache[path] = (len(src), None, src.splitlines(True), path)
+    try:
+        namespace = {"dist": dist, "torch": torch}
+        exec(compile(src, path, "exec"), namespace)
+        with pytest.raises(Deadlock) as info:
+            two.run(namespace["late_cell"])
+    finally:
+        linecache.cache.pop(path, None)
+    text = str(info.value)
+    assert "rank 0 waiting in all_reduce at cell line 3: dist.all_reduce(torch.ones(1))" in text
+    assert "    dist.all_reduce(torch.ones(1))  # the line to show" in text  # in its stack too

@@ -73,3 +73,12 @@ def test_bad_arguments_are_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         main(["grade", str(tmp_path / "missing")])
     assert info.value.code == 2 and "is not a folder" in capsys.readouterr().err
+
+
+def test_a_lab_notebook_is_matched_by_its_prefix():
+    from minitrain.grade import _which_lesson, lessons
+
+    known = lessons()
+    assert known["01b"].name == "01b_debugging_lab.ipynb"
+    assert _which_lesson(Path("01b_ada.ipynb"), {"cells": []}, known) == known["01b"]
+    assert _which_lesson(Path("01_ada.ipynb"), {"cells": []}, known) == known["01"]

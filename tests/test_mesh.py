@@ -116,8 +116,8 @@ def test_the_mesh_picture_is_the_strategys_arithmetic():
 
     s = MeshShape(2, 2, 2)
     grid = cells(s, devices_per_node=4)
-    assert [(c["dp"], c["pp"], c["tp"]) for c in grid] == [tuple(vars(s.coords(r)).values())
-                                                           for r in range(8)]
+    assert [(c["dp"], c["pp"], c["tp"]) for c in grid] == [
+        (s.coords(r).dp, s.coords(r).pp, s.coords(r).tp) for r in range(8)]  # (cp: 0 in 3D)
     assert [c["node"] for c in grid] == [0, 0, 0, 0, 1, 1, 1, 1]  # a pipeline stage per machine
     assert len({(c["x"], c["y"]) for c in grid}) == 8  # no two ranks drawn on one square
     rows = group_rows(s)

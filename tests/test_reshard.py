@@ -128,14 +128,6 @@ def test_the_portable_state_names_every_parameter(runs):
         torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-6)
 
 
-@pytest.fixture
-def no_spawn(monkeypatch):
-    class Refused:
-        def __init__(self, *args, **kwargs):
-            raise AssertionError("a process was started")
-    monkeypatch.setattr(sys.modules["minitrain.train"], "Cluster", Refused)
-
-
 @pytest.fixture(scope="module")
 def pipeline_save(clusters, tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from minitrain import GPTConfig, TrainConfig, train
+from minitrain.comm import ring_all_reduce
 
 # 4 layers (2 stages x 2 chunks), 4 heads (tp 2), a batch of 8 (2 replicas, micro-batches)
 CFG = TrainConfig(steps=3, batch_size=8, seed=0,
@@ -110,6 +111,9 @@ CASES = {
                  {**PIPE, **TENSOR, "mesh_groups": mesh_groups}),
     "3d 2x1x2": (CFG.with_(strategy="3d", world_size=4, options={"dp": 2, "tp": 2}),
                  {**TENSOR, "mesh_groups": mesh_groups}),
+    "3d 2x2x1 ring": (CFG.with_(strategy="3d", world_size=4,
+                               options={"dp": 2, "pp": 2, "zero_stage": 0, "microbatches": 2}),
+                      {**PIPE, "mesh_groups": mesh_groups, "ring_all_reduce": ring_all_reduce}),
 }
 
 
@@ -132,3 +136,21 @@ def test_the_seams_reach_the_technique(clusters):
     assert run["summary"]["report"][0]["peak_in_flight"] == {0: 4, 1: 4}  # GPipe holds all M
     with pytest.raises(Exception, match="not an action"):
         train(cfg, cluster=clusters(2), seams={"one_f_one_b": lambda r, P, M: ["X0"]})
+
+
+def test_the_ring_seam_carries_the_3d_replicas_gradients(clusters):
+    """With --zero-stage 0 the replicas' gradient all-reduce is the given ring: send/recv on dp."""
+    cfg, seams = CASES["3d 2x2x1 ring"]
+    run = train(cfg, cluster=clusters(4), seams={"ring_all_reduce": ring_all_reduce})
+    ours = train(cfg, cluster=clusters(4))
+    dp_calls = lambda r: r["summary"]["report"][0]["comm_by_group"]["dp"]["calls"]  # noqa: E731
+    assert dp_calls(run) == 4 * (2 - 1) * dp_calls(ours)  # 2 phases x (N-1) sends and recvs
+
+
+def test_a_seam_the_layout_does_not_use_is_refused_before_spawning(no_spawn):
+    """ZeRO-1 reduce-scatters: a ring given for the replicas' all-reduce would be silently unused."""
+    from minitrain.strategies import ConfigError
+
+    cfg = CFG.with_(strategy="3d", world_size=4, options={"dp": 2, "tp": 2})
+    with pytest.raises(ConfigError, match="add --zero-stage 0"):
+        train(cfg, seams={"ring_all_reduce": ring_all_reduce})

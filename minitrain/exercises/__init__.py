@@ -1,13 +1,20 @@
 """Exercise checkers for the lessons (one module per lesson), and the tool that writes the learners'
 notebooks from the solutions (:mod:`.build`).
 
-How an exercise works (lessons 00–09):
+How an exercise works (lessons 00–09, and the debugging lab 01b in :mod:`.lab`):
 
 * the learner writes a function in an exercise cell;
 * the next cell, marked ``# NBVAL_CHECK_OUTPUT``, calls ``check("name", their_function)``, which runs
   the checker and prints one fixed line: the pass verdict, or a line starting with ``✗`` that says
   what is wrong (it never raises, so "Run All" goes on through the rest of the lesson, which uses the
   package's own implementation);
+* a check first tests the function alone, then runs the real strategy with it in its seam
+  (:func:`.inside.inside`): losses against one process, bytes per rank from the tracer and memory
+  from the ledger beside the lesson's formulas, step time against the package's own code; the cell
+  after the check shows that run (``report("name")``);
+* a function that passes is kept in ``my_minitrain/`` beside the notebook (``$MINITRAIN_MINE``
+  overrides): lesson 08 trains the 3D mesh with every piece the learner wrote
+  (:func:`.inside.your_minitrain`) and says which fell back to the package's;
 * ``pytest --nbval-lax`` compares that cell's output with the stored pass verdict: a blank or wrong
   exercise fails there, a correct one passes.
 
@@ -18,7 +25,7 @@ no images) and storing the pass verdict as the check cells' expected output.  ``
 verifies that ``lessons/`` is up to date (a test runs it).
 """
 
-from . import (lesson00, lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07,
+from . import (lab, lesson00, lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07,
                lesson08, lesson09)
 from .build import build_exercise, main, normalise
 from .inside import (Row, Run, inside, keep, mine, mine_dir, predicted, rank_trouble, report,
@@ -32,5 +39,5 @@ __all__ = ["check", "problem", "verdict", "CHECKS", "build_exercise", "normalise
            "your_minitrain", "predicted", "rank_trouble", "sent_per_rank"]
 
 #: the lessons whose import registers their exercises in CHECKS
-LESSONS = (lesson00, lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07, lesson08,
-           lesson09)
+LESSONS = (lesson00, lesson01, lab, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07,
+           lesson08, lesson09)

@@ -11,16 +11,40 @@ from pathlib import Path
 
 from .core import BEGIN, CHECK_MARK, CHECKS, END, PLACEHOLDER, verdict
 
+#: a block right after ``# END SOLUTION``, commented out, that the learner gets instead of the
+#: placeholder (the debugging lab's broken programs)
+GIVEN_BEGIN, GIVEN_END = "# BEGIN GIVEN", "# END GIVEN"
+
 
 def _strip_solution(source: str) -> str:
-    out, inside = [], False
+    """The answers replaced by the placeholder line — or, where a ``# BEGIN GIVEN`` block follows
+    the ``# END SOLUTION`` line, by that block's lines uncommented (what the learner starts from,
+    e.g. the debugging lab's broken programs; in the teacher's notebook they are comments)."""
+    out, inside, given, placeholder, previous = [], False, None, None, ""
     for line in source.splitlines(keepends=True):
         stripped = line.strip()
-        if stripped == BEGIN:
+        indent = line[: len(line) - len(line.lstrip())]
+        if given is not None:
+            if stripped == GIVEN_END:
+                given = None
+            elif stripped in ("", "#"):
+                out.append("\n")
+            elif line.startswith(given + "# "):
+                out.append(given + line[len(given) + 2:])
+            else:
+                raise ValueError(f"a line of a {GIVEN_BEGIN!r} block is not a comment: {line!r}")
+        elif stripped == GIVEN_BEGIN:
+            if previous != END or placeholder is None:
+                raise ValueError(f"{GIVEN_BEGIN!r} must follow an {END!r} line")
+            del out[placeholder]
+            placeholder, given = None, indent
+        elif stripped == GIVEN_END:
+            raise ValueError(f"{GIVEN_END!r} without {GIVEN_BEGIN!r}")
+        elif stripped == BEGIN:
             if inside:
                 raise ValueError(f"nested {BEGIN!r}")
             inside = True
-            indent = line[: len(line) - len(line.lstrip())]
+            placeholder = len(out)
             out.append(f"{indent}{PLACEHOLDER}\n")
         elif stripped == END:
             if not inside:
@@ -28,8 +52,11 @@ def _strip_solution(source: str) -> str:
             inside = False
         elif not inside:
             out.append(line)
+        previous = stripped
     if inside:
         raise ValueError(f"{BEGIN!r} without {END!r}")
+    if given is not None:
+        raise ValueError(f"{GIVEN_BEGIN!r} without {GIVEN_END!r}")
     return "".join(out).rstrip("\n")
 
 
@@ -64,7 +91,7 @@ def build_exercise(solution: dict) -> dict:
     for cell in nb["cells"]:
         if cell["cell_type"] == "code":
             source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
-            if BEGIN in source or END in source:
+            if BEGIN in source or END in source or GIVEN_BEGIN in source:
                 cell["source"] = _strip_solution(source)
     return nb
 

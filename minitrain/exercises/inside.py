@@ -132,8 +132,8 @@ class Run:
         worst = max((abs(a - b) / abs(b) for a, b in zip(self.losses, self.reference)), default=0)
         out = [f"Strategy '{self.strategy}' on {self.world} ranks{' (' + opts + ')' if opts else ''} "
                f"with your {self.exercise}:",
-               f"  losses     {' '.join(f'{v:.5f}' for v in self.losses)}",
-               f"  {self.reference_name:<11s}{' '.join(f'{v:.5f}' for v in self.reference)}"
+               f"  {'yours':<12s}{' '.join(f'{v:.5f}' for v in self.losses)}",
+               f"  {self.reference_name:<12s}{' '.join(f'{v:.5f}' for v in self.reference)}"
                f"   (largest relative difference {worst:.1e})"]
         out += [row.line() for row in self.rows]
         mine, own = self.summary["step_time_s"], self.package["step_time_s"]
@@ -167,13 +167,13 @@ def inside(name: str, fn, cfg, seam: str | None = None, reference: str = "single
     seam, n = seam or name, cfg.world_size
     where = f"inside strategy '{cfg.strategy}' on {n} ranks"
     cluster = ranks(n)
+    package = train(cfg, cluster=cluster)  # first: it also warms the ranks up for a fair timing
     try:
         theirs = train(cfg, cluster=cluster, seams={seam: fn})
     except RankError as exc:
         return rank_trouble(exc, fn, where)
     except TimeoutError:
         return f"{where} it did not finish within 60 s (a rank waiting for a message?)"
-    package = train(cfg, cluster=cluster)
     if reference == "single":
         single = cfg.with_(strategy="single", world_size=1, options={})
         want, ref_name = train(single, cluster=ranks(1))["losses"], "one process"
@@ -227,12 +227,10 @@ def keep(name: str, fn) -> Path | None:
     ``<name>.py`` (its source, to read).  Returns the folder, or None if it cannot be written."""
     import inspect
 
-    import cloudpickle
-
     folder = mine_dir()
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"{name}.pkl").write_bytes(cloudpickle.dumps(fn))
+        (folder / f"{name}.pkl").write_bytes(_by_value(fn))
         try:
             source = inspect.getsource(fn)
         except (OSError, TypeError):
@@ -243,8 +241,28 @@ def keep(name: str, fn) -> Path | None:
     return folder
 
 
-def mine() -> dict:
-    """The learner's kept functions by exercise name (those that load)."""
+def _by_value(fn) -> bytes:
+    """``fn`` pickled with its code, even when it lives in a module of the learner's (a notebook's
+    functions are pickled so anyway): the kept file loads wherever the package is installed."""
+    import sys
+
+    import cloudpickle
+
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    mine_module = (module is not None and module.__name__ != "__main__"
+                   and not module.__name__.split(".")[0] in ("minitrain", "torch", "builtins"))
+    if mine_module:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        return cloudpickle.dumps(fn)
+    finally:
+        if mine_module:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
+def mine(problems: dict | None = None) -> dict:
+    """The learner's kept functions by exercise name; those that do not load are left out (with
+    the reason in ``problems`` when given)."""
     import cloudpickle
 
     out = {}
@@ -252,8 +270,9 @@ def mine() -> dict:
     for path in sorted(folder.glob("*.pkl")) if folder.is_dir() else []:
         try:
             out[path.stem] = cloudpickle.loads(path.read_bytes())
-        except Exception:  # noqa: BLE001 - a file from another version: fall back to the package
-            continue
+        except Exception as exc:  # noqa: BLE001 - e.g. kept by another version of the package
+            if problems is not None:
+                problems[path.stem] = f"{type(exc).__name__}: {exc}"
     return out
 
 
@@ -264,26 +283,44 @@ class YourMinitrain:
     seams: dict
     theirs: list
     fallback: list
+    unloadable: dict = field(default_factory=dict)
+    unused: dict = field(default_factory=dict)  # kept, but this run's layout does not take it: why
 
     def __str__(self) -> str:
-        lines = [f"Strategy '{self.strategy}' takes {len(self.theirs) + len(self.fallback)} pieces "
-                 "you can write:"]
+        total = len(self.theirs) + len(self.fallback) + len(self.unused)
+        lines = [f"Strategy '{self.strategy}' takes {total} pieces you can write:"]
         lines += [f"  ✓ {name:<24s} yours (from {mine_dir() / (name + '.py')})" for name in self.theirs]
-        lines += [f"  · {name:<24s} the package's (you have not passed its check yet)"
+        lines += [f"  · {name:<24s} yours, not used by this layout: {why}"
+                  for name, why in self.unused.items()]
+        lines += [f"  · {name:<24s} the package's ("
+                  + (f"yours did not load: {self.unloadable[name]}; run its check again"
+                     if name in self.unloadable else "you have not passed its check yet") + ")"
                   for name in self.fallback]
         return "\n".join(lines)
 
     _repr_pretty_ = lambda self, p, cycle: p.text(str(self))  # noqa: E731
 
 
-def your_minitrain(strategy: str) -> YourMinitrain:
-    """Seams for ``strategy`` from your kept functions; the ones you have not written fall back."""
-    from ..strategies import get_strategy
+def your_minitrain(strategy: str, cfg=None) -> YourMinitrain:
+    """Seams for ``strategy`` from your kept functions; the ones you have not written fall back.
+    With ``cfg`` (the run's config), a kept function the run's layout cannot take (say, the ring
+    merge of context parallelism in a run without ``--cp``) is left out, saying why."""
+    from ..strategies import ConfigError, get_strategy
+    from ..train import check_config
 
-    kept, honoured = mine(), get_strategy(strategy).seams
-    theirs = [s for s in honoured if s in kept]
+    problems: dict = {}
+    kept, honoured = mine(problems), get_strategy(strategy).seams
+    unused = {}
+    if cfg is not None:
+        for s in [s for s in honoured if s in kept]:
+            try:
+                check_config(cfg, {s: kept[s]})
+            except ConfigError as exc:
+                unused[s] = str(exc)
+    theirs = [s for s in honoured if s in kept and s not in unused]
     return YourMinitrain(strategy, {s: kept[s] for s in theirs}, theirs,
-                         [s for s in honoured if s not in kept])
+                         [s for s in honoured if s not in kept],
+                         {s: p for s, p in problems.items() if s in honoured}, unused)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .core import exercise, raised, ranks
+from .inside import Row, inside
 
 
 #: (dp, pp, tp) meshes the mesh_groups checker tries, odd sizes and size-1 axes included
@@ -45,8 +46,8 @@ def _mesh_groups_rank(groups: dict) -> dict:
 
 
 @exercise('mesh_groups',
-          "the dp, pp and tp groups of six meshes, odd sizes included, and all-reduces "
-                    "over them on 4 ranks")
+          "the dp, pp and tp groups of six meshes, odd sizes included, all-reduces over "
+          "them on 4 ranks, and a 2 × 1 × 2 mesh built from them trains like one process")
 def _check_mesh_groups(fn) -> str | None:
     """The groups of every axis for several meshes, then used for real on 4 ranks (2 x 1 x 2)."""
     from ..launch import RankError
@@ -71,7 +72,7 @@ def _check_mesh_groups(fn) -> str | None:
     s = MeshShape(2, 1, 2)
     groups = {axis: _mesh_groups_of(fn, 2, 1, 2, axis) for axis in ("dp", "tp")}
     try:
-        sums = ranks(4, timeout=10).run(_mesh_groups_rank, groups, timeout=60)
+        sums = ranks(4).run(_mesh_groups_rank, groups, timeout=60)
     except RankError as exc:
         return f"on 4 ranks: {str(exc).splitlines()[0]}"
     for r, got in enumerate(sums):
@@ -79,4 +80,24 @@ def _check_mesh_groups(fn) -> str | None:
             if total != sum(s.group_of(r, axis)):
                 return (f"on 4 ranks: rank {r}'s all-reduce over its {axis} group gave {total:g}, "
                         f"expected {sum(s.group_of(r, axis))}")
-    return None
+    return inside("mesh_groups", fn, _mesh_run_cfg(), measure=_mesh_bytes)
+
+
+def _mesh_model():
+    from ..model import GPTConfig
+    return GPTConfig(n_layer=2, n_head=2, d_model=32, seq_len=16)
+
+
+def _mesh_bytes(summary: dict, cfg) -> list:
+    """Bytes rank 0 sent per step on each axis of the mesh, beside the lessons' formulas."""
+    rep, dp = summary["report"][0], cfg.options.dp
+    sent = {axis: row["sent_bytes"] for axis, row in rep["comm_by_group"].items()}
+    return [Row("dp: ZeRO-1 reduce-scatter + all-gather", sent.get("dp", 0.0),
+                "2(dp−1)/dp·4Ψ_r", 2 * (dp - 1) / dp * 4 * rep["params_local"]),
+            Row("tp: the tensor-parallel all-reduces", sent.get("tp", 0.0))]
+
+
+def _mesh_run_cfg():
+    from .. import TrainConfig
+    return TrainConfig(strategy="3d", world_size=4, steps=3, batch_size=8, model=_mesh_model(),
+                       options={"dp": 2, "pp": 1, "tp": 2})

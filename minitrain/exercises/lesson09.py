@@ -5,11 +5,11 @@ seam (``context``'s ``online_softmax_merge``, ``expert``'s ``all_to_all_dispatch
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
-from .core import exercise, on_clusters, raised, ranks
+from .core import exercise, on_clusters, raised
+from .inside import Row, inside
 
 _MODEL = dict(n_layer=1, n_head=2, d_model=16, seq_len=10)  # small: the check runs in seconds
 
@@ -75,38 +75,38 @@ def _merge_alone(fn) -> str | None:
     return None
 
 
-def _tiny_run(strategy: str, world: int, seams=None, **model):
-    from .. import GPTConfig, TrainConfig, train
+def _tiny_cfg(strategy: str, world: int, moe: bool = False):
+    from .. import GPTConfig, TrainConfig
     from ..model import PRESETS
 
-    base = PRESETS["tiny-moe"] if model.pop("moe", False) else GPTConfig()
-    cfg = TrainConfig(steps=3, batch_size=4, model=dataclasses.replace(base, **_MODEL, **model))
-    cluster = ranks(world) if world > 1 else None
-    return train(cfg.with_(strategy=strategy, world_size=world), cluster=cluster, seams=seams)
+    base = PRESETS["tiny-moe"] if moe else GPTConfig()
+    return TrainConfig(steps=3, batch_size=4, strategy=strategy, world_size=world,
+                       model=dataclasses.replace(base, **_MODEL))
 
 
-def _same_losses(fn, seam: str, strategy: str, world: int, **model) -> str | None:
-    from ..launch import RankError
+def _ring_bytes(summary: dict, cfg) -> list:
+    """Rank 0's ring traffic per step beside (3N − 2) blocks of K and V per layer."""
+    from ..parallel.context import ring_bytes_per_layer
 
-    want = _tiny_run("single", 1, **model)["losses"]
-    try:
-        got = _tiny_run(strategy, world, {seam: fn}, **model)["losses"]
-    except RankError as exc:
-        return f"inside strategy '{strategy}' on {world} ranks: {str(exc).splitlines()[0]}"
-    except TimeoutError:
-        return f"inside strategy '{strategy}' on {world} ranks it did not finish (a rank waiting?)"
-    for step, (a, b) in enumerate(zip(got, want)):
-        if not (math.isfinite(a) and abs(a - b) <= 1e-5 * abs(b)):
-            return (f"alone it is right, but inside strategy '{strategy}' on {world} ranks the loss "
-                    f"at step {step} is {a:.6f}, one process gives {b:.6f}")
-    return None
+    rep, m = summary["report"][0], cfg.model
+    per_layer = ring_bytes_per_layer(cfg.batch_size, rep["tokens_per_rank"], m.d_model, cfg.world_size)
+    return [Row("K/V blocks around the ring per step", rep["ring_sent_bytes_per_step"],
+                "(3N−2)·2·b·L·d·4 per layer", per_layer["total"] * m.n_layer)]
+
+
+def _all_to_all_bytes(summary: dict, cfg) -> list:
+    """Rank 0's all-to-all traffic per step beside the exact count for the routing that ran."""
+    rep = summary["report"][0]
+    return [Row("all-to-all rows sent per step", rep["all_to_all_sent_bytes_per_step"],
+                "routed rows · d · 4", rep["all_to_all_bytes_routed"])]
 
 
 @exercise("online_softmax_merge",
           "equals attention over all the keys (forward and backward, with and without fully "
           "masked rows), and strategy 'context' with it equals one process")
 def _check_online_softmax_merge(fn) -> str | None:
-    return _merge_alone(fn) or _same_losses(fn, "online_softmax_merge", "context", 2)
+    return _merge_alone(fn) or inside("online_softmax_merge", fn, _tiny_cfg("context", 2),
+                                      measure=_ring_bytes)
 
 
 def _dispatch_rank(fn):
@@ -169,4 +169,5 @@ def _dispatch_rank(fn):
           "and strategy 'expert' with it equals one process")
 def _check_all_to_all_dispatch(fn) -> str | None:
     return (on_clusters(_dispatch_rank, fn, sizes=(2, 3))
-            or _same_losses(fn, "all_to_all_dispatch", "expert", 2, moe=True))
+            or inside("all_to_all_dispatch", fn, _tiny_cfg("expert", 2, moe=True),
+                      measure=_all_to_all_bytes))

@@ -19,12 +19,13 @@ import math
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ..comm import Comm
 
 __all__ = ["merge_attention", "block_attention", "RingAttention", "ring_attention",
-           "balanced_layout", "contiguous_layout", "ring_work", "RingSelfAttention", "context_parallel_", "local_forward",
-           "ring_bytes_per_layer"]
+           "balanced_layout", "contiguous_layout", "sequence_piece", "ring_work",
+           "RingSelfAttention", "context_parallel_", "local_forward", "ring_bytes_per_layer"]
 
 
 def merge_attention(out_a, lse_a, out_b, lse_b):
@@ -147,6 +148,15 @@ def balanced_layout(seq_len: int, n: int) -> tuple[int, torch.Tensor]:
     rows = [torch.cat([torch.arange(r * c, (r + 1) * c),
                        torch.arange((2 * n - 1 - r) * c, (2 * n - r) * c)]) for r in range(n)]
     return padded, torch.stack(rows)
+
+
+def sequence_piece(x: torch.Tensor, y: torch.Tensor, padded: int, positions: torch.Tensor):
+    """This rank's tokens of a batch of (b, t) ids ``x`` and targets ``y``: both padded at the end
+    to ``padded`` (ids 0; targets -100, which no loss counts), then the columns at ``positions``
+    (this rank's row of a layout)."""
+    pad = padded - x.shape[1]
+    x, y = F.pad(x, (0, pad), value=0), F.pad(y, (0, pad), value=-100)
+    return x[:, positions], y[:, positions]
 
 
 class RingSelfAttention(nn.Module):

@@ -1,5 +1,5 @@
 """The 3D mesh (lesson 08): data × pipeline × tensor parallel ranks on one world, and a process
-group for each axis.
+group for each axis — and its fourth axis, context parallel (lesson 09).
 
 Paper: Narayanan et al., 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM" (PTD-P: tensor parallel inside a node, pipeline parallel across nodes, data parallel
@@ -8,55 +8,72 @@ over the rest).
 ``world = dp · pp · tp`` ranks; rank ``(p · dp + d) · tp + t`` sits at coordinates ``(d, p, t)``:
 the tensor index varies fastest (a tensor group on one machine: it talks every layer), the
 pipeline index slowest (it talks least).  :class:`Mesh` builds every group explicitly.
+
+With ``cp`` context-parallel ranks (each holds 1/cp of every sequence),
+``world = dp · cp · pp · tp`` and rank ``((p · dp + d) · cp + c) · tp + t`` sits at ``(d, p, t, c)``: tensor fastest, then
+context (its ring also talks every layer: the next-fastest links), then data, then pipeline — the
+order of Megatron-LM's ``tp-cp-dp-pp``.  With ``cp = 1`` it is the 3D numbering above.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from ..comm import Comm
 
-__all__ = ["Coords", "MeshShape", "Mesh"]
+__all__ = ["Coords", "MeshShape", "Mesh", "groups_take_cp"]
 
 
 @dataclass(frozen=True)
 class Coords:
-    """Where a rank sits: data-parallel replica ``dp``, pipeline stage ``pp``, tensor rank ``tp``."""
+    """Where a rank sits: data-parallel replica ``dp``, pipeline stage ``pp``, tensor rank ``tp``,
+    and context-parallel rank ``cp`` (0 in a 3D mesh)."""
 
     dp: int
     pp: int
     tp: int
+    cp: int = 0
 
 
 @dataclass(frozen=True)
 class MeshShape:
-    """The sizes of the three axes; pure arithmetic, no processes (drawn by the lesson)."""
+    """The sizes of the axes; pure arithmetic, no processes (drawn by the lesson).  ``cp`` (the
+    fourth axis, context parallel) is 1 in a 3D mesh."""
 
     dp: int
     pp: int
     tp: int
+    cp: int = 1
 
     @property
     def size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.cp * self.pp * self.tp
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The axes this mesh has: dp, pp, tp, and cp when it is more than 1."""
+        return ("dp", "pp", "tp", "cp") if self.cp > 1 else ("dp", "pp", "tp")
 
     def rank(self, c: Coords) -> int:
-        return (c.pp * self.dp + c.dp) * self.tp + c.tp
+        return ((c.pp * self.dp + c.dp) * self.cp + c.cp) * self.tp + c.tp
 
     def coords(self, rank: int) -> Coords:
         if not 0 <= rank < self.size:
             raise ValueError(f"rank {rank} is outside a mesh of {self.size} ranks")
         rest, t = divmod(rank, self.tp)
+        rest, c = divmod(rest, self.cp)
         p, d = divmod(rest, self.dp)
-        return Coords(d, p, t)
+        return Coords(d, p, t, c)
 
     def groups(self, axis: str) -> list[list[int]]:
-        """Every group along ``axis`` ("dp", "pp" or "tp"): the ranks that differ only there."""
-        sizes = {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+        """Every group along ``axis`` ("dp", "pp", "tp" or "cp"): the ranks that differ only
+        there."""
+        sizes = {"dp": self.dp, "pp": self.pp, "tp": self.tp, "cp": self.cp}
         if axis not in sizes:
-            raise ValueError(f"axis must be one of dp, pp, tp; got {axis!r}")
+            raise ValueError(f"axis must be one of dp, pp, tp, cp; got {axis!r}")
         out: dict[tuple, list[int]] = {}
         for r in range(self.size):
             c = self.coords(r)
@@ -68,23 +85,40 @@ class MeshShape:
         return next(g for g in self.groups(axis) if rank in g)
 
 
+def groups_take_cp(groups) -> bool:
+    """Whether a ``groups(dp, pp, tp, axis)`` function also takes ``cp=`` (a 4D mesh's)."""
+    try:
+        inspect.signature(groups).bind(1, 1, 1, "cp", cp=2)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 class Mesh:
-    """This rank's place in a ``dp × pp × tp`` mesh and a :class:`Comm` for each axis.
+    """This rank's place in a ``dp × pp × tp`` mesh (``× cp``) and a :class:`Comm` for each axis.
 
     Every rank of ``comm`` must build it (``dist.new_group`` is collective: all ranks create every
-    group, in the same order).  The communicators share ``comm``'s tracer, named "dp", "pp", "tp".
+    group, in the same order).  The communicators share ``comm``'s tracer, named "dp", "pp", "tp"
+    (and "cp"; with ``cp = 1`` no context groups are built and ``self.cp`` is None).
     ``groups(dp, pp, tp, axis) -> [[ranks], ...]`` replaces :meth:`MeshShape.groups` (lesson 08's
-    exercise).
+    exercise); in a mesh with ``cp > 1`` it is called as ``groups(dp, pp, tp, axis, cp=cp)``, and a
+    function without that parameter is refused (its ranks would be numbered for three axes).
     """
 
     def __init__(self, shape: MeshShape, comm: Comm, groups=None):
         if shape.size != comm.size:
-            raise ValueError(f"a {shape.dp}x{shape.pp}x{shape.tp} mesh needs {shape.size} ranks, "
+            raise ValueError(f"a {_sizes(shape)} mesh needs {shape.size} ranks, "
                              f"the group has {comm.size}")
+        if groups is not None and shape.cp > 1 and not groups_take_cp(groups):
+            raise ValueError(f"groups(dp, pp, tp, axis) numbers the ranks of a 3D mesh; this mesh "
+                             f"has --cp {shape.cp}: give a function that also takes cp= (rank = "
+                             f"((p·dp + d)·cp + c)·tp + t), or leave the groups to the mesh")
         self.shape, self.coords = shape, shape.coords(comm.rank)
-        for axis in ("tp", "dp", "pp"):
+        self.cp = None
+        extra = {"cp": shape.cp} if shape.cp > 1 else {}
+        for axis in self.axes:
             mine = None
-            every = (groups(shape.dp, shape.pp, shape.tp, axis) if groups is not None
+            every = (groups(shape.dp, shape.pp, shape.tp, axis, **extra) if groups is not None
                      else shape.groups(axis))
             for ranks in every:
                 group = dist.new_group([comm.global_rank(r) for r in ranks])
@@ -94,14 +128,25 @@ class Mesh:
                 raise ValueError(f"rank {comm.rank} is in no {axis} group of {every}")
             setattr(self, axis, comm.sub(mine, axis))
 
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The axes whose groups this mesh builds, in the order every rank builds them."""
+        return ("tp", "cp", "dp", "pp") if self.shape.cp > 1 else ("tp", "dp", "pp")
+
     def destroy(self) -> None:
-        """Free this rank's three groups (their connections and threads): a notebook that runs
-        the strategy again builds new ones."""
-        for axis in ("tp", "dp", "pp"):
+        """Free this rank's groups (their connections and threads): a notebook that runs the
+        strategy again builds new ones."""
+        for axis in self.axes:
             comm = getattr(self, axis)
             if comm.group is not None:
                 dist.destroy_process_group(comm.group)
 
     def __repr__(self) -> str:
         c = self.coords
-        return f"Mesh({self.shape.dp}x{self.shape.pp}x{self.shape.tp}, dp={c.dp}, pp={c.pp}, tp={c.tp})"
+        where = f"dp={c.dp}, pp={c.pp}, tp={c.tp}" + (f", cp={c.cp}" if self.shape.cp > 1 else "")
+        return f"Mesh({_sizes(self.shape)}, {where})"
+
+
+def _sizes(shape: MeshShape) -> str:
+    base = f"{shape.dp}x{shape.pp}x{shape.tp}"
+    return base + (f" (cp {shape.cp})" if shape.cp > 1 else "")

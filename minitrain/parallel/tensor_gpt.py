@@ -4,7 +4,9 @@ heads, the MLP by columns then rows, the vocabulary for the embedding, the head 
 Papers: Shoeybi et al., 2019, "Megatron-LM" (the split transformer layer); Korthikanti et al.,
 2022, "Reducing Activation Recomputation in Large Transformer Models" (sequence parallelism).
 :class:`TensorParallelGPT` is the whole model (strategy ``tensor``); :class:`TensorParallelParts`
-gives a pipeline stage the same pieces (strategy ``3d``).  The layers are
+gives a pipeline stage the same pieces (strategy ``3d``) — and, given an ``attention`` function and
+the tokens' ``positions``, each rank's heads attend over a sequence held in pieces by other ranks
+(context parallelism's ring, :mod:`minitrain.parallel.context`: the 4D mesh).  The layers are
 :mod:`minitrain.parallel.tensor`'s.
 """
 
@@ -17,9 +19,11 @@ import torch.nn.functional as F
 from ..comm import Comm, all_reduce_coalesced
 from ..model import GPT, Attention, Block, Embedding, GPTConfig, Head
 from .tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                     _replicated_param, padded_size, sequence_shard, vocab_parallel_loss)
+                     _replicated_param, padded_size, sequence_shard, vocab_parallel_cross_entropy,
+                     vocab_parallel_loss)
 
-__all__ = ["ParallelAttention", "ParallelMLP", "ParallelBlock", "ParallelEmbedding",
+__all__ = ["causal_attention", "ParallelAttention", "ParallelMLP", "ParallelBlock",
+           "ParallelEmbedding",
            "ParallelHead", "TensorParallelGPT", "TensorParallelParts", "tag_collectives",
            "all_reduce_sequence_parallel_grads"]
 
@@ -32,15 +36,23 @@ def _layer_norm(ln: nn.LayerNorm, sequence_parallel: bool) -> nn.LayerNorm:
     return out
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of (b, heads, t, head_dim) queries over the same t keys and values."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class ParallelAttention(nn.Module):
     """Causal self-attention with this rank's ``n_head / N`` heads: Q, K, V column-parallel (its
-    heads' rows of q, k and v of the fused ``qkv``), the output projection row-parallel."""
+    heads' rows of q, k and v of the fused ``qkv``), the output projection row-parallel.
+    ``attention(q, k, v)`` computes the heads' causal attention on (b, heads, t, head_dim)
+    (default :func:`causal_attention`; the 4D mesh: ring attention over the context group)."""
 
     def __init__(self, attn: Attention, comm: Comm, sequence_parallel: bool, *, column=None,
-                 row=None):
+                 row=None, attention=None):
         super().__init__()
         if attn.n_head % comm.size:
             raise ValueError(f"{attn.n_head} heads do not split over {comm.size} ranks")
+        self.attention = attention or causal_attention
         self.heads = attn.n_head // comm.size
         self.qkv = ColumnParallelLinear.from_linear(attn.qkv, comm, parts=3, function=column,
                                                     sequence_parallel=sequence_parallel)
@@ -52,7 +64,7 @@ class ParallelAttention(nn.Module):
         t, b, width = q.shape
         q, k, v = (z.reshape(t, b, self.heads, width // self.heads).permute(1, 2, 0, 3)
                    for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, heads, t, head_dim)
+        y = self.attention(q, k, v)  # (b, heads, t, head_dim)
         return self.proj(y.permute(2, 0, 1, 3).reshape(t, b, width))
 
 
@@ -73,13 +85,15 @@ class ParallelMLP(nn.Module):
 
 class ParallelBlock(nn.Module):
     """The pre-LayerNorm block; LayerNorms and residuals run on whole or sequence-sharded input.
-    ``column``/``row``: the linears' ``function`` (see :class:`ColumnParallelLinear`)."""
+    ``column``/``row``: the linears' ``function`` (see :class:`ColumnParallelLinear`);
+    ``attention``: the heads' (see :class:`ParallelAttention`)."""
 
     def __init__(self, block: Block, comm: Comm, sequence_parallel: bool, *, column=None,
-                 row=None):
+                 row=None, attention=None):
         super().__init__()
         self.ln1 = _layer_norm(block.ln1, sequence_parallel)
-        self.attn = ParallelAttention(block.attn, comm, sequence_parallel, column=column, row=row)
+        self.attn = ParallelAttention(block.attn, comm, sequence_parallel, column=column, row=row,
+                                      attention=attention)
         self.ln2 = _layer_norm(block.ln2, sequence_parallel)
         self.mlp = ParallelMLP(block.mlp, comm, sequence_parallel, column=column, row=row)
 
@@ -90,18 +104,26 @@ class ParallelBlock(nn.Module):
 
 class ParallelEmbedding(nn.Module):
     """Vocabulary-parallel token embedding plus the (replicated) position embedding; (b, t) ids in,
-    (t, b, d) out — or, sequence parallel, this rank's t/N positions (padded)."""
+    (t, b, d) out — or, sequence parallel, this rank's t/N positions (padded).  ``positions``: the
+    global positions of the t tokens (default 0 … t-1; context parallel: this rank's pieces of the
+    sequence, padding clamped to the last position)."""
 
-    def __init__(self, embed: Embedding, comm: Comm, sequence_parallel: bool):
+    def __init__(self, embed: Embedding, comm: Comm, sequence_parallel: bool, *,
+                 positions: torch.Tensor | None = None):
         super().__init__()
         self.comm, self.sequence_parallel = comm, sequence_parallel
+        self.positions = (None if positions is None
+                          else positions.clamp(max=embed.pos.num_embeddings - 1))
         self.tok = VocabParallelEmbedding.from_embedding(embed.tok, comm,
                                                          sequence_parallel=sequence_parallel)
         self.pos = nn.Embedding(embed.pos.num_embeddings, embed.pos.embedding_dim)
         self.pos.weight = _replicated_param(embed.pos.weight, sequence_parallel)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = self.pos.weight[:idx.shape[1]].unsqueeze(1)  # (t, 1, d)
+        if self.positions is None:
+            pos = self.pos.weight[:idx.shape[1]].unsqueeze(1)  # (t, 1, d)
+        else:
+            pos = self.pos.weight[self.positions.to(idx.device)].unsqueeze(1)
         if self.sequence_parallel:
             pos = sequence_shard(pos, self.comm)  # my positions only: a partial gradient
         return self.tok(idx.t()) + pos
@@ -172,21 +194,32 @@ class TensorParallelParts:
     ``PipelineStage(model, s, n, parts=TensorParallelParts(...))`` holds a vocabulary-parallel
     embedding, parallel blocks and a parallel head (the 3D mesh, lesson 08).  It also says what
     the pipeline needs around them: :meth:`activation_shape` (what travels between stages:
-    (t, b, d), or a sequence shard) and :meth:`loss` (the vocabulary-parallel cross-entropy)."""
+    (t, b, d), or a sequence shard) and :meth:`loss` (the vocabulary-parallel cross-entropy).
+
+    A rank that holds only some tokens of each sequence (context parallel, the 4D mesh) gives
+    their global ``positions`` (1-D), the heads' ``attention(q, k, v)`` that reaches the other
+    ranks' tokens (ring attention), and ``sequence_tokens``, the real tokens of a whole sequence:
+    :meth:`loss` is then this rank's sum over its real tokens (targets < 0 are padding) divided by
+    batch × sequence_tokens, so that the ranks' losses add up to the mean.
+    """
 
     def __init__(self, model: GPTConfig, comm: Comm, sequence_parallel: bool = False, *,
-                 column=None, row=None):
+                 column=None, row=None, attention=None, positions: torch.Tensor | None = None,
+                 sequence_tokens: int | None = None):
         self.cfg, self.comm, self.sequence_parallel = model, comm, sequence_parallel
-        self.column, self.row = column, row
+        self.column, self.row, self.attention = column, row, attention
+        self.positions, self.sequence_tokens = positions, sequence_tokens
 
     def __call__(self, kind: str, module: nn.Module) -> nn.Module:
         sp = self.sequence_parallel
         if kind == "embed":
-            return ParallelEmbedding(module, self.comm, sp)
+            return ParallelEmbedding(module, self.comm, sp, positions=self.positions)
         if kind == "block":
-            return ParallelBlock(module, self.comm, sp, column=self.column, row=self.row)
+            return ParallelBlock(module, self.comm, sp, column=self.column, row=self.row,
+                                 attention=self.attention)
         if kind == "head":
-            return ParallelHead(module, self.comm, sp, seq_len=self.cfg.seq_len, column=self.column)
+            tokens = self.cfg.seq_len if self.positions is None else len(self.positions)
+            return ParallelHead(module, self.comm, sp, seq_len=tokens, column=self.column)
         raise ValueError(f"unknown part {kind!r}: embed, block or head")
 
     def activation_shape(self, batch: int, seq: int) -> tuple:
@@ -195,7 +228,13 @@ class TensorParallelParts:
         return (t, batch, self.cfg.d_model)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_loss(logits, targets, self.cfg.vocab_size, self.comm)
+        if self.sequence_tokens is None:
+            return vocab_parallel_loss(logits, targets, self.cfg.vocab_size, self.comm)
+        targets = targets.t()  # (t, b), as the logits
+        per = vocab_parallel_cross_entropy(logits, targets, logits.shape[-1] * self.comm.rank,
+                                           self.cfg.vocab_size, self.comm)
+        real = (targets >= 0).to(per.dtype)  # padding: no loss
+        return (per * real).sum() / (targets.shape[1] * self.sequence_tokens)
 
 
 def all_reduce_sequence_parallel_grads(module: nn.Module, comm: Comm) -> None:

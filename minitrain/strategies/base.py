@@ -204,6 +204,10 @@ class Seams:
     column_parallel_linear: typing.Callable | None = None  # lesson 06
     row_parallel_linear: typing.Callable | None = None     # lesson 06
     loss_scale_update: typing.Callable | None = None       # lesson 07
+    mixed_precision_step: typing.Callable | None = None    # (params, masters, optimizer,
+    #                                                         loss_scale) -> took_step: lesson 07
+    recompute_block: typing.Callable | None = None         # (block, x) -> block(x), recomputed
+    #                                                         in backward: lesson 07
     mesh_groups: typing.Callable | None = None             # (dp, pp, tp, axis) -> groups: lesson 08
     online_softmax_merge: typing.Callable | None = None    # (out_a, lse_a, out_b, lse_b): lesson 09
     all_to_all_dispatch: typing.Callable | None = None     # (output, input, out_splits, in_splits,
@@ -288,6 +292,8 @@ def check_common(cls: type["Strategy"], cfg: TrainConfig, seams: Seams | None = 
             takers = [n for n in strategy_names() if name in _REGISTRY[n].seams]
             raise ConfigError(f"strategy {cls.name!r} has no seam {name!r}; strategies that take it: "
                               f"{', '.join(takers) or 'none'}")
+    if seams is not None and seams.given():
+        cls.check_seams(cfg, seams)
 
 
 def _check_precision(cls: type["Strategy"], cfg: TrainConfig) -> None:
@@ -337,6 +343,11 @@ class Strategy(abc.ABC):
     def check(cls, cfg: TrainConfig) -> None:
         """Raise :class:`ConfigError` if this strategy cannot run ``cfg`` (its own rules only)."""
 
+    @classmethod
+    def check_seams(cls, cfg: TrainConfig, seams: Seams) -> None:
+        """Raise :class:`ConfigError` if the seams given (all among ``cls.seams``) cannot serve
+        ``cfg`` (e.g. a function written for fewer axes than the run has)."""
+
     def __init__(self, cfg: TrainConfig, comm: Comm, seams: Seams | None = None):
         self.cfg, self.comm, self.seams = cfg, comm, seams or Seams()
         self.device = torch.device("cuda", torch.cuda.current_device()) if (
@@ -354,7 +365,8 @@ class Strategy(abc.ABC):
         blocks with ``cfg.checkpoint_activations``; under mixed precision cast to 16 bits, the fp32
         weights from before the cast kept in ``self.master_weights`` for :meth:`make_optimizer`."""
         model = GPT(self.cfg.model, seed=self.cfg.seed,
-                    checkpoint_activations=self.cfg.checkpoint_activations).to(self.device)
+                    checkpoint_activations=self.cfg.checkpoint_activations,
+                    recompute=self.seams.recompute_block).to(self.device)
         if self.cfg.precision != "fp32":
             self.master_weights.update(cast_model_(model, PRECISIONS[self.cfg.precision]))
         return model
@@ -371,7 +383,8 @@ class Strategy(abc.ABC):
         params = list(params)
         masters = {p: self.master_weights.pop(p) for p in params if p in self.master_weights}
         return MixedPrecisionOptimizer(params, torch.optim.Adam, master_weights=masters,
-                                       loss_scaler=self.loss_scaler, lr=self.cfg.lr)
+                                       loss_scaler=self.loss_scaler,
+                                       step=self.seams.mixed_precision_step, lr=self.cfg.lr)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, with the loss multiplied by the loss scale when there is one."""

@@ -13,16 +13,24 @@ import torch.nn.functional as F
 from ..comm import all_reduce_coalesced
 from ..memory import ActivationMeter
 from ..parallel.context import (balanced_layout, context_parallel_, contiguous_layout,
-                                local_forward, ring_bytes_per_layer, ring_work)
-from .base import ConfigError, Lockstep, Replicas, TrainConfig, at_least, option, register
+                                local_forward, ring_bytes_per_layer, ring_work, sequence_piece)
+from .base import (ConfigError, Lockstep, Options, Replicas, TrainConfig, at_least, option,
+                   register)
 
-__all__ = ["ContextOptions", "ContextParallel"]
+__all__ = ["ContextAxis", "ContextOptions", "ContextParallel"]
 
 
 @dataclass(frozen=True)
-class ContextOptions(Replicas):
-    cp: int | None = option(None, "context-parallel ranks: each holds 1/cp of every sequence "
-                            "(default: world size / dp)", check=at_least(1))
+class ContextAxis(Options):
+    """The context-parallel axis (shared by ``context`` and ``3d``: one ``--cp`` flag)."""
+
+    cp: int | None = option(None, "context-parallel ranks: each holds 1/cp of every sequence; "
+                            "unset: world size / dp in context, 1 in 3d", check=at_least(1))
+
+
+@dataclass(frozen=True)
+class ContextOptions(ContextAxis, Replicas):
+    """--dp and --cp."""
 
 
 def _sizes(cfg: TrainConfig) -> tuple[int, int]:
@@ -90,11 +98,8 @@ class ContextParallel(Lockstep):
         b = x.shape[0] // self.dp
         d = self.comm.rank // self.cp
         x, y = x[d * b:(d + 1) * b], y[d * b:(d + 1) * b]
-        pad = self.padded - x.shape[1]
-        x = F.pad(x, (0, pad), value=0)
-        y = F.pad(y, (0, pad), value=-100)  # padding: no loss
-        idx = self.positions[self.cp_comm.rank]
-        return x[:, idx].to(self.device), y[:, idx].to(self.device)
+        x, y = sequence_piece(x, y, self.padded, self.positions[self.cp_comm.rank])
+        return x.to(self.device), y.to(self.device)
 
     def forward(self, x, y):
         logits = local_forward(self.model, x, self.positions, self.cp_comm.rank)

@@ -104,7 +104,7 @@ class NaiveDDP(DataParallel):
     name = "ddp-naive"
     help = "data parallel: one all-reduce per gradient after backward"
     options = NoOptions
-    seams = ("sync_gradients",)
+    seams = ("sync_gradients", "mixed_precision_step", "recompute_block")
     checkpoint_refusal = None
     reshardable = True
 
@@ -121,7 +121,8 @@ class DDP(DataParallel):
     help = ("distributed data parallel: bucketed all-reduce overlapped with backward "
             "(--bucket-mb, --compress)")
     options = DDPOptions
-    seams = ("ring_all_reduce", "bucket_hook", "topk_error_feedback")
+    seams = ("ring_all_reduce", "bucket_hook", "topk_error_feedback", "mixed_precision_step",
+             "recompute_block")
     checkpoint_refusal = None
     reshardable = True
 

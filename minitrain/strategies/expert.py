@@ -36,8 +36,6 @@ class ExpertParallel(Lockstep):
     options = ExpertOptions
     seams = ("all_to_all_dispatch",)
     checkpointing = False
-    checkpoint_refusal = ("each rank holds different experts and no sharded checkpoint layout "
-                          "exists for them yet; train without --save-dir/--resume")
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:
@@ -99,14 +97,38 @@ class ExpertParallel(Lockstep):
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         for part in parts:
             state.update(part)
-        names = list(self._reference_names())
+        names = self._names(self.cfg)
         return {k: state[k] for k in names}
 
-    def _reference_names(self):
+    # -- checkpoints: each rank saves the dense part (a replica), its own experts and their Adam
+    # states; resumed on the same number of ranks (each expert on its owner again)
+    checkpoint_refusal = None
+
+    @classmethod
+    def checkpoint_layout(cls, cfg: TrainConfig) -> dict:
+        return {"ep": cfg.options.ep or cfg.world_size}
+
+    def checkpoint_state(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_checkpoint_state(self, read) -> None:
+        state = read(self.comm.rank)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    @classmethod
+    def consolidate_checkpoint(cls, cfg: TrainConfig, read) -> dict:
+        """The dense part from rank 0, every expert from its owner, in one process's order."""
+        state = dict(read(0)["model"])
+        for r in range(1, cfg.world_size):
+            state.update({k: v for k, v in read(r)["model"].items() if ".experts." in k})
+        return {k: state[k] for k in cls._names(cfg)}
+
+    @staticmethod
+    def _names(cfg: TrainConfig):
         from ..model import GPT
         with torch.device("meta"):
-            return GPT(self.cfg.model).state_dict().keys()
-
+            return list(GPT(cfg.model).state_dict().keys())
 
     def report(self) -> dict:
         """Tokens per expert per step (per layer), dropped assignments, and the all-to-all bytes
@@ -114,7 +136,9 @@ class ExpertParallel(Lockstep):
         routing theory."""
         m, steps = self.cfg.model, max(1, self.cfg.steps)
         moved = sum(b.mlp.rows_moved for b in self.model.blocks)
-        events = [e for e in self.comm.tracer.events if e.tag == "all_to_all"]
+        # the dispatch's messages, whoever wrote it (the seam's sends carry no tag of ours)
+        events = [e for e in self.comm.tracer.events
+                  if e.tag == "all_to_all" or e.op in ("send", "all_to_all")]
         tokens_local = self.cfg.batch_size // self.comm.size * m.seq_len
         return {
             "ep": self.comm.size, "experts_per_rank": m.n_expert // self.comm.size,

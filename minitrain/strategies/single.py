@@ -16,7 +16,7 @@ class Single(Lockstep):
     name = "single"
     help = "one process: the baseline every parallel strategy is checked against"
     precisions = tuple(PRECISIONS)
-    seams = ("loss_scale_update",)
+    seams = ("loss_scale_update", "mixed_precision_step", "recompute_block")
     checkpoint_refusal = None  # the replica defaults
     reshardable = True
 

@@ -1,0 +1,223 @@
+"""Lesson 01b, the debugging lab: per broken program, the fix, the original broken program (the
+learner's starting point) and plausible wrong fixes, each with a fragment of the check's message."""
+
+import torch
+import torch.distributed as dist
+
+from answers import Answers
+
+# -- 1. a skipped collective ------------------------------------------------------------------------
+
+
+def mean_loss(loss):
+    dist.all_reduce(loss)
+    loss = loss / dist.get_world_size()
+    if dist.get_rank() == 0:
+        print(f"mean loss {loss.item():.4f}")
+    return loss
+
+
+def mean_loss_broken(loss):
+    if dist.get_rank() == 0:
+        dist.all_reduce(loss)
+        loss = loss / dist.get_world_size()
+        print(f"mean loss {loss.item():.4f}")
+    return loss
+
+
+def mean_loss_nobody_reduces(loss):  # "fixed" by making every rank skip it
+    if dist.get_rank() == 0:
+        print(f"mean loss {loss.item():.4f}")
+    return loss
+
+
+def mean_loss_divides_on_rank_0(loss):
+    dist.all_reduce(loss)
+    if dist.get_rank() == 0:
+        loss = loss / dist.get_world_size()
+        print(f"mean loss {loss.item():.4f}")
+    return loss
+
+
+def mean_loss_reduce_to_0(loss):
+    dist.reduce(loss, dst=0)
+    loss = loss / dist.get_world_size()
+    return loss
+
+
+# -- 2. send/send -----------------------------------------------------------------------------------
+
+
+def pass_right(mine):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % size, (rank - 1) % size
+    theirs = torch.empty_like(mine)
+    work = dist.isend(mine, right)
+    dist.recv(theirs, left)
+    work.wait()
+    return theirs
+
+
+def pass_right_broken(mine):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % size, (rank - 1) % size
+    theirs = torch.empty_like(mine)
+    dist.send(mine, right)
+    dist.recv(theirs, left)
+    return theirs
+
+
+def pass_right_receives_first(mine):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % size, (rank - 1) % size
+    theirs = torch.empty_like(mine)
+    dist.recv(theirs, left)
+    dist.send(mine, right)
+    return theirs
+
+
+def pass_right_the_wrong_way(mine):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % size, (rank - 1) % size
+    theirs = torch.empty_like(mine)
+    work = dist.isend(mine, left)
+    dist.recv(theirs, right)
+    work.wait()
+    return theirs
+
+
+def pass_right_returns_its_own(mine):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % size, (rank - 1) % size
+    theirs = torch.empty_like(mine)
+    work = dist.isend(mine, right)
+    dist.recv(theirs, left)
+    work.wait()
+    return mine
+
+
+# -- 3. collectives in a different order on each rank -----------------------------------------------
+
+
+def sum_stats(stats):
+    for name in sorted(stats):
+        dist.all_reduce(stats[name])
+    return stats
+
+
+def sum_stats_broken(stats):
+    for name, value in stats.items():
+        dist.all_reduce(value)
+    return stats
+
+
+def sum_stats_sorted_on_rank_0(stats):
+    names = sorted(stats) if dist.get_rank() == 0 else list(stats)
+    for name in names:
+        dist.all_reduce(stats[name])
+    return stats
+
+
+def sum_stats_by_size(stats):  # ties (loss, tokens: one element each) keep each rank's order
+    for name, value in sorted(stats.items(), key=lambda item: item[1].numel()):
+        dist.all_reduce(value)
+    return stats
+
+
+# -- 4. a collective on the wrong group -------------------------------------------------------------
+
+
+def tp_sum(partial, groups):
+    dist.all_reduce(partial, group=groups[dist.get_rank() // 2])
+    return partial
+
+
+def tp_sum_broken(partial, groups):
+    dist.all_reduce(partial, group=groups[dist.get_rank() % 2])
+    return partial
+
+
+def tp_sum_on_the_world(partial, groups):
+    dist.all_reduce(partial)
+    return partial
+
+
+def tp_sum_first_group(partial, groups):
+    dist.all_reduce(partial, group=groups[0])
+    return partial
+
+
+# -- 5. float16 overflow ----------------------------------------------------------------------------
+
+
+def grad_norm(grad):
+    squares = grad.float().pow(2).sum()
+    dist.all_reduce(squares)
+    return squares.sqrt().item()
+
+
+def grad_norm_scaled(grad):  # the other fix: scale by the largest |value| first
+    scale = grad.abs().max().float()
+    dist.all_reduce(scale, op=dist.ReduceOp.MAX)
+    squares = (grad.float() / scale).pow(2).sum()
+    dist.all_reduce(squares)
+    return (squares.sqrt() * scale).item()
+
+
+def grad_norm_broken(grad):
+    squares = (grad * grad).sum()
+    dist.all_reduce(squares)
+    return squares.sqrt().item()
+
+
+def grad_norm_casts_after_squaring(grad):
+    squares = (grad * grad).float().sum()
+    dist.all_reduce(squares)
+    return squares.sqrt().item()
+
+
+def grad_norm_adds_norms(grad):
+    norm = grad.float().norm()
+    dist.all_reduce(norm)
+    return norm.item()
+
+
+def grad_norm_reduces_in_half(grad):
+    squares = grad.float().pow(2).sum().half()
+    dist.all_reduce(squares)
+    return squares.float().sqrt().item()
+
+
+ANSWERS = {
+    "lab_skipped_collective": Answers(mean_loss, [
+        (mean_loss_broken, "rank 0 waited in all_reduce (line 3 of your mean_loss_broken"),
+        (mean_loss_nobody_reduces, "returned its own loss"),
+        (mean_loss_divides_on_rank_0, "the sum of the losses, not their mean"),
+        (mean_loss_reduce_to_0, "all_reduce gives it to every rank"),
+    ]),
+    "lab_send_send": Answers(pass_right, [
+        (pass_right_broken, "Every rank is in a blocking send"),
+        (pass_right_receives_first, "Every rank is receiving and none is sending"),
+        (pass_right_the_wrong_way, "(its right neighbour's); it should get its left neighbour's"),
+        (pass_right_returns_its_own, "returned its own tensor"),
+    ]),
+    "lab_mismatched_order": Answers(sum_stats, [
+        (sum_stats_broken, "Your loop follows each rank's own dict order"),
+        (sum_stats_sorted_on_rank_0, "not on some ranks only"),
+        (sum_stats_by_size, "the ranks summed different entries together"),
+    ]),
+    "lab_wrong_group": Answers(tp_sum, [
+        (tp_sum_broken, "the launcher found a deadlock"),
+        (tp_sum_on_the_world, "the sum over all 4 ranks (the whole world)"),
+        (tp_sum_first_group, "got only its own partial back"),
+    ]),
+    "lab_fp16_overflow": Answers(grad_norm, [
+        (grad_norm_broken, "the all_reduce's float16 sum overflowed"),
+        (grad_norm_casts_after_squaring, "convert to float32 before you square"),
+        (grad_norm_adds_norms, "norms do not add"),
+        (grad_norm_reduces_in_half, "the all_reduce's float16 sum overflowed"),
+    ]),
+}
+
+#: fixes other than the one in the notebook that must pass too
+ALSO_RIGHT = {"lab_fp16_overflow": [grad_norm_scaled]}

@@ -1,0 +1,246 @@
+"""Lesson 07: the fp32-master mixed-precision step, a block recomputed in backward, and the dynamic
+loss-scale update."""
+
+import torch
+
+from answers import Answers
+
+# --------------------------------------------------------------------------------------------------
+# mixed_precision_step(params, masters, optimizer, loss_scale) -> took_step
+# --------------------------------------------------------------------------------------------------
+
+
+def step(params, masters, optimizer, loss_scale):
+    for p, m in zip(params, masters):
+        m.grad = p.grad.float()
+        if loss_scale is not None:
+            m.grad /= loss_scale
+    if loss_scale is not None and not all(torch.isfinite(m.grad).all() for m in masters):
+        return False
+    optimizer.step()
+    for p, m in zip(params, masters):
+        p.copy_(m)
+    return True
+
+
+def steps_the_16bit_weights(params, masters, optimizer, loss_scale):
+    """The update done on the 16-bit weights (SGD in bf16), the masters only copying them."""
+    lr = optimizer.param_groups[0]["lr"]
+    for p, m in zip(params, masters):
+        p.sub_(lr * p.grad / (loss_scale or 1))
+        m.copy_(p)
+    return True
+
+
+def forgets_to_unscale(params, masters, optimizer, loss_scale):
+    for p, m in zip(params, masters):
+        m.grad = p.grad.float()
+    if not all(torch.isfinite(m.grad).all() for m in masters):
+        return False
+    optimizer.step()
+    for p, m in zip(params, masters):
+        p.copy_(m)
+    return True
+
+
+def never_skips(params, masters, optimizer, loss_scale):
+    for p, m in zip(params, masters):
+        m.grad = p.grad.float() / (loss_scale or 1)
+    optimizer.step()
+    for p, m in zip(params, masters):
+        p.copy_(m)
+    return True
+
+
+def skips_only_on_inf(params, masters, optimizer, loss_scale):
+    for p, m in zip(params, masters):
+        m.grad = p.grad.float() / (loss_scale or 1)
+    if any(torch.isinf(m.grad).any() for m in masters):
+        return False
+    optimizer.step()
+    for p, m in zip(params, masters):
+        p.copy_(m)
+    return True
+
+
+def forgets_to_copy_back(params, masters, optimizer, loss_scale):
+    for p, m in zip(params, masters):
+        m.grad = p.grad.float() / (loss_scale or 1)
+    if not all(torch.isfinite(m.grad).all() for m in masters):
+        return False
+    optimizer.step()
+    return True
+
+
+def unscales_in_16_bits(params, masters, optimizer, loss_scale):
+    for p, m in zip(params, masters):
+        m.grad = (p.grad / (loss_scale or 1)).float()
+    if not all(torch.isfinite(m.grad).all() for m in masters):
+        return False
+    optimizer.step()
+    for p, m in zip(params, masters):
+        p.copy_(m)
+    return True
+
+
+def rebinds_instead_of_copying(params, masters, optimizer, loss_scale):
+    for p, m in zip(params, masters):
+        m.grad = p.grad.float() / (loss_scale or 1)
+    if not all(torch.isfinite(m.grad).all() for m in masters):
+        return False
+    optimizer.step()
+    for p, m in zip(params, masters):
+        p.data = m.clone()
+    return True
+
+
+# --------------------------------------------------------------------------------------------------
+# recompute_block(block, x) -> block(x), keeping only x
+# --------------------------------------------------------------------------------------------------
+
+
+class Recompute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, block):
+        ctx.block, ctx.rng = block, torch.get_rng_state()
+        ctx.save_for_backward(x)
+        return block(x)  # autograd records nothing inside a Function's forward
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_()
+        with torch.enable_grad(), torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(ctx.rng)
+            y = ctx.block(x)
+        torch.autograd.backward(y, grad)
+        return x.grad, None
+
+
+def recompute(block, x):
+    return Recompute.apply(x, block)
+
+
+def keeps_activations(block, x):
+    return block(x)
+
+
+class NoGradInBackward(Recompute):
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_()
+        torch.set_rng_state(ctx.rng)
+        y = ctx.block(x)  # autograd is off during backward: nothing to backpropagate through
+        torch.autograd.backward(y, grad)
+        return x.grad, None
+
+
+def recomputes_without_grad(block, x):
+    return NoGradInBackward.apply(x, block)
+
+
+class NewRandomness(Recompute):
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_()
+        with torch.enable_grad():
+            y = ctx.block(x)  # draws a new dropout mask
+        torch.autograd.backward(y, grad)
+        return x.grad, None
+
+
+def forgets_the_rng(block, x):
+    return NewRandomness.apply(x, block)
+
+
+class OnlyTheInput(Recompute):
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_()
+        with torch.enable_grad(), torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(ctx.rng)
+            y = ctx.block(x)
+        (gx,) = torch.autograd.grad(y, x, grad)
+        return gx, None
+
+
+def only_the_input_gradient(block, x):
+    return OnlyTheInput.apply(x, block)
+
+
+class NotDetached(Recompute):
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad(), torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(ctx.rng)
+            y = ctx.block(x)
+        gx = torch.autograd.grad(y, x, grad, retain_graph=True)[0]
+        torch.autograd.backward(y, grad)  # runs on into the layers before the block
+        return gx, None
+
+
+def recomputes_from_the_saved_x(block, x):
+    return NotDetached.apply(x, block)
+
+
+# --------------------------------------------------------------------------------------------------
+# loss_scale_update(scale, good_steps, found_inf, growth_interval)
+# --------------------------------------------------------------------------------------------------
+
+
+def scale_update(scale, good_steps, found_inf, growth_interval):
+    if found_inf:
+        return scale / 2, 0, False
+    good_steps += 1
+    if good_steps == growth_interval:
+        return scale * 2, 0, True
+    return scale, good_steps, True
+
+
+def never_grows(scale, good_steps, found_inf, growth_interval):
+    return (scale / 2, 0, False) if found_inf else (scale, good_steps + 1, True)
+
+
+def steps_anyway(scale, good_steps, found_inf, growth_interval):
+    return (*scale_update(scale, good_steps, found_inf, growth_interval)[:2], True)
+
+
+def keeps_counting_after_growth(scale, good_steps, found_inf, growth_interval):
+    if found_inf:
+        return scale / 2, 0, False
+    good_steps += 1
+    return (scale * 2 if good_steps % growth_interval == 0 else scale), good_steps, True
+
+
+def returns_only_the_scale(scale, good_steps, found_inf, growth_interval):
+    return scale / 2 if found_inf else scale
+
+
+ANSWERS = {
+    "mixed_precision_step": Answers(step, [
+        (steps_the_16bit_weights, "your update was computed in bfloat16"),
+        (forgets_to_unscale, "too large — the gradients still carry the loss scale"),
+        (never_skips, "the masters now hold inf/NaN"),
+        (skips_only_on_inf, "(a gradient holds nan): the step was taken"),
+        (forgets_to_copy_back, "copy the masters back into them"),
+        (unscales_in_16_bits, "convert to fp32 first, then divide by loss_scale"),
+        (rebinds_instead_of_copying, "copy the masters' values into the 16-bit parameters in place"),
+    ]),
+    "recompute_block": Answers(recompute, [
+        (keeps_activations, "a recomputed block keeps only its input"),
+        (recomputes_without_grad, "recompute the block under torch.enable_grad()"),
+        (forgets_the_rng, "drew a different dropout mask"),
+        (only_the_input_gradient, "the block's parameters got no gradient"),
+        (recomputes_from_the_saved_x, "recompute from a detached copy of x"),
+    ]),
+    "loss_scale_update": Answers(scale_update, [
+        (never_grows, "double after growth_interval good steps"),
+        (steps_anyway, "skip the optimizer step exactly when a gradient overflowed"),
+        (keeps_counting_after_growth, "reset it to 0 on overflow and whenever the scale grows"),
+        (returns_only_the_scale, "return a tuple (new_scale, new_good_steps, take_step)"),
+    ]),
+}

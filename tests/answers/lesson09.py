@@ -1,0 +1,71 @@
+"""Lesson 09: ring attention's online-softmax merge and the MoE all-to-all dispatch."""
+
+import torch
+
+from answers import Answers
+
+
+def merge(out_a, lse_a, out_b, lse_b):
+    lse = torch.logaddexp(lse_a, lse_b)
+    return (torch.exp(lse_a - lse).unsqueeze(-1) * out_a
+            + torch.exp(lse_b - lse).unsqueeze(-1) * out_b), lse
+
+
+def no_rescale(out_a, lse_a, out_b, lse_b):
+    return out_a + out_b, torch.logaddexp(lse_a, lse_b)
+
+
+def lse_as_max(out_a, lse_a, out_b, lse_b):
+    return merge(out_a, lse_a, out_b, lse_b)[0], torch.maximum(lse_a, lse_b)
+
+
+def exp_without_subtracting(out_a, lse_a, out_b, lse_b):
+    """exp(lse_b) / exp(lse): NaN on fully masked rows (-inf - -inf)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    return (torch.exp(lse_a - lse).unsqueeze(-1) * out_a + (torch.exp(lse_b) / torch.exp(lse))
+            .unsqueeze(-1) * out_b * torch.exp(lse_b - lse_b).unsqueeze(-1)), lse
+
+
+def only_the_output(out_a, lse_a, out_b, lse_b):
+    return merge(out_a, lse_a, out_b, lse_b)[0]
+
+
+def dispatch(output, input, output_splits, input_splits, comm):
+    r, works = comm.rank, []
+    ins, outs = input.split(input_splits), output.split(output_splits)
+    for p in range(comm.size):
+        if p != r:
+            works.append(comm.isend(ins[p].contiguous(), p))
+            works.append(comm.irecv(outs[p], p))
+    outs[r].copy_(ins[r])
+    for w in works:
+        w.wait()
+    return output
+
+
+def splits_swapped(output, input, output_splits, input_splits, comm):
+    return dispatch(output, input, input_splits, output_splits, comm)
+
+
+def the_library_call(output, input, output_splits, input_splits, comm):
+    torch.distributed.all_to_all_single(output, input, output_splits, input_splits, group=comm.group)
+    return output
+
+
+def returns_nothing(output, input, output_splits, input_splits, comm):
+    dispatch(output, input, output_splits, input_splits, comm)
+
+
+ANSWERS = {
+    "online_softmax_merge": Answers(merge, [
+        (no_rescale, "exp(lse_a - lse)"),
+        (lse_as_max, "logaddexp"),
+        (exp_without_subtracting, "NaN"),
+        (only_the_output, "(out, lse)"),
+    ]),
+    "all_to_all_dispatch": Answers(dispatch, [
+        (splits_swapped, "not the other way round"),
+        (the_library_call, "not dist.all_to_all_single"),
+        (returns_nothing, "return output"),
+    ]),
+}

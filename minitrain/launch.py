@@ -14,6 +14,7 @@ import atexit
 import ctypes
 import datetime
 import faulthandler
+import importlib
 import io
 import linecache
 import multiprocessing as mp
@@ -402,6 +403,13 @@ _LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
 
 
 @atexit.register
+def _preload_for_fork() -> None:
+    """Import in the parent, once, what each forked rank would otherwise import by itself: a
+    process's first ``optimizer.step()`` imports ``torch._dynamo`` (2-3 s of CPU, and on one core
+    the ranks pay it one after the other); imported before the fork, every rank shares it."""
+    importlib.import_module("torch._dynamo")
+
+
 def _close_all() -> None:
     for cluster in list(_LIVE):
         cluster.close()
@@ -492,6 +500,8 @@ class Cluster:
     def _start(self, limit_s: float) -> "Cluster":
         self.close()
         t0 = time.perf_counter()
+        if self.start_method == "fork":
+            _preload_for_fork()
         ctx = mp.get_context(self.start_method)
         sock = _listen(self.host)
         self.port = port = sock.getsockname()[1]

@@ -82,7 +82,7 @@ def no_spawn(monkeypatch):
     class Refused:
         def __init__(self, *args, **kwargs):
             raise AssertionError("a process was started")
-    import minitrain.cli  # noqa: F401  (imported, so that its Cluster can be replaced too)
+    importlib.import_module("minitrain.cli")  # loaded, so that its Cluster can be replaced too
 
     for module in ("minitrain.train", "minitrain.cli"):  # (minitrain.train is also a function)
         monkeypatch.setattr(sys.modules[module], "Cluster", Refused)

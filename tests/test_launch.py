@@ -176,6 +176,16 @@ def test_forked_ranks_do_not_hang_after_the_parent_used_its_thread_pool():
     assert Cluster(1, threads=2, start_method="spawn").threads == 2
 
 
+def test_forked_ranks_share_what_a_first_optimizer_step_imports(clusters):
+    """A process's first optimizer.step() imports torch._dynamo (seconds of CPU): the parent
+    imports it once before forking, so no rank pays for it."""
+    def imported_before_a_step():
+        import sys
+        return "torch._dynamo" in sys.modules
+
+    assert clusters(2).run(imported_before_a_step) == [True, True]
+
+
 def test_launch_is_a_one_shot_cluster():
     assert launch(rank_and_sum, 2) == [(0, 2, 3.0), (1, 2, 3.0)]
 

@@ -1,31 +1,49 @@
-"""Lesson 06: a column-parallel linear, forward and backward."""
+"""Lesson 06: the column-parallel linear (its f: all-reduce of dL/dX in backward) and the
+row-parallel linear (its g: all-reduce of the partial outputs in forward) — each checked alone on
+2 and 3 ranks against a full ``nn.Linear``, then inside strategy ``tensor`` (their seams
+``column_parallel_linear`` and ``row_parallel_linear``) against one process, with the all-reduce
+bytes the tracer counted beside Megatron's per-layer formula."""
 
 from __future__ import annotations
 
 import torch
 
-from .core import exercise, on_clusters
+from .core import exercise, on_clusters, raised
+
+_PER, _IN, _TOKENS = 4, 6, (3, 5)  # shard width, the other side of the layer, the input's leading dims
+
+
+def _full_layer(n: int, in_features: int, out_features: int):
+    """The same full nn.Linear, input and upstream gradient on every rank (seeded)."""
+    import torch.nn as nn
+
+    gen = torch.Generator().manual_seed(6)
+    full = nn.Linear(in_features, out_features)
+    with torch.no_grad():
+        full.weight.copy_(torch.randn(full.weight.shape, generator=gen))
+        full.bias.copy_(torch.randn(full.bias.shape, generator=gen))
+    x = torch.randn(*_TOKENS, in_features, generator=gen)
+    upstream = torch.randn(*_TOKENS, out_features, generator=gen)
+    return full, x, upstream
+
+
+def _close(a, b) -> bool:
+    return a is not None and tuple(a.shape) == tuple(b.shape) and torch.allclose(
+        a, b, rtol=1e-5, atol=1e-5)
 
 
 def _column_parallel_rank(fn):
     """On each rank: the learner's column-parallel Function on this rank's output columns of a full
-    nn.Linear, forward and backward, against the full layer (lesson 06)."""
-    import torch.nn as nn
-
+    nn.Linear, forward and backward, against the full layer."""
     from ..comm import Comm
 
     comm = Comm()
     r, n = comm.rank, comm.size
-    gen = torch.Generator().manual_seed(6)
-    full, per = nn.Linear(6, 4 * n), 4
-    with torch.no_grad():  # the same full layer, input and upstream gradient on every rank
-        full.weight.copy_(torch.randn(full.weight.shape, generator=gen))
-        full.bias.copy_(torch.randn(full.bias.shape, generator=gen))
-    x, upstream = torch.randn(3, 5, 6, generator=gen), torch.randn(3, 5, 4 * n, generator=gen)
+    full, x, upstream = _full_layer(n, _IN, _PER * n)
     ref_x = x.clone().requires_grad_()
     want = full(ref_x)
     (want * upstream).sum().backward()
-    rows = slice(r * per, (r + 1) * per)
+    rows = slice(r * _PER, (r + 1) * _PER)
     weight = full.weight[rows].detach().clone().requires_grad_()
     bias = full.bias[rows].detach().clone().requires_grad_()
     mine = x.clone().requires_grad_()
@@ -33,42 +51,194 @@ def _column_parallel_rank(fn):
     try:
         y = fn.apply(mine, weight, bias, comm)
     except Exception as exc:  # noqa: BLE001 - the learner's code may raise anything
-        return f"rank {r}: forward raised {type(exc).__name__}: {exc}"
+        return raised(f"rank {r}: forward", exc, getattr(fn, "forward", fn))
     if not torch.is_tensor(y):
         return f"forward returned {type(y).__name__}: return X·A_r + b_r (F.linear(x, weight, bias))"
-    if tuple(y.shape) != (3, 5, per):
-        return (f"rank {r}: forward returned shape {tuple(y.shape)}, expected (3, 5, {per}): "
-                "this rank's columns of the output only")
-    if not torch.allclose(y, want[..., rows], rtol=1e-5, atol=1e-6):
-        return f"rank {r}: forward differs from columns {r * per}:{(r + 1) * per} of the full layer's output"
     if comm.tracer.events:
-        return ("forward communicated: a column-parallel layer needs none in forward, every rank "
-                "already has all of X")
+        return (f"forward communicated ({', '.join(e.op for e in comm.tracer.events)}): a "
+                "column-parallel layer needs nothing from the other ranks in forward — every rank "
+                "already has all of X, and its output columns are its own")
+    if tuple(y.shape) != (*_TOKENS, _PER):
+        return (f"rank {r}: forward returned shape {tuple(y.shape)}, expected {(*_TOKENS, _PER)}: "
+                "this rank's columns of the output only")
+    if not _close(y, want[..., rows]):
+        return f"rank {r}: forward differs from columns {r * _PER}:{(r + 1) * _PER} of the full layer's output"
     try:
         (y * upstream[..., rows]).sum().backward()
     except Exception as exc:  # noqa: BLE001
-        return f"rank {r}: backward raised {type(exc).__name__}: {exc}"
+        return raised(f"rank {r}: backward", exc, getattr(fn, "backward", fn))
     for name, got, ref in (("weight", weight.grad, full.weight.grad[rows]),
                            ("bias", bias.grad, full.bias.grad[rows])):
-        if got is None or not torch.allclose(got, ref, rtol=1e-5, atol=1e-5):
+        if not _close(got, ref):
             return (f"rank {r}: the {name} gradient differs from the full layer's rows "
-                    f"{r * per}:{(r + 1) * per} (dL/dA_r = Xᵀ·dL/dY_r, summed over all tokens)")
+                    f"{r * _PER}:{(r + 1) * _PER} (dL/dA_r = dL/dY_rᵀ·X, summed over every token)")
     if mine.grad is None:
         return f"rank {r}: backward returned no gradient for x"
     own = upstream[..., rows] @ weight.detach()
-    if torch.allclose(mine.grad, own, rtol=1e-5, atol=1e-5):
+    if _close(mine.grad, own):
         return (f"rank {r}: dL/dX is only this rank's part (dL/dY_r·A_rᵀ): sum it over the ranks "
                 "with comm.all_reduce — the f operator's backward")
-    if not torch.allclose(mine.grad, ref_x.grad, rtol=1e-5, atol=1e-5):
+    if _close(mine.grad, ref_x.grad / n):
+        return (f"rank {r}: dL/dX is the mean of the ranks' parts, 1/{n} of the full layer's: "
+                "every part adds to dL/dX, so sum them (don't divide by N)")
+    if not _close(mine.grad, ref_x.grad):
         return f"rank {r}: dL/dX differs from the full layer's"
     if [e.op for e in comm.tracer.events] != ["all_reduce"]:
         return (f"backward should make exactly one comm.all_reduce (of dL/dX), it made "
                 f"{[e.op for e in comm.tracer.events] or 'none through comm'}")
+    # q;k;v and the output layer have no bias: the same layer with bias=None
+    mine = x.clone().requires_grad_()
+    try:
+        y = fn.apply(mine, weight, None, comm)
+        (y * upstream[..., rows]).sum().backward()
+    except Exception as exc:  # noqa: BLE001
+        message = raised(f"rank {r}: with bias=None (q;k;v and the output layer have no bias), "
+                         "forward and backward", exc, fn)
+        if "not a Variable" in str(exc) or "NoneType" in str(exc):
+            message += (" — when forward got bias=None, backward returns None in its place (keep "
+                        "in ctx whether there was a bias)")
+        return message
+    if not _close(y, want[..., rows] - full.bias[rows].detach()):
+        return f"rank {r}: with bias=None the output should be X·A_rᵀ, without a bias"
     return None
 
 
+def _row_parallel_rank(fn):
+    """On each rank: the learner's row-parallel Function on this rank's input columns X_r and
+    weight columns B_r of a full nn.Linear, forward and backward, against the full layer."""
+    from ..comm import Comm
+
+    comm = Comm()
+    r, n = comm.rank, comm.size
+    full, x, upstream = _full_layer(n, _PER * n, _IN)
+    ref_x = x.clone().requires_grad_()
+    want = full(ref_x)
+    (want * upstream).sum().backward()
+    cols = slice(r * _PER, (r + 1) * _PER)
+    weight = full.weight[:, cols].detach().clone().requires_grad_()
+    bias = full.bias.detach().clone().requires_grad_()
+    mine = x[..., cols].clone().requires_grad_()
+    comm.tracer.clear()
+    try:
+        z = fn.apply(mine, weight, bias, comm)
+    except Exception as exc:  # noqa: BLE001 - the learner's code may raise anything
+        message = raised(f"rank {r}: forward", exc, getattr(fn, "forward", fn))
+        if "shape" in str(exc) or "size" in str(exc):
+            message += (f" — x is this rank's slice X_r, {tuple(mine.shape)} (the column-parallel "
+                        f"layer's output columns), and weight its columns B_r, "
+                        f"{tuple(weight.shape)}: F.linear(x, weight) is the partial product")
+        return message
+    if not torch.is_tensor(z):
+        return f"forward returned {type(z).__name__}: return Z = Σ_r X_r·B_rᵀ + b, on every rank"
+    forward_ops = [e.op for e in comm.tracer.events]
+    if tuple(z.shape) != (*_TOKENS, _IN):
+        return (f"rank {r}: forward returned shape {tuple(z.shape)}, expected {(*_TOKENS, _IN)}: "
+                "the whole output, the same on every rank")
+    partial = mine.detach() @ weight.detach().t()
+    if not _close(z, want):
+        if _close(z, partial + bias.detach()) or _close(z, partial):
+            return (f"rank {r}: the output is this rank's partial sum X_r·B_rᵀ only: add the ranks' "
+                    "partial products with comm.all_reduce (the g operator) — then the bias")
+        if _close(z, want + (n - 1) * bias.detach()):
+            return (f"the bias is counted {n} times: each rank added b before the all-reduce, "
+                    "which sums the ranks' b too — add it once, after the all-reduce")
+        if _close(z, want - bias.detach()):
+            return "the output has no bias: add b after the all-reduce"
+        return f"rank {r}: forward differs from the full layer's output"
+    if forward_ops != ["all_reduce"]:
+        return (f"forward should make exactly one comm.all_reduce (of the partial products), it "
+                f"made {forward_ops or 'none through comm'}")
+    try:
+        (z * upstream).sum().backward()
+    except Exception as exc:  # noqa: BLE001
+        return raised(f"rank {r}: backward", exc, getattr(fn, "backward", fn))
+    backward_ops = [e.op for e in comm.tracer.events][1:]
+    grads = (("x", mine.grad, ref_x.grad[..., cols]), ("weight", weight.grad, full.weight.grad[:, cols]),
+             ("bias", bias.grad, full.bias.grad))
+    if backward_ops and all(g is not None and _close(g, n * ref) for _, g, ref in grads):
+        return (f"every gradient is {n}× the full layer's: the backward all-reduced dL/dZ, which "
+                "every rank already has whole — g's backward is the identity, no communication")
+    for name, got, ref in grads:
+        if got is None:
+            return f"rank {r}: backward returned no gradient for {name}"
+        if not _close(got, ref):
+            if name == "x" and backward_ops:
+                return (f"rank {r}: dL/dX_r was summed over the ranks: each rank's dL/dX_r = "
+                        "dL/dZ·B_r belongs to its own slice of X, nothing to add up (that is the "
+                        "column-parallel layer's f)")
+            if name == "bias" and _close(got, ref / n):
+                return (f"rank {r}: the bias gradient is 1/{n} of the full layer's: the bias was "
+                        "added once, to the whole output, so its gradient is all of dL/dZ summed "
+                        "over the tokens, on every rank")
+            return (f"rank {r}: the gradient of {name} differs from the full layer's "
+                    f"{'columns ' + str(r * _PER) + ':' + str((r + 1) * _PER) if name != 'bias' else 'bias gradient'}")
+    if backward_ops:
+        return (f"backward communicated ({', '.join(backward_ops)}): g's backward is the identity, "
+                "every rank already has all of dL/dZ")
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Inside strategy 'tensor': the all-reduce bytes beside Megatron's count
+# --------------------------------------------------------------------------------------------------
+
+
+def _tensor_config():
+    from ..model import GPTConfig
+    from ..strategies.base import TrainConfig
+
+    return TrainConfig(strategy="tensor", world_size=2, steps=3, batch_size=4, seed=0,
+                       model=GPTConfig(n_layer=2, n_head=2, d_model=32, seq_len=16))
+
+
+def _tensor_rows(which: str):
+    """``measure`` for :func:`inside`: the all-reduces your linear made (the collectives that no
+    layer's tag names are yours), the blocks' all-reduce bytes per layer (row: every one of yours
+    is in a block) and the whole model's, each beside Megatron's count."""
+    from .inside import Row
+
+    def measure(summary: dict, cfg) -> list:
+        per = summary["report"][0]["comm_per_layer"]  # rank 0, per step
+        L, N = cfg.model.n_layer, cfg.world_size
+        b, s, d = cfg.batch_size, cfg.model.seq_len, cfg.model.d_model
+        ring, bsd = 2 * (N - 1) / N, b * s * d * 4  # bytes a rank sends per all-reduced byte; fp32
+        yours = per.get("", {}).get("all_reduce ", {"calls": 0, "sent_bytes": 0.0})
+        calls, text = (2 * L, "2·L") if which == "row" else (2 * L + 1, "(2·L + 1)")
+        rows = [Row("all-reduces by your linear / step", yours["calls"],
+                    f"{text} ({'g' if which == 'row' else 'f'}: attention, MLP"
+                    f"{'' if which == 'row' else ', the head'})", calls, unit=""),
+                Row("  their bytes sent per rank / step", yours["sent_bytes"],
+                    f"{text}·2(N−1)/N·b·s·d·4", calls * ring * bsd)]
+        if which == "row":
+            blocks = sum(v["sent_bytes"] for where, ops in per.items()
+                         if where.startswith("blocks.") for v in ops.values())
+            rows.append(Row("all-reduce bytes per rank per layer", (blocks + yours["sent_bytes"]) / L,
+                            "(2 fwd + 2 bwd)·2(N−1)/N·b·s·d·4", 4 * ring * bsd))
+        model = summary["comm"][0].get("all_reduce", {}).get("sent_bytes", 0.0) / summary["steps"]
+        rows.append(Row("all-reduce bytes per rank / step", model,
+                        "(4·L + 2)·2(N−1)/N·b·s·d·4 + 2(N−1)/N·3·b·s·4 (loss)",
+                        (4 * L + 2) * ring * bsd + ring * 3 * b * s * 4))
+        return rows
+    return measure
+
+
+def _inside_tensor(name: str, fn, which: str) -> str | None:
+    from .inside import inside
+    return inside(name, fn, _tensor_config(), measure=_tensor_rows(which))
+
+
 @exercise('column_parallel_linear',
-          "equals the full nn.Linear's output columns and gradients at 2 and "
-                               "3 ranks, with one all-reduce, in backward")
+          "equals the full nn.Linear's output columns and gradients at 2 and 3 ranks, with one "
+          "all-reduce, in backward; strategy 'tensor' with it trains like one process")
 def _check_column_parallel_linear(fn) -> str | None:
-    return on_clusters(_column_parallel_rank, fn, sizes=(2, 3))
+    return (on_clusters(_column_parallel_rank, fn, sizes=(2, 3))
+            or _inside_tensor("column_parallel_linear", fn, "column"))
+
+
+@exercise('row_parallel_linear',
+          "equals the full nn.Linear's output and gradients (x's slice, the weight's columns, the "
+          "bias) at 2 and 3 ranks, with one all-reduce, in forward; strategy 'tensor' with it "
+          "trains like one process")
+def _check_row_parallel_linear(fn) -> str | None:
+    return (on_clusters(_row_parallel_rank, fn, sizes=(2, 3))
+            or _inside_tensor("row_parallel_linear", fn, "row"))

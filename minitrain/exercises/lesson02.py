@@ -139,7 +139,7 @@ def _watching_comm(launches: list, identify):
 
 
 def _hooks_rank(fn):
-    """On each rank: one backward of the nano GPT through the package's DDP with the learner's two
+    """On each rank: two backwards of the nano GPT through the package's DDP with the learner's two
     hooks, every all-reduce watched; what went wrong, in the order a learner should fix it."""
     from ..data import ArithmeticData, shard
     from ..model import GPT
@@ -162,9 +162,10 @@ def _hooks_rank(fn):
 
     def my_end_of_backward(buckets):
         ends["start"] = time.perf_counter()
-        out = end_of_backward(buckets)
-        ends["end"] = time.perf_counter()
-        return out
+        try:
+            return end_of_backward(buckets)
+        finally:
+            ends["end"] = time.perf_counter()
 
     comm = _watching_comm(launches, identify)
     r, n = comm.rank, comm.size
@@ -175,19 +176,23 @@ def _hooks_rank(fn):
     ddp = DistributedDataParallel(model, comm, bucket_cap_mb=_BUCKET_MB,
                                   bucket_hooks=(my_grad_ready, my_end_of_backward))
     holder["ddp"] = ddp
-    slots = ddp.reducer.slots
-    launches.clear()
-    error = None
-    try:
-        ddp(shard(x, r, n), shard(y, r, n)).backward()
-    except Exception as exc:  # noqa: BLE001 - the learner's code may raise anything
-        error = exc
-    finally:
-        for launch in launches:  # leave no all-reduce in flight for the next check
-            if launch["work"] is not None:
-                launch["work"].wait()
-    return _hooks_problem(fn, r, n, slots, launches, delivered, ends, error) or \
-        _hooks_values(model, reference, r, n)
+    for where in (f"rank {r}", f"rank {r}, in the second backward"):
+        launches.clear(), delivered.clear(), ends.clear()
+        model.zero_grad(set_to_none=True)
+        error = None
+        try:
+            ddp(shard(x, r, n), shard(y, r, n)).backward()
+        except Exception as exc:  # noqa: BLE001 - the learner's code may raise anything
+            error = exc
+        finally:
+            for launch in launches:  # leave no all-reduce in flight for the next check
+                if launch["work"] is not None:
+                    launch["work"].wait()
+        found = (_hooks_problem(fn, where, ddp.reducer.slots, launches, delivered, ends, error)
+                 or _hooks_values(model, reference, where, n))
+        if found:
+            return found
+    return None
 
 
 def _in_their_code(error: BaseException, fn) -> bool:
@@ -199,8 +204,14 @@ def _in_their_code(error: BaseException, fn) -> bool:
     return any((t.filename, t.name) in codes for t in traceback.extract_tb(error.__traceback__))
 
 
-def _hooks_problem(fn, r, n, slots, launches, delivered, ends, error) -> str | None:
-    where = f"rank {r}"
+def _again(where: str) -> str:
+    if "second" not in where:
+        return ""
+    return (" (the first backward was right: bucket.ready and bucket.work start afresh at each "
+            "backward, but state of your own carries over)")
+
+
+def _hooks_problem(fn, where, slots, launches, delivered, ends, error) -> str | None:
     total = {s.index: len(s.unit.params) for s in slots}
     if error is not None and "start" not in ends and _in_their_code(error, fn):
         return raised(f"{where}: backward with your hooks", error, fn)  # grad_ready failed
@@ -211,7 +222,7 @@ def _hooks_problem(fn, r, n, slots, launches, delivered, ends, error) -> str | N
                     "comm.all_reduce(bucket.buffer, async_op=True)")
         return (f"{where}: no bucket's all-reduce was ever launched (all {len(slots)} buckets "
                 "were never launched): each bucket's all-reduce must start, through the comm "
-                "grad_ready gets, once the bucket's last gradient is in")
+                f"grad_ready gets, once the bucket's last gradient is in{_again(where)}")
     for launch in launches:
         if launch["slot"] is None:
             return (f"{where}: you all-reduced a tensor of {launch['numel']} elements that is not a "
@@ -231,7 +242,7 @@ def _hooks_problem(fn, r, n, slots, launches, delivered, ends, error) -> str | N
     if never:
         return (f"{where}: bucket {never[0]} ({total[never[0]]} parameters) was never launched "
                 f"({len(never)} of {len(slots)} buckets were not): every bucket's all-reduce must "
-                "start, once its last gradient is in")
+                f"start, once its last gradient is in{_again(where)}")
     if "start" not in ends:
         return raised(f"{where}: backward with your hooks", error, fn) if error is not None else \
             f"{where}: end_of_backward was not called (backward failed)"
@@ -269,16 +280,16 @@ def _hooks_problem(fn, r, n, slots, launches, delivered, ends, error) -> str | N
     return None
 
 
-def _hooks_values(model, reference, r, n) -> str | None:
+def _hooks_values(model, reference, where, n) -> str | None:
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         if p.grad is None:
-            return f"rank {r}: {name}.grad is None after backward"
+            return f"{where}: {name}.grad is None after backward"
         if n > 1 and torch.allclose(p.grad, q.grad * n, rtol=1e-4, atol=1e-7):
-            return (f"rank {r}: the gradients are N = {n} times the mean ({name}.grad is the sum "
+            return (f"{where}: the gradients are N = {n} times the mean ({name}.grad is the sum "
                     "over the ranks): the all-reduce sums, so divide each gradient by comm.size "
                     "as you put it in its bucket")
         if not torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-7):
-            return (f"rank {r}: {name}.grad differs from the full batch's gradient: each bucket "
+            return (f"{where}: {name}.grad differs from the full batch's gradient: each bucket "
                     "must end up holding the mean over the ranks of its gradients")
     return None
 

@@ -175,6 +175,11 @@ class _TracedWork:
     def is_completed(self) -> bool:
         return self._done or self._work is None or self._work.is_completed()
 
+    @property
+    def waited(self) -> bool:
+        """True once :meth:`wait` was called (DDP checks that each bucket's all-reduce was)."""
+        return self._done
+
 
 class Comm:
     """A process group and a tracer: the only way strategies in minitrain communicate.

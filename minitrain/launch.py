@@ -490,6 +490,9 @@ class Cluster:
             return self
         if self.start_method != "fork":
             return self._start(self.timeout + 30)
+        # torch.optim imports torch._dynamo (about 1 s of CPU) the first time an optimizer is made:
+        # import it once here, so that every forked rank shares it instead of importing its own
+        importlib.import_module("torch._dynamo")
         try:
             return self._start(min(FORK_STARTUP_S, self.timeout + 30))
         except (TimeoutError, RankError) as exc:

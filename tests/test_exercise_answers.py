@@ -11,6 +11,11 @@ from minitrain.exercises import CHECKS, problem
 
 import answers
 
+def _name(fn) -> str:
+    """A function's name; for an exercise of several functions (a tuple), theirs joined by +."""
+    return "+".join(f.__name__ for f in fn) if isinstance(fn, tuple) else fn.__name__
+
+
 CASES, SOLUTIONS, NAMES = [], [], set()
 for info in pkgutil.iter_modules(answers.__path__):
     module = importlib.import_module(f"{answers.__name__}.{info.name}")
@@ -18,7 +23,7 @@ for info in pkgutil.iter_modules(answers.__path__):
         NAMES.add(name)
         SOLUTIONS.append(pytest.param(name, a.solution, id=f"{name}-solution"))
         for i, (fn, fragment) in enumerate(a.wrong):
-            CASES.append(pytest.param(name, fn, fragment, id=f"{name}-wrong{i}-{fn.__name__}"))
+            CASES.append(pytest.param(name, fn, fragment, id=f"{name}-wrong{i}-{_name(fn)}"))
 
 
 def test_every_exercise_has_three_wrong_answers():
@@ -47,6 +52,6 @@ def test_a_wrong_answer_gets_its_message(name, fn, fragment):
     start = time.perf_counter()
     found = problem(name, fn)
     took = time.perf_counter() - start
-    assert found is not None, f"{fn.__name__} passed the check of {name}"
-    assert fragment in found, f"{fn.__name__}: {found!r} does not say {fragment!r}"
-    assert took < 15, f"{fn.__name__}: the check took {took:.1f} s (at most 15 s)"
+    assert found is not None, f"{_name(fn)} passed the check of {name}"
+    assert fragment in found, f"{_name(fn)}: {found!r} does not say {fragment!r}"
+    assert took < 15, f"{_name(fn)}: the check took {took:.1f} s (at most 15 s)"

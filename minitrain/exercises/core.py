@@ -23,15 +23,25 @@ def exercise(name: str, passes: str):
     return register
 
 
+def parts(fn) -> list:
+    """The learner's functions in ``fn``: ``fn`` itself, or the items of a tuple (an exercise of
+    several functions, e.g. DDP's two bucket hooks)."""
+    return list(fn) if isinstance(fn, (tuple, list)) else [fn]
+
+
 def blank(fn) -> bool:
-    """True while the learner's function still holds the ``...  # YOUR CODE HERE`` line (for a
-    class, an autograd Function: while one of its methods does)."""
-    parts = [fn]
+    """True while (one of) the learner's function(s) still holds the ``...  # YOUR CODE HERE`` line
+    (for a class, an autograd Function: while one of its methods does)."""
+    return any(_blank(f) for f in parts(fn))
+
+
+def _blank(fn) -> bool:
+    pieces = [fn]
     if inspect.isclass(fn):  # a class from a notebook cell has no source file; its methods have
-        parts = [getattr(m, "__func__", m) for m in vars(fn).values()]
-    for part in parts:
+        pieces = [getattr(m, "__func__", m) for m in vars(fn).values()]
+    for piece in pieces:
         try:
-            if "# YOUR CODE HERE" in inspect.getsource(part):
+            if "# YOUR CODE HERE" in inspect.getsource(piece):
                 return True
         except (OSError, TypeError):
             continue
@@ -41,12 +51,17 @@ def blank(fn) -> bool:
 def raised(call: str, exc: BaseException, fn) -> str:
     """``call`` raised: the error, and the line of the learner's own code where it happened."""
     where = ""
-    code = getattr(fn, "__code__", None)
-    if code is not None:
-        mine = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == code.co_filename]
+    frames = traceback.extract_tb(exc.__traceback__)
+    several = len(parts(fn)) > 1  # functions of one cell share a file: tell them by name
+    for f in parts(fn):
+        code = getattr(f, "__code__", None)
+        if code is None:
+            continue
+        mine = [t for t in frames if t.filename == code.co_filename
+                and (not several or t.name == code.co_name)]
         if mine:
             last = mine[-1]
-            where = (f" (line {last.lineno - code.co_firstlineno + 1} of your {fn.__name__}: "
+            where = (f" (line {last.lineno - code.co_firstlineno + 1} of your {f.__name__}: "
                      f"{(last.line or '').strip()})")
     return f"{call} raised {type(exc).__name__}: {exc}{where}"
 
@@ -111,6 +126,7 @@ def problem(name: str, fn) -> str | None:
     if name not in CHECKS:
         raise KeyError(f"no exercise called {name!r}; known: {', '.join(CHECKS)}")
     if blank(fn):
-        return (f"not written yet: {getattr(fn, '__name__', 'your function')} still has the "
+        first = next(f for f in parts(fn) if _blank(f))
+        return (f"not written yet: {getattr(first, '__name__', 'your function')} still has the "
                 f"`{PLACEHOLDER}` line; replace it with your code")
     return CHECKS[name][0](fn)

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .core import ranks
+from .core import parts, ranks
 
 # --------------------------------------------------------------------------------------------------
 # What a rank's failure means, in the learner's terms
@@ -23,14 +23,15 @@ from .core import ranks
 
 
 def learner_line(text: str, fn) -> str:
-    """`` (line L of your fn: code)`` for the last frame of ``fn``'s file in a traceback text."""
-    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "forward", None), "__code__", None)
-    if code is None:
+    """`` (line L of your fn: code)`` for the last frame of ``fn``'s file in a traceback text
+    (``fn`` may be a tuple of the learner's functions)."""
+    files = {code.co_filename for code in _codes(fn)}
+    if not files:
         return ""
     lines, mine = text.splitlines(), []
     for i, line in enumerate(lines):
         m = re.match(r'\s*File "([^"]+)", line (\d+), in (\S+)', line)
-        if m and m.group(1) == code.co_filename:
+        if m and m.group(1) in files:
             nxt = lines[i + 1].strip() if i + 1 < len(lines) else ""
             source = "" if nxt.startswith("File ") or nxt.startswith("^") else nxt
             mine.append((int(m.group(2)), m.group(3), source))
@@ -42,10 +43,15 @@ def learner_line(text: str, fn) -> str:
     return f" ({where}{': ' + source if source else ''})"
 
 
+def _codes(fn) -> list:
+    """The code objects of the learner's function(s) (and of an object's forward / backward)."""
+    objs = [o for f in parts(fn) for o in (f, getattr(f, "forward", None), getattr(f, "backward", None))]
+    return [o.__code__ for o in objs if getattr(o, "__code__", None) is not None]
+
+
 def _first_line(fn, func: str) -> int | None:
-    for obj in (fn, getattr(fn, "forward", None), getattr(fn, "backward", None)):
-        code = getattr(obj, "__code__", None)
-        if code is not None and code.co_name == func:
+    for code in _codes(fn):
+        if code.co_name == func:
             return code.co_firstlineno
     return None
 
@@ -159,7 +165,8 @@ def inside(name: str, fn, cfg, seam: str | None = None, reference: str = "single
     checkers' running ranks, and compare its losses with one process (``reference="single"``) or
     with the package's own code (``"package"``, where the technique changes the maths, e.g. top-k).
 
-    ``measure(summary, cfg)`` returns the :class:`Row` s shown beside the losses.  Returns the
+    ``measure(summary, cfg)`` returns the :class:`Row` s shown beside the losses (a ``measure``
+    with a third parameter also gets the package's run's summary, to compare with).  Returns the
     problem, or None (and keeps the :class:`Run` in :data:`RUNS`)."""
     from .. import train
     from ..launch import RankError
@@ -183,10 +190,18 @@ def inside(name: str, fn, cfg, seam: str | None = None, reference: str = "single
         if not (math.isfinite(a) and abs(a - b) <= tolerance * abs(b)):
             return (f"alone it is right, but {where} the loss at step {step} is {a:.6f} where "
                     f"{ref_name} {'gives' if ref_name == 'one process' else 'code gives'} {b:.6f}")
-    rows = measure(theirs["summary"], cfg) if measure else []
+    rows = _measured(measure, theirs["summary"], cfg, package["summary"]) if measure else []
     RUNS[name] = Run(name, cfg.strategy, n, theirs["summary"].get("options") or {}, theirs["losses"], want, ref_name, theirs["summary"],
                      package["summary"], rows)
     return None
+
+
+def _measured(measure, summary: dict, cfg, package: dict) -> list:
+    import inspect
+
+    if len(inspect.signature(measure).parameters) >= 3:
+        return measure(summary, cfg, package)
+    return measure(summary, cfg)
 
 
 class NoRun(str):
@@ -231,10 +246,13 @@ def keep(name: str, fn) -> Path | None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"{name}.pkl").write_bytes(_by_value(fn))
-        try:
-            source = inspect.getsource(fn)
-        except (OSError, TypeError):
-            source = f"# the source of {getattr(fn, '__name__', name)} was not available\n"
+        sources = []
+        for f in parts(fn):
+            try:
+                sources.append(inspect.getsource(f))
+            except (OSError, TypeError):
+                sources.append(f"# the source of {getattr(f, '__name__', name)} was not available\n")
+        source = "\n\n".join(sources)
         (folder / f"{name}.py").write_text(source)
     except OSError:
         return None
@@ -242,21 +260,25 @@ def keep(name: str, fn) -> Path | None:
 
 
 def _by_value(fn) -> bytes:
-    """``fn`` pickled with its code, even when it lives in a module of the learner's (a notebook's
-    functions are pickled so anyway): the kept file loads wherever the package is installed."""
+    """``fn`` (or a tuple of functions) pickled with its code, even when it lives in a module of the
+    learner's (a notebook's functions are pickled so anyway): the kept file loads wherever the
+    package is installed."""
     import sys
 
     import cloudpickle
 
-    module = sys.modules.get(getattr(fn, "__module__", None) or "")
-    mine_module = (module is not None and module.__name__ != "__main__"
-                   and not module.__name__.split(".")[0] in ("minitrain", "torch", "builtins"))
-    if mine_module:
+    modules = []
+    for f in parts(fn):
+        module = sys.modules.get(getattr(f, "__module__", None) or "")
+        if (module is not None and module.__name__ != "__main__" and module not in modules
+                and module.__name__.split(".")[0] not in ("minitrain", "torch", "builtins")):
+            modules.append(module)
+    for module in modules:
         cloudpickle.register_pickle_by_value(module)
     try:
         return cloudpickle.dumps(fn)
     finally:
-        if mine_module:
+        for module in modules:
             cloudpickle.unregister_pickle_by_value(module)
 
 

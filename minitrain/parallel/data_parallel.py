@@ -11,7 +11,9 @@ start from autograd hooks while backward goes on.  Both wrap a module as PyTorch
 from __future__ import annotations
 
 import time
+import typing
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -19,9 +21,11 @@ import torch.nn as nn
 
 from ..comm import Comm
 from .compression import as_error_feedback, compressed_all_reduce
-from .flat import Done, FlatUnit, GradientReducer, bucket_caps, copy_into_bucket, make_buckets
+from .flat import (Done, FlatUnit, GradientReducer, Slot, bucket_caps, copy_into_bucket,
+                   make_buckets)
 
-__all__ = ["NaiveDataParallel", "DistributedDataParallel", "broadcast_module", "overlap_fraction",
+__all__ = ["NaiveDataParallel", "DistributedDataParallel", "BucketHooks", "BucketComm",
+           "launch_when_full", "wait_for_buckets", "broadcast_module", "overlap_fraction",
            "mean_over_ranks", "comm_for"]
 
 
@@ -84,6 +88,90 @@ class NaiveDataParallel(nn.Module):
                 self.comm.all_reduce(p.grad, tag="grad")
 
 
+# --------------------------------------------------------------------------------------------------
+# DDP's two hooks: what a bucket does during backward, and at its end (the lesson-02 exercise)
+# --------------------------------------------------------------------------------------------------
+
+
+def launch_when_full(bucket: Slot, i: int, grad: torch.Tensor, comm) -> None:
+    """DDP's gradient hook, called as soon as backward has produced parameter ``i``'s gradient:
+    put it, divided by N, in its place in the bucket; once the bucket's last gradient is in,
+    start the bucket's all-reduce without waiting for it (``bucket.work`` keeps the handle), so
+    it travels while backward computes the earlier layers' gradients."""
+    if copy_into_bucket(bucket, i, grad, comm.size):
+        bucket.work = comm.all_reduce(bucket.buffer, async_op=True)
+
+
+def wait_for_buckets(buckets: list) -> None:
+    """DDP's end of backward: wait until every bucket's all-reduce has completed."""
+    for bucket in buckets:
+        bucket.work.wait()
+
+
+class BucketHooks(NamedTuple):
+    """DDP's two hooks.  ``grad_ready(bucket, i, grad, comm)`` runs during backward each time a
+    parameter's gradient is ready (``bucket`` a :class:`.flat.Slot`: ``buffer``, ``views[i]``,
+    ``ready``, ``work``, ``index``); ``end_of_backward(buckets)`` runs once backward has finished,
+    and when it returns every ``bucket.buffer`` holds the mean gradient over the ranks."""
+
+    grad_ready: typing.Callable = launch_when_full
+    end_of_backward: typing.Callable = wait_for_buckets
+
+
+class BucketComm:
+    """The ``comm`` DDP's hooks get: ``size``, ``rank`` and ``all_reduce(tensor, async_op=False)``.
+
+    A bucket's buffer is all-reduced by the DDP's communicator (traced as ``bucket<k>``), or, when
+    the DDP was given ``all_reduce=`` or ``compression=``, by that replacement (blocking: the handle
+    it returns is already done).  It notes when each bucket was launched, for the timeline."""
+
+    def __init__(self, ddp: "DistributedDataParallel"):
+        self.ddp, self.comm = ddp, ddp.comm
+        self.size, self.rank = ddp.comm.size, ddp.comm.rank
+
+    def _slot_of(self, tensor: torch.Tensor):
+        for s in self.ddp.reducer.slots:
+            if s.buffer is not None and s.buffer.data_ptr() == tensor.data_ptr() \
+                    and s.buffer.numel() == tensor.numel():
+                return s
+        return None
+
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
+        s = self._slot_of(tensor)
+        if s is None:  # not a bucket: a plain all-reduce
+            return self.comm.all_reduce(tensor, async_op=async_op, tag="grad")
+        s.launched_at = time.perf_counter()
+        ddp = self.ddp
+        if ddp.ef is None and ddp.all_reduce is None:
+            return self.comm.all_reduce(tensor, async_op=async_op, tag=f"bucket{s.index}")
+        if ddp.ef is not None:  # the sum of the ranks' payloads of g/N is the mean
+            compressed_all_reduce(tensor, self.comm, ddp.ef, key=s.index, average=False)
+        else:
+            out = ddp.all_reduce(tensor, self.comm)
+            if out is not None and out is not tensor:
+                tensor.copy_(out)
+        return Done() if async_op else None
+
+
+class _Reducer(GradientReducer):
+    """The gradient machine's buckets and autograd hooks, driven by DDP's two hooks."""
+
+    def __init__(self, ddp: "DistributedDataParallel", units: list):
+        super().__init__(units, ddp.comm.size, None, None, keep_grads=True, persistent=True,
+                         on_begin=ddp._begin)
+        self.ddp = ddp
+
+    @torch.no_grad()
+    def _grad_ready(self, s: Slot, i: int, p: torch.Tensor) -> None:
+        if self.enabled:
+            self.begin()
+            self.ddp._grad_ready(s, i, p)
+
+    def _end_backward(self) -> None:
+        self.in_backward = False
+        self.ddp._end_backward()
+
+
 class DistributedDataParallel(nn.Module):
     """DDP from scratch: bucketed gradient all-reduce, launched from autograd hooks during backward.
 
@@ -95,6 +183,9 @@ class DistributedDataParallel(nn.Module):
         find_unused_parameters: allow parameters that get no gradient in a step.  Costs one small
             extra all-reduce per step (who used what); a parameter unused on *every* rank keeps
             ``grad = None``, exactly as in a single process.  Without it such a step is an error.
+            Which buckets fill during backward may then differ between ranks, so the hooks run at
+            the end of backward, in bucket order (no overlap; PyTorch keeps it by launching full
+            buckets strictly in order).
         record_timeline: keep, per step, when backward ran and when each bucket's all-reduce
             started and ended (``.timeline``) — lesson 02 plots it.
         compression: average each bucket from compressed payloads (lesson 03): a spec
@@ -105,15 +196,15 @@ class DistributedDataParallel(nn.Module):
         all_reduce: ``all_reduce(buffer, comm)`` sums a full bucket over the ranks (in place or
             returned; blocking), e.g. :func:`minitrain.comm.ring_all_reduce`.  The buffer holds
             g/N, so the sum is the mean.  Default None: ``comm.all_reduce``, asynchronous.
-        bucket_hook: ``bucket_hook(bucket, i, grad, world_size) -> bool``: copy parameter ``i``'s
-            gradient divided by N into ``bucket.views[i]``, add ``i`` to ``bucket.ready``, say
-            whether the bucket is full (default :func:`.flat.copy_into_bucket`).
+        bucket_hooks: :class:`BucketHooks` ``(grad_ready, end_of_backward)`` (default
+            :func:`launch_when_full`, :func:`wait_for_buckets`).  Their ``comm`` is a
+            :class:`BucketComm`.
     """
 
     def __init__(self, module: nn.Module, comm: Comm | None = None, bucket_cap_mb: float | None = None,
                  find_unused_parameters: bool = False, record_timeline: bool = False,
                  process_group=None, compression=None, error_feedback: bool = True,
-                 all_reduce=None, bucket_hook=None):
+                 all_reduce=None, bucket_hooks=None):
         super().__init__()
         cap, first = bucket_caps(bucket_cap_mb)
         self.module = module
@@ -123,6 +214,7 @@ class DistributedDataParallel(nn.Module):
         self.timeline: list[dict] = []
         self.ef = as_error_feedback(compression, error_feedback)
         self.all_reduce = all_reduce
+        self.hooks = BucketHooks(*(bucket_hooks or ()))
         broadcast_module(module, self.comm)
         names = {id(p): n for n, p in module.named_parameters()}
         self._params = [p for p in module.parameters() if p.requires_grad]  # tied: listed once
@@ -131,14 +223,9 @@ class DistributedDataParallel(nn.Module):
         self.buckets: list[FlatUnit] = make_buckets(self._params, cap, first)
         self._step: dict = {}
         self._forward_end = None
-        self._used: dict = {}
-        hook = bucket_hook
-        if record_timeline:
-            hook = self._timed(bucket_hook or copy_into_bucket)
-        self.reducer = GradientReducer(self.buckets, self.comm.size, self._launch, self._finish,
-                                       keep_grads=True, persistent=True, on_begin=self._begin,
-                                       before_flush=self._before_flush,
-                                       after_flush=self._after_flush, hook=hook)
+        self._got: set = set()  # (bucket, i) whose gradient arrived in this backward
+        self.reducer = _Reducer(self, self.buckets)
+        self.bucket_comm = BucketComm(self)
 
     @property
     def require_sync(self) -> bool:
@@ -160,43 +247,56 @@ class DistributedDataParallel(nn.Module):
         finally:
             self.reducer.enabled = was
 
-    # -- the reducer's callbacks --------------------------------------------------------------------
-
-    def _timed(self, hook):
-        def timed(bucket, i, grad, n):
-            full = hook(bucket, i, grad, n)
-            self._step["ready"][self._names[self._pos[id(bucket.unit.params[i])]]] = \
-                time.perf_counter()
-            return full
-        return timed
+    # -- during backward, and at its end ------------------------------------------------------------
 
     def _begin(self) -> None:
+        self._got = set()
         self._step = dict(backward_start=self._forward_end or time.perf_counter(), ready={},
                           buckets=[])
 
-    def _launch(self, b):
-        if self.ef is None and self.all_reduce is None:
-            return self.comm.all_reduce(b.buffer, async_op=True, tag=f"bucket{b.index}")
-        if self.ef is not None:  # the sum of the ranks' payloads of g/N is the mean
-            compressed_all_reduce(b.buffer, self.comm, self.ef, key=b.index, average=False)
-        else:
-            out = self.all_reduce(b.buffer, self.comm)
-            if out is not None and out is not b.buffer:
-                b.buffer.copy_(out)
-        return Done()
+    def _grad_ready(self, s: Slot, i: int, p: torch.Tensor) -> None:
+        self._got.add((s.index, i))
+        if not self.find_unused_parameters:
+            self._hook(s, i, p.grad)
 
-    def _before_flush(self) -> None:
-        self._step["backward_end"] = time.perf_counter()
-        self._used = self._agree_on_unused()
+    def _hook(self, s: Slot, i: int, grad: torch.Tensor) -> None:
+        self.hooks.grad_ready(s, i, grad, self.bucket_comm)
+        if self.record_timeline:
+            self._step["ready"][self._names[self._pos[id(s.unit.params[i])]]] = time.perf_counter()
 
     @torch.no_grad()
-    def _finish(self, b) -> None:
+    def _end_backward(self) -> None:
+        slots = self.reducer.slots
+        self._step["backward_end"] = time.perf_counter()
+        used = self._agree_on_unused()
+        if self.find_unused_parameters:  # every rank the same hooks, in bucket order
+            for s in slots:
+                for i, p in enumerate(s.unit.params):
+                    got = (s.index, i) in self._got and p.grad is not None
+                    self._hook(s, i, p.grad if got else torch.zeros_like(p))
+        self.hooks.end_of_backward(slots)
+        for s in slots:
+            if s.work is None:
+                raise RuntimeError(
+                    f"bucket {s.index}'s all-reduce was never launched (bucket.work is None at "
+                    "the end of backward): start it once the bucket's last gradient is in")
+            if not getattr(s.work, "waited", True):
+                raise RuntimeError(
+                    f"bucket {s.index}'s all-reduce was launched but not waited for by the end "
+                    "of backward: its sum may not have arrived when the optimizer reads it")
+            self._step["buckets"].append(dict(index=s.index, bytes=s.unit.nbytes,
+                                              start=s.launched_at or self._step["backward_end"],
+                                              end=getattr(s.work, "end", None) or time.perf_counter()))
+            self._copy_back(s, used)
+        self._step["synced"] = time.perf_counter()
+        if self.record_timeline:
+            self.timeline.append(self._step)
+
+    def _copy_back(self, b: Slot, used: dict) -> None:
         """Copy the averaged bucket back into the gradients."""
-        self._step["buckets"].append(dict(index=b.index, bytes=b.unit.nbytes, start=b.launched_at,
-                                          end=b.work.end))
         fresh = None  # one allocation per bucket for parameters whose .grad is None
         for i, p in enumerate(b.unit.params):
-            if self._used and not self._used[id(p)]:
+            if used and not used[id(p)]:
                 continue  # unused on every rank: leave grad None, as a single process would
             if p.grad is None:
                 if fresh is None:
@@ -205,14 +305,10 @@ class DistributedDataParallel(nn.Module):
             else:
                 p.grad.copy_(b.views[i])
 
-    def _after_flush(self) -> None:
-        self._step["synced"] = time.perf_counter()
-        if self.record_timeline:
-            self.timeline.append(self._step)
-
     def _agree_on_unused(self) -> dict:
         slots = self.reducer.slots
-        missing = [(s, i) for s in slots for i in range(len(s.unit.params)) if i not in s.ready]
+        missing = [(s, i) for s in slots for i in range(len(s.unit.params))
+                   if (s.index, i) not in self._got]
         if not self.find_unused_parameters:
             if missing:
                 names = [self._names[self._pos[id(s.unit.params[i])]] for s, i in missing]
@@ -224,8 +320,6 @@ class DistributedDataParallel(nn.Module):
         used = torch.ones(len(self._params))
         for s, i in missing:
             used[self._pos[id(s.unit.params[i])]] = 0
-            s.views[i].zero_()
-            s.ready.add(i)
         self.comm.all_reduce(used, tag="unused-map")
         return {id(p): bool(used[k] > 0) for k, p in enumerate(self._params)}
 

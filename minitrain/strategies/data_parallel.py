@@ -121,7 +121,7 @@ class DDP(DataParallel):
     help = ("distributed data parallel: bucketed all-reduce overlapped with backward "
             "(--bucket-mb, --compress)")
     options = DDPOptions
-    seams = ("ring_all_reduce", "bucket_hook", "topk_error_feedback", "mixed_precision_step",
+    seams = ("ring_all_reduce", "bucket_hooks", "topk_error_feedback", "mixed_precision_step",
              "recompute_block")
     checkpoint_refusal = None
     reshardable = True
@@ -145,7 +145,7 @@ class DDP(DataParallel):
         return DistributedDataParallel(
             model, self.comm, bucket_cap_mb=o.bucket_mb, record_timeline=o.timeline,
             compression=as_error_feedback(o.compress, o.error_feedback, topk=s.topk_error_feedback),
-            all_reduce=s.ring_all_reduce, bucket_hook=s.bucket_hook)
+            all_reduce=s.ring_all_reduce, bucket_hooks=s.bucket_hooks)
 
     def report(self) -> dict:
         """Bucket sizes, and (with the ``timeline`` option) each step's backward/all-reduce times."""

@@ -1,0 +1,144 @@
+"""Lesson 02: naive DP's gradient sync, and DDP's two bucket hooks — solutions and typical mistakes."""
+
+import torch
+import torch.distributed as dist
+
+from answers import Answers
+
+
+# -- sync_gradients(model, comm) ---------------------------------------------------------------------
+
+def sync_right(model, comm):
+    for p in model.parameters():
+        comm.all_reduce(p.grad)
+        p.grad /= comm.size
+
+
+def sync_summed(model, comm):
+    """Forgets to divide by N: every rank holds the sum."""
+    for p in model.parameters():
+        comm.all_reduce(p.grad)
+
+
+def sync_first_only(model, comm):
+    """Averages the first parameter only (a return inside the loop)."""
+    for p in model.parameters():
+        comm.all_reduce(p.grad)
+        p.grad /= comm.size
+        return
+
+
+def sync_local(model, comm):
+    """Divides by N but never communicates."""
+    for p in model.parameters():
+        p.grad /= comm.size
+
+
+# -- bucket_hooks = (grad_ready(bucket, i, grad, comm), end_of_backward(buckets)) ---------------------
+
+def grad_ready(bucket, i, grad, comm):
+    torch.mul(grad, 1.0 / comm.size, out=bucket.views[i])
+    bucket.ready.add(i)
+    if len(bucket.ready) == len(bucket.views):
+        bucket.work = comm.all_reduce(bucket.buffer, async_op=True)
+
+
+def end_of_backward(buckets):
+    for bucket in buckets:
+        bucket.work.wait()
+
+
+def grad_ready_no_divide(bucket, i, grad, comm):
+    bucket.views[i].copy_(grad)
+    bucket.ready.add(i)
+    if len(bucket.ready) == len(bucket.views):
+        bucket.work = comm.all_reduce(bucket.buffer, async_op=True)
+
+
+def grad_ready_fill_only(bucket, i, grad, comm):
+    torch.mul(grad, 1.0 / comm.size, out=bucket.views[i])
+
+
+def end_of_backward_launch_then_wait(buckets):
+    """All the all-reduces after backward: right values, nothing overlapped."""
+    for bucket in buckets:
+        bucket.work = dist.all_reduce(bucket.buffer, async_op=True)  # not through comm either
+    for bucket in buckets:
+        bucket.work.wait()
+
+
+def grad_ready_keeps_comm(bucket, i, grad, comm):
+    """Fills, and keeps the comm for the end of backward (launching there)."""
+    torch.mul(grad, 1.0 / comm.size, out=bucket.views[i])
+    bucket.out = comm
+
+
+def end_of_backward_launches(buckets):
+    for bucket in buckets:
+        bucket.work = bucket.out.all_reduce(bucket.buffer, async_op=True)
+    for bucket in buckets:
+        bucket.work.wait()
+
+
+def end_of_backward_no_wait(buckets):
+    """Forgets the wait: the optimizer may read a half-summed buffer."""
+
+
+def grad_ready_too_early(bucket, i, grad, comm):
+    """Launches as soon as the first gradient is in."""
+    torch.mul(grad, 1.0 / comm.size, out=bucket.views[i])
+    bucket.ready.add(i)
+    if len(bucket.ready) == 1:
+        bucket.work = comm.all_reduce(bucket.buffer, async_op=True)
+
+
+def grad_ready_never(bucket, i, grad, comm):
+    """Off by one: the bucket is never 'full'."""
+    torch.mul(grad, 1.0 / comm.size, out=bucket.views[i])
+    bucket.ready.add(i)
+    if len(bucket.ready) == len(bucket.views) + 1:
+        bucket.work = comm.all_reduce(bucket.buffer, async_op=True)
+
+
+def grad_ready_blocking(bucket, i, grad, comm):
+    torch.mul(grad, 1.0 / comm.size, out=bucket.views[i])
+    bucket.ready.add(i)
+    if len(bucket.ready) == len(bucket.views):
+        bucket.work = comm.all_reduce(bucket.buffer)
+
+
+def grad_ready_waits(bucket, i, grad, comm):
+    torch.mul(grad, 1.0 / comm.size, out=bucket.views[i])
+    bucket.ready.add(i)
+    if len(bucket.ready) == len(bucket.views):
+        bucket.work = comm.all_reduce(bucket.buffer, async_op=True)
+        bucket.work.wait()
+
+
+def grad_ready_own_counter(bucket, i, grad, comm):
+    """Counts arrivals in an attribute of its own, never reset: right once, never again."""
+    torch.mul(grad, 1.0 / comm.size, out=bucket.views[i])
+    bucket.arrived = getattr(bucket, "arrived", 0) + 1
+    if bucket.arrived == len(bucket.views):
+        bucket.work = comm.all_reduce(bucket.buffer, async_op=True)
+
+
+ANSWERS = {
+    "sync_gradients": Answers(sync_right, [
+        (sync_summed, "divide by comm.size"),
+        (sync_first_only, "differs from the full batch's gradient"),
+        (sync_local, "no all_reduce went through comm"),
+    ]),
+    "bucket_hooks": Answers((grad_ready, end_of_backward), [
+        ((grad_ready_no_divide, end_of_backward), "the gradients are N = 2 times the mean"),
+        ((grad_ready_keeps_comm, end_of_backward_launches),
+         "nothing overlapped: all 7 all-reduces started after backward ended"),
+        ((grad_ready, end_of_backward_no_wait), "launched but never waited for"),
+        ((grad_ready_too_early, end_of_backward), "started when only 1 of its"),
+        ((grad_ready_never, end_of_backward), "buckets were never launched"),
+        ((grad_ready_blocking, end_of_backward), "was blocking"),
+        ((grad_ready_waits, end_of_backward), "waited for during backward"),
+        ((grad_ready_fill_only, end_of_backward_launch_then_wait), "did not go through comm"),
+        ((grad_ready_own_counter, end_of_backward), "state of your own carries over"),
+    ]),
+}

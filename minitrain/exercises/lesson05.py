@@ -192,7 +192,7 @@ def _stage_step_alone(fn, timeout: float):
     def channel(grad: bool, m: int) -> int:
         return 1 + 2 * m + grad
 
-    def receive(grad: bool, m: int, src: int) -> torch.Tensor:
+    def receive(grad: bool, m: int, src: int, at: str) -> torch.Tensor:
         buf = torch.empty(xs[m].shape[0], cfg.seq_len, cfg.d_model)
         work = comm.irecv(buf, src, tag="stage_step check", channel=channel(grad, m))
         try:
@@ -206,13 +206,14 @@ def _stage_step_alone(fn, timeout: float):
                    "previous stage" if grad else "after its forward, a stage sends its output to the "
                    "next stage")
             raise _Wrong(f"rank {r} waited {timeout:g} s in recv for {what} from rank {src}, "
-                         f"which never sent it: {why} (send(...))") from None
+                         f"which never sent it: {why} (send(...))"
+                         f"{_WAIT.format(r, at, src, ('B' if grad else 'F') + str(m))}") from None
         return buf
 
     for a in table[r]:
         m, sent = a.microbatch, []
         if a.kind == "F":
-            inp = xs[m] if r == 0 else receive(False, m, r - 1).requires_grad_()
+            inp = xs[m] if r == 0 else receive(False, m, r - 1, f"F{m}").requires_grad_()
             loss = lambda out, y=ys[m]: loss_fn(out, y) * (y.shape[0] / batch)  # noqa: E731
             out = _call(fn, f"rank {r}: your {name}(F{m} on stage {r}, …)", Action("F", m, r),
                         stage, inp, saved, sent.append, loss)
@@ -220,7 +221,7 @@ def _stage_step_alone(fn, timeout: float):
                 _check_loss(m, out, want_losses[m])
             want = None if stage.last else acts[(m, r)]
         else:
-            inp = None if stage.last else receive(True, m, r + 1)
+            inp = None if stage.last else receive(True, m, r + 1, f"B{m}")
             _call(fn, f"rank {r}: your {name}(B{m} on stage {r}, …)", Action("B", m, r), stage,
                   inp, saved, sent.append, None)
             want = None if stage.first else grads[(m, r)]
@@ -254,8 +255,15 @@ def _check_message(r: int, kind: str, m: int, sent: list, want, inp):
     """What the learner passed to ``send`` in action ``kind``/``m`` on rank ``r``, against the
     unsplit model's ``want``: the tensor to send on, or None when nothing was sent."""
     what = "output" if kind == "F" else "input's gradient"
-    if not sent:
-        return None
+    if not sent:  # the peer would wait for it forever: say so now, from the rank that forgot
+        peer = r + 1 if kind == "F" else r - 1
+        awaited = (f"the activation of micro-batch {m} (stage {r}'s F{m})" if kind == "F" else
+                   f"the gradient of its output for micro-batch {m} (stage {r}'s B{m})")
+        why = ("after its forward, a stage sends its output to the next stage" if kind == "F" else
+               "after backpropagating, a stage sends the gradient of its input to the previous "
+               "stage")
+        raise _Wrong(f"rank {peer} waits in recv for {awaited} from rank {r}, which never sent "
+                     f"it: {why} (send(...)){_SENDER}")
     t = sent[0]
     if len(sent) > 1:
         raise _Wrong(f"rank {r}: {kind}{m} called send {len(sent)} times: send the {what} once")
@@ -304,12 +312,43 @@ def _check_after_step(r: int, stage, saved: dict, most: int, bound: int, referen
                          "backward(inp) (the last stage's output is the loss itself)")
 
 
+#: appended to a wait's sentence (and cut from what the learner reads): who waited where for what
+_WAIT = " ⟨rank {} at {} waits for rank {}'s {}⟩"
+#: appended to the sentence of a rank that found it sent nothing its peer waits for: the cause
+_SENDER = " ⟨sender⟩"
+
+
 def _wrong_of(exc) -> str | None:
-    """The sentence of the first rank that found a problem (a :class:`_Wrong`), if any."""
+    """The sentence of the rank that found the problem (a :class:`_Wrong`), if any.  When several
+    ranks wait, the cause is a message its sender should already have sent — the sender got past
+    that action (it waits somewhere later, or not at all) — not a wait that follows from another."""
+    import re
+
+    from ..parallel.schedules import orders
+
+    found = []
     for e in [exc, *getattr(exc, "others", [])]:
         if getattr(e, "exc_type", "") == _Wrong.__name__:
-            return str(e).splitlines()[0].split(f"{_Wrong.__name__}: ", 1)[-1]
-    return None
+            found.append(str(e).splitlines()[0].split(f"{_Wrong.__name__}: ", 1)[-1])
+    for text in found:
+        if text.endswith(_SENDER):
+            return text[:-len(_SENDER)]
+    waits = {}
+    for text in found:
+        m = re.search(r" ⟨rank (\d+) at (\w+) waits for rank (\d+)'s (\w+)⟩", text)
+        if m:
+            waits[int(m.group(1))] = (m.group(2), int(m.group(3)), m.group(4), text)
+    if waits:
+        P = max(max(waits), *(w[1] for w in waits.values())) + 1
+        M = _STEP_ALONE[P][0] if P in _STEP_ALONE else 0
+        table = orders("1f1b", P, M) if M else None
+        for rank, (_, src, action, text) in sorted(waits.items()):
+            row = [f"{a.kind}{a.microbatch}" for a in table[src]] if table else []
+            past = src not in waits or (action in row and waits[src][0] in row
+                                        and row.index(waits[src][0]) > row.index(action))
+            if past:
+                return text[:text.index(" ⟨")]
+    return found[0].split(" ⟨")[0] if found else None
 
 
 def _one_microbatch_activations(model, stage: int, P: int, batch: int, M: int) -> int:

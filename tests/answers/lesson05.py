@@ -83,6 +83,21 @@ def gradient_not_sent_back(action, stage, inp, saved, send, loss):
     return None
 
 
+def output_never_sent(action, stage, inp, saved, send, loss):
+    key = (action.microbatch, action.stage)
+    if action.kind == "F":
+        out = stage(inp)
+        if stage.last:
+            out = loss(out)
+        saved[key] = (inp, out)
+        return out if stage.last else None  # ... and the next stage waits for it forever
+    x, out = saved.pop(key)
+    out.backward(inp)
+    if not stage.first:
+        send(x.grad)
+    return None
+
+
 def output_sent_attached(action, stage, inp, saved, send, loss):
     key = (action.microbatch, action.stage)
     if action.kind == "F":
@@ -220,8 +235,10 @@ ANSWERS = {
         (last_backward_missing, "missing"),
     ]),
     "stage_step": Answers(stage_step, [
-        (gradient_not_sent_back, "rank 0 waited 5 s in recv for the gradient of its output for "
+        (gradient_not_sent_back, "rank 0 waits in recv for the gradient of its output for "
                                  "micro-batch 0 (stage 1's B0) from rank 1, which never sent it"),
+        (output_never_sent, "rank 1 waits in recv for the activation of micro-batch 0 "
+                            "(stage 0's F0) from rank 0, which never sent it"),
         (output_sent_attached, "still attached to this stage's autograd graph"),
         (detached_output_saved, "the output you saved has no graph"),
         (backward_without_the_gradient, "backpropagate the gradient the next stage sent"),

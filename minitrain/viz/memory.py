@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..memory import GB, RECIPES, activation_bytes_per_layer, model_state_bytes
-from . import LABEL
+from . import beside
 
 __all__ = ["ModelShape", "MODELS", "DEVICES", "per_device", "bar_html", "zero_hint",
            "MemoryCalculator"]
@@ -43,6 +43,8 @@ MODELS = {
 DEVICES = {"H100 80GB": 80, "A100 40GB": 40, "RTX 4090 24GB": 24, "T4 16GB": 16}
 
 KINDS = ("parameters", "gradients", "optimizer_states", "activations")
+#: the controls' labels: one width, so that the controls line up
+STYLE = {"description_width": "90px"}
 COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_states": "#55a868",
           "activations": "#c44e52"}
 
@@ -108,23 +110,24 @@ class MemoryCalculator:
     def __init__(self, model: str = "LLaMA 7B", device: str = "H100 80GB"):
         import ipywidgets as w
 
-        self.model = w.Dropdown(options=list(MODELS), value=model, description="model", style=LABEL)
+        self.model = w.Dropdown(options=list(MODELS), value=model, description="model",
+                                style=STYLE)
         self.recipe = w.Dropdown(options=list(RECIPES), value="mixed-adam", description="recipe",
-                                 style=LABEL)
+                                 style=STYLE)
         self.devices = w.Dropdown(options=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024], value=1,
-                                  description="devices", style=LABEL)
+                                  description="devices", style=STYLE)
         self.zero = w.ToggleButtons(options=["0", "1", "2", "3"], value="0",
                                     description="ZeRO stage",
-                                    style=dict(LABEL, button_width="48px"))
+                                    style=dict(STYLE, button_width="48px"), layout=beside())
         self.zero.add_class("mt-zero-stage")
         self.device = w.Dropdown(options=list(DEVICES), value=device, description="device",
-                                 style=LABEL)
+                                 style=STYLE)
         self.seq = w.Dropdown(options=[512, 1024, 2048, 4096, 8192], value=2048,
-                              description="sequence", style=LABEL)
+                              description="sequence", style=STYLE)
         self.micro_batch = w.IntSlider(value=1, min=1, max=32, description="micro-batch",
-                                       style=LABEL)
+                                       style=STYLE)
         self.recompute = w.Checkbox(value=False, description="activation checkpointing",
-                                    style=LABEL)
+                                    style=STYLE)
         self.out = w.HTML()
         controls = [self.model, self.recipe, self.devices, self.zero, self.device, self.seq,
                     self.micro_batch, self.recompute]
@@ -143,7 +146,7 @@ class MemoryCalculator:
         hint = zero_hint(self.devices.value, int(self.zero.value))
         self.out.value = bar_html(self.breakdown(), DEVICES[self.device.value]) + (
             "" if hint is None else f'<div class="mt-hint" style="font-family:sans-serif;'
-            f'font-size:90%;color:#555;max-width:720px">{hint}</div>')
+            f'font-size:90%;color:#555;max-width:720px;line-height:1.4">{hint}</div>')
 
     def _ipython_display_(self):
         from IPython.display import display

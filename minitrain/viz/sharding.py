@@ -10,7 +10,7 @@ ipywidgets to them.
 
 from __future__ import annotations
 
-from . import LABEL
+from . import LABEL, beside
 
 __all__ = ["KINDS", "held", "grid", "grid_html", "ShardingWidget"]
 
@@ -78,7 +78,7 @@ class ShardingWidget:
         self.model, self.layout_fn = model, layout_fn
         self.stage = w.ToggleButtons(options=["0", "1", "2", "3"], value=str(stage),
                                      description="ZeRO stage",
-                                     style=dict(LABEL, button_width="48px"))
+                                     style=dict(LABEL, button_width="48px"), layout=beside())
         self.n = w.IntSlider(value=n, min=1, max=8, description="ranks N", style=LABEL)
         self.out = w.HTML()
         for c in (self.stage, self.n):

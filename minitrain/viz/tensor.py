@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import html
 
-from . import LABEL
+from . import LABEL, beside
 
 __all__ = ["RANK_COLORS", "split_plan", "split_html", "valid_sizes", "TensorSplitWidget"]
 
@@ -149,7 +149,7 @@ class TensorSplitWidget:
         self.n = w.SelectionSlider(options=sizes, value=n, description="TP size N", style=LABEL)
         self.split = w.ToggleButtons(options=["columns", "rows"], value=split_a,
                                      description="split A by",
-                                     style=dict(LABEL, button_width="80px"))
+                                     style=dict(LABEL, button_width="80px"), layout=beside())
         self.out = w.HTML()
         for c in (self.n, self.split):
             c.observe(lambda _change: self.update(), names="value")

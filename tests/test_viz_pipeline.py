@@ -272,7 +272,8 @@ def test_a_refused_run_teaches_the_widget_the_models_limit():
     assert not w.run_button.disabled
     w.run_button.click()
     assert calls == [4] and w.n_layer == 4
-    for text in (w.measured_error, w.measured_text.value, w.run_note.value):
+    assert w.measured_text.value == ""  # said once, beside the button
+    for text in (w.measured_error, w.run_note.value):
         assert "The model has 4 layers" in text and "set chunks V to 2 or fewer" in text
         assert "--n-layer" not in text and "Traceback" not in text
     assert w.run_button.disabled
@@ -322,3 +323,26 @@ def test_string_actions_are_parsed_and_bad_ones_refused():
     assert str(Action("F", 3, 1)) == "F3@s1"
     with pytest.raises(ValueError, match="not an action"):
         gantt_rows([dict(timeline[0], action="X1")], 2)
+
+
+def test_a_refused_or_failed_run_keeps_the_last_measurement_marked():
+    def run(schedule, stages, microbatches, chunks):
+        if microbatches == 8:
+            raise RuntimeError("rank 1 failed: the ranks lost each other\n\n--- traceback from "
+                               "rank 1 ---\nTraceback (most recent call last): ...")
+        return fake_run()(schedule, stages, microbatches, chunks)
+
+    w = BubbleWidget(run=run, stages=2, microbatches=4, schedule="gpipe", ranks=2, batch=8)
+    w.run_button.click()
+    w.microbatches.value = 8
+    w.run_button.click()
+    text = w.measured_text.value
+    assert "The run on the real ranks failed: the ranks lost each other" in text
+    assert "Traceback" not in text and "rank 1 failed" not in text
+    assert "mt-bubble-stale" in text and w.measured_summary["microbatches"] == 4
+    assert w.measured_image.layout.display != "none" and not w.run_button.disabled
+    w.microbatches.value = 16  # more than the batch: refused beside the button, chart kept
+    assert w.run_button.disabled and "The batch has 8 samples" in w.run_note.value
+    w.run_measured()
+    assert "The batch has 8 samples" in w.measured_text.value
+    assert "mt-bubble-stale" in w.measured_text.value

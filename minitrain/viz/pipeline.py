@@ -234,8 +234,8 @@ def _note_html(message: str, kind: str = "refusal") -> str:
     """A sentence in place of a chart: ``refusal`` (this setting cannot run) or ``error`` (a run
     failed)."""
     color = "#8a5a00" if kind == "refusal" else "#b00"
-    return (f'<div class="mt-pipeline-{kind}" style="color:{color};font-family:sans-serif">'
-            f'{html.escape(message)}</div>')
+    return (f'<div class="mt-pipeline-{kind}" style="color:{color};font-family:sans-serif;'
+            f'line-height:1.4">{html.escape(message)}</div>')
 
 
 def refusal(name: str, stages: int, microbatches: int, chunks: int = 1, *,
@@ -340,7 +340,7 @@ class BubbleWidget:
         if run is not None:
             self._label = "Run on real ranks" + (f" (P = {ranks})" if ranks else "")
             self.run_button = w.Button(description=self._label, button_style="primary",
-                                       layout=w.Layout(width="auto"))
+                                       layout=w.Layout(width="auto", flex="0 0 auto"))
             self.run_button.add_class("mt-bubble-run")
             self.run_button.on_click(self._clicked)
             self.run_note = w.HTML()
@@ -423,7 +423,8 @@ class BubbleWidget:
         current = self.measured_config == self.config()
         text = summary_html(self.measured_summary, "measured", unit="ms")
         if not current:
-            text = ('<div class="mt-bubble-stale" style="font-family:sans-serif;color:#8a5a00">'
+            text = ('<div class="mt-bubble-stale" style="font-family:sans-serif;color:#8a5a00;'
+                    'line-height:1.4">'
                     f'Measured earlier for {html.escape(name)}, P = {p}, M = {m}'
                     + (f", V = {v}" if v > 1 else "") + ', not the setting above: press '
                     '"Run on real ranks" to measure this one.</div>' + text)
@@ -452,9 +453,8 @@ class BubbleWidget:
         name, p, m, v = self.config()
         why = self.run_refusal()
         if why is not None:
-            self._forget_measured()
             self.measured_error = why
-            self.measured_text.value = _note_html(why)
+            self._said(_note_html(why))
             return
         self._running = True
         self.run_button.disabled, self.run_button.description = True, "Running…"
@@ -468,11 +468,9 @@ class BubbleWidget:
                                + (f", V={v}" if v > 1 else ""))
         except Exception as e:  # a refusal or a failed rank: say so, keep the widget alive
             self._running = False
-            self._forget_measured()
             self.measured_error, kind = self._failure(e)
-            self.measured_text.value = _note_html(self.measured_error, kind)
-            self._refresh_run()
-            return
+            self._said("" if kind == "refusal" else _note_html(self.measured_error, kind))
+            return  # a refusal is said beside the button; an earlier measurement stays, marked
         finally:
             self._running = False
         self.measured_summary, self.measured_fig = summary, fig
@@ -481,10 +479,12 @@ class BubbleWidget:
         self.measured_image.layout.display = None
         self._refresh_run()
 
-    def _forget_measured(self) -> None:
-        self.measured_fig = self.measured_summary = self.measured_config = None
-        self._measured_png = self._faded_png = None
-        self.measured_image.layout.display = "none"
+    def _said(self, note: str) -> None:
+        """``note`` above the measured chart (if there is one, it stays, marked as not this
+        setting's)."""
+        self.measured_text.value = ""
+        self._refresh_run()
+        self.measured_text.value = note + self.measured_text.value
 
     def _failure(self, exc: Exception) -> tuple[str, str]:
         """What a failed run says and its kind (``refusal`` or ``error``): in the widget's words

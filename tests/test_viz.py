@@ -168,3 +168,42 @@ def test_ring_attention_frames_follow_the_ring_and_count_the_work():
     assert "step 4/4" in widget.out.value
     widget.ranks.value = 2
     assert widget.step.max == 1 and "step 2/2" in widget.out.value
+
+
+def test_memory_calculator_says_why_more_devices_change_nothing_at_zero_stage_0():
+    calc = MemoryCalculator()
+    assert "mt-hint" not in calc.out.value  # one device, stage 0: nothing to explain
+    one = calc.out.value
+    calc.devices.value = 8
+    assert "every device holds all the weights" in calc.out.value and "8 devices" in calc.out.value
+    assert calc.out.value.split('<div class="mt-hint"')[0] == one  # the same bytes per device
+    calc.zero.value = "1"
+    assert "mt-hint" not in calc.out.value
+    calc.devices.value = 1
+    assert "nothing to shard" in calc.out.value
+
+
+def test_mesh_colours_every_machine_apart_and_cuts_the_groups_table():
+    import matplotlib
+    matplotlib.use("Agg")
+    from minitrain.parallel.mesh import MeshShape
+    from minitrain.viz.mesh import MeshWidget, groups_html, machine_colors
+
+    for machines in (1, 8, 10, 11, 20, 21, 64):
+        assert len(set(machine_colors(machines))) == machines
+    small = groups_html(MeshShape(2, 2, 2))
+    assert small.count("<tr>") == 1 + 8 and "more ranks" not in small
+    big = groups_html(MeshShape(4, 4, 4))
+    assert big.count("<tr>") == 1 + 16 and "48 more ranks, not shown (rank 16 to 63)" in big
+    widget = MeshWidget(4, 4, 4, devices_per_node=1)
+    ax = widget.fig.axes[0]
+    legend = ax.get_legend()
+    assert legend.get_title().get_text() == "colour = machine (1 device each)"
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert labels[0] == "machine m0: rank 0" and labels[-1] == "… 48 more machines"
+    assert sum("· m63" in t.get_text() for t in ax.texts) == 1  # every rank names its machine
+    faces = {p.get_facecolor() for p in ax.patches if p.get_alpha() == 0.35}
+    assert len(faces) == 64
+    widget.per_node.value = 4
+    assert [t.get_text() for t in widget.fig.axes[0].get_legend().get_texts()][1] == \
+        "machine m1: ranks 4–7"

@@ -136,17 +136,39 @@ def test_widget_redraws_when_its_controls_change():
     assert w.chunks.disabled and w.summary["chunks"] == 1
 
 
-@pytest.mark.parametrize("schedule, p, m", [("naive", 4, 8), ("interleaved", 4, 6)])
-def test_widget_shows_an_invalid_combination_instead_of_a_plot(schedule, p, m):
+@pytest.mark.parametrize("schedule, p, m, words", [
+    ("naive", 4, 8, "Set micro-batches M to 1 (it is 8)"),
+    ("interleaved", 4, 6, "Set micro-batches M to a multiple of 4, such as 4")])
+def test_widget_says_why_a_combination_cannot_run_instead_of_a_plot(schedule, p, m, words):
     w = BubbleWidget(stages=p, microbatches=m)
     w.schedule.value = schedule
-    with pytest.raises(ScheduleError) as err:
+    with pytest.raises(ScheduleError):
         make_schedule(*w.config())
-    assert w.error == str(err.value) and w.fig is None and w.summary is None
-    assert "mt-pipeline-error" in w.text.value and "Traceback" not in w.text.value
+    assert words in w.error and w.fig is None and w.summary is None
+    assert "mt-pipeline-refusal" in w.text.value and words in w.text.value
+    assert "=" not in w.error  # the widget's words, not the API's "microbatches=1"
     assert w.image.layout.display == "none"
     w.schedule.value = "gpipe"  # a valid one brings the plot back
     assert w.error is None and w.image.layout.display != "none" and w.fig is not None
+
+
+@pytest.mark.parametrize("n_layer, batch", [(None, None), (4, 16), (8, 3)])
+def test_refusal_agrees_with_the_schedules_own_check(n_layer, batch):
+    from minitrain.parallel.schedules import SCHEDULES, check_schedule
+    from minitrain.viz.pipeline import refusal
+
+    for name in SCHEDULES:
+        for p in range(1, 9):
+            for m in range(1, 17):
+                for v in range(1, 5):
+                    try:
+                        check_schedule(name, p, m, v, n_layer=n_layer, batch=batch)
+                        ok = True
+                    except ScheduleError:
+                        ok = False
+                    why = refusal(name, p, m, v, n_layer=n_layer, batch=batch)
+                    assert (why is None) == ok, (name, p, m, v, why)
+                    assert why is None or "=" not in why, why
 
 
 def fake_run(slow_backward=1.25, cluster=2):
@@ -197,20 +219,94 @@ def test_run_button_shows_the_runs_error_for_another_p():
     w = BubbleWidget(run=run, stages=3, microbatches=4, schedule="1f1b")
     w.run_button.click()
     assert run.calls == [("1f1b", 3, 4, 1)]
-    assert w.measured_error == "the cluster has 2 ranks: use stages=2"
+    assert w.measured_error == "The run on the real ranks failed: the cluster has 2 ranks: use stages=2"
     assert "use stages=2" in w.measured_text.value and "mt-pipeline-error" in w.measured_text.value
     assert w.measured_fig is None and w.measured_image.layout.display == "none"
+    assert not w.run_button.disabled  # a failed run does not lock the button
 
 
 def test_widget_knowing_the_cluster_size_does_not_call_run_for_another_p():
     run = fake_run(cluster=2)
     w = BubbleWidget(run=run, stages=4, microbatches=4, ranks=2)
     assert "P = 2" in w.run_button.description
-    w.run_button.click()
+    assert w.run_button.disabled and "set stages P = 2" in w.run_note.value
+    w.run_measured()
     assert run.calls == [] and "set stages P = 2" in w.measured_text.value
     w.stages.value = 2
+    assert not w.run_button.disabled and w.run_note.value == ""
     w.run_button.click()
     assert run.calls == [("1f1b", 2, 4, 1)] and w.measured_summary["stages"] == 2
+
+
+def test_run_button_is_disabled_for_what_the_model_or_batch_cannot_run():
+    run = fake_run(cluster=2)
+    w = BubbleWidget(run=run, stages=2, microbatches=4, ranks=2, n_layer=4, batch=3)
+    assert w.run_button.disabled and "The batch has 3 samples" in w.run_note.value
+    w.microbatches.value = 2
+    assert not w.run_button.disabled
+    w.schedule.value = "interleaved"
+    w.chunks.value = 3
+    assert w.run_button.disabled and "set chunks V to 2 or fewer" in w.run_note.value
+    assert w.fig is not None  # the ideal schedule is still drawn: only the model is too small
+    w.chunks.value = 2
+    assert not w.run_button.disabled and w.run_note.value == ""
+
+
+def test_a_refused_run_teaches_the_widget_the_models_limit():
+    """Not told n_layer, the widget runs V = 4 on a 4-layer model; the ranks refuse it (in the
+    CLI's words); the widget says why in its own and disables the button for such settings."""
+    from minitrain.launch import RankError
+
+    calls = []
+
+    def run(schedule, stages, microbatches, chunks):
+        calls.append(chunks)
+        if stages * chunks > 4:
+            raise RankError(0, "ConfigError: --stages 2 x --chunks 4 = 8 pipeline stages but the "
+                            "model has 4 layers; use --n-layer 8 or more, or fewer stages/chunks",
+                            "Traceback (most recent call last):\n  ...", "ConfigError")
+        return fake_run()(schedule, stages, microbatches, chunks)
+
+    w = BubbleWidget(run=run, stages=2, microbatches=4, schedule="interleaved", ranks=2)
+    w.chunks.value = 4
+    assert not w.run_button.disabled
+    w.run_button.click()
+    assert calls == [4] and w.n_layer == 4
+    assert w.measured_text.value == ""  # said once, beside the button
+    for text in (w.measured_error, w.run_note.value):
+        assert "The model has 4 layers" in text and "set chunks V to 2 or fewer" in text
+        assert "--n-layer" not in text and "Traceback" not in text
+    assert w.run_button.disabled
+    w.chunks.value = 2
+    w.run_button.click()
+    assert calls == [4, 2] and w.measured_summary["chunks"] == 2
+
+
+def test_a_measurement_under_changed_controls_is_marked_and_faded():
+    w = BubbleWidget(run=fake_run(), stages=2, microbatches=4, schedule="gpipe", ranks=2)
+    w.run_button.click()
+    fresh = w.measured_image.value
+    assert "mt-bubble-stale" not in w.measured_text.value
+    w.microbatches.value = 8
+    assert "mt-bubble-stale" in w.measured_text.value
+    assert "Measured earlier for gpipe, P = 2, M = 4" in w.measured_text.value
+    assert w.measured_image.value != fresh and w.measured_summary["microbatches"] == 4
+    w.microbatches.value = 4  # back to the measured setting: no longer marked
+    assert "mt-bubble-stale" not in w.measured_text.value and w.measured_image.value == fresh
+
+
+def test_the_button_is_disabled_while_its_run_runs_and_a_click_meanwhile_is_ignored():
+    seen = []
+
+    def run(*args):
+        seen.append((w.run_button.disabled, w.run_button.description))
+        w.run_button.click()  # a second click while running: ignored
+        return fake_run()(*args)
+
+    w = BubbleWidget(run=run, stages=2, microbatches=4, schedule="gpipe", ranks=2)
+    w.run_button.click()
+    assert seen == [(True, "Running…")]
+    assert not w.run_button.disabled and w.run_button.description == "Run on real ranks (P = 2)"
 
 
 def test_widget_without_run_has_no_button():
@@ -227,3 +323,26 @@ def test_string_actions_are_parsed_and_bad_ones_refused():
     assert str(Action("F", 3, 1)) == "F3@s1"
     with pytest.raises(ValueError, match="not an action"):
         gantt_rows([dict(timeline[0], action="X1")], 2)
+
+
+def test_a_refused_or_failed_run_keeps_the_last_measurement_marked():
+    def run(schedule, stages, microbatches, chunks):
+        if microbatches == 8:
+            raise RuntimeError("rank 1 failed: the ranks lost each other\n\n--- traceback from "
+                               "rank 1 ---\nTraceback (most recent call last): ...")
+        return fake_run()(schedule, stages, microbatches, chunks)
+
+    w = BubbleWidget(run=run, stages=2, microbatches=4, schedule="gpipe", ranks=2, batch=8)
+    w.run_button.click()
+    w.microbatches.value = 8
+    w.run_button.click()
+    text = w.measured_text.value
+    assert "The run on the real ranks failed: the ranks lost each other" in text
+    assert "Traceback" not in text and "rank 1 failed" not in text
+    assert "mt-bubble-stale" in text and w.measured_summary["microbatches"] == 4
+    assert w.measured_image.layout.display != "none" and not w.run_button.disabled
+    w.microbatches.value = 16  # more than the batch: refused beside the button, chart kept
+    assert w.run_button.disabled and "The batch has 8 samples" in w.run_note.value
+    w.run_measured()
+    assert "The batch has 8 samples" in w.measured_text.value
+    assert "mt-bubble-stale" in w.measured_text.value

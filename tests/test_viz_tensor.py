@@ -54,8 +54,8 @@ def test_rows_first_needs_a_sum_before_gelu_and_a_gather():
 
 
 def test_a_split_that_does_not_divide_says_so():
-    assert "d_ff=256 does not split over 3 ranks" in split_plan(MLP, 3)["problem"]
-    assert "d_model=64 does not split over 3 ranks" in split_plan(MLP, 3, "rows")["problem"]
+    assert "cuts the hidden width d_ff, 256, into 3 equal parts" in split_plan(MLP, 3)["problem"]
+    assert "the model width d_model, 64" in split_plan(MLP, 3, "rows")["problem"]
     assert "mt-tp-problem" in split_html(split_plan(MLP, 3))
     with pytest.raises(ValueError, match="'columns' or 'rows'"):
         split_plan(MLP, 2, "diagonal")
@@ -66,6 +66,7 @@ def test_html_and_widget_follow_the_controls():
     assert html.count("mt-tp-rank") == 4 and html.count("mt-tp-collective") == 2
     assert "A (64 × 256)" in html and "Megatron" in html
     widget = TensorSplitWidget(GPT(PRESETS["tiny"]), n=2)
+    assert list(widget.n.options) == [1, 2, 4, 8]  # only sizes that split 64 and 256
     assert widget.out.value.count("mt-tp-rank") == 2
     widget.n.value, widget.split.value = 8, "rows"
     assert widget.out.value.count("mt-tp-rank") == 8 and "A by rows" in widget.out.value

@@ -13,6 +13,7 @@ from dataclasses import asdict
 
 from ..chooser import SCENARIOS, Hardware, ModelSpec, Recommendation, Workload, choose
 from ..memory import GB
+from . import LABEL
 from .memory import DEVICES, MODELS
 
 __all__ = ["candidate_rows", "recommendation_html", "ChooserWidget", "LINKS"]
@@ -96,23 +97,29 @@ class ChooserWidget:
     def __init__(self, model: str = "LLaMA 13B", device: str = "H100 80GB"):
         import ipywidgets as w
 
-        self.model = w.Dropdown(options=list(MODELS), value=model, description="model")
-        self.device = w.Dropdown(options=list(DEVICES), value=device, description="device")
-        self.per_node = w.Dropdown(options=[1, 2, 4, 8], value=8, description="devices/node")
-        self.nodes = w.Dropdown(options=[1, 2, 4, 8, 16, 32, 64], value=1, description="nodes")
-        self.intra = w.Dropdown(options=list(LINKS["intra"]), description="in a node")
-        self.inter = w.Dropdown(options=list(LINKS["inter"]), description="between nodes")
-        self.seq = w.Dropdown(options=[1024, 2048, 4096, 8192], value=2048, description="sequence")
-        self.batch = w.Dropdown(options=[64, 128, 256, 512, 1024, 2048], value=512,
-                                description="global batch")
-        self.micro = w.Dropdown(options=[1, 2, 4, 8], value=1, description="micro-batch")
+        def dropdown(options, description, width="auto", **kw):
+            return w.Dropdown(options=options, description=description, style=LABEL,
+                              layout=w.Layout(width=width), **kw)
+
+        self.model = dropdown(list(MODELS), "model", value=model)
+        self.device = dropdown(list(DEVICES), "device", value=device)
+        self.per_node = dropdown([1, 2, 4, 8], "devices per node", value=8)
+        self.nodes = dropdown([1, 2, 4, 8, 16, 32, 64], "nodes", value=1)
+        self.intra = dropdown(list(LINKS["intra"]), "link in a node")
+        self.inter = dropdown(list(LINKS["inter"]), "link between nodes")
+        self.seq = dropdown([1024, 2048, 4096, 8192], "sequence", value=2048)
+        self.batch = dropdown([64, 128, 256, 512, 1024, 2048], "global batch", value=512)
+        self.micro = dropdown([1, 2, 4, 8], "micro-batch", value=1)
         self.out = w.HTML()
         controls = [self.model, self.device, self.per_node, self.nodes, self.intra, self.inter,
                     self.seq, self.batch, self.micro]
         for c in controls:
             c.observe(lambda _change: self.update(), names="value")
-        self.widget = w.VBox([w.HBox(controls[:4]), w.HBox(controls[4:6]), w.HBox(controls[6:]),
-                              self.out])
+        for c in controls:
+            c.layout.margin = "2px 16px 2px 0"
+        rows = [w.HBox(part, layout=w.Layout(flex_flow="row wrap"))
+                for part in (controls[:4], controls[4:6], controls[6:])]
+        self.widget = w.VBox(rows + [self.out])
         self.widget.add_class("mt-chooser-widget")
         self.update()
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..parallel.context import balanced_layout, contiguous_layout, ring_work
+from . import LABEL, beside
 
 __all__ = ["ring_attention_frames", "frame_html", "RingAttentionWidget"]
 
@@ -80,13 +81,17 @@ class RingAttentionWidget:
         import ipywidgets as w
 
         self.seq_len = seq_len
-        self.ranks = w.IntSlider(value=n, min=2, max=max(2, seq_len // 2), description="ranks")
-        self.layout = w.ToggleButtons(options=["balanced", "contiguous"], value=layout)
-        self.step = w.IntSlider(value=0, min=0, max=n - 1, description="ring step")
+        self.ranks = w.IntSlider(value=n, min=2, max=max(2, seq_len // 2), description="ranks",
+                                 style=LABEL)
+        self.layout = w.ToggleButtons(options=["balanced", "contiguous"], value=layout,
+                                      description="layout", style=dict(LABEL, button_width="96px"),
+                                      layout=beside())
+        self.step = w.IntSlider(value=0, min=0, max=n - 1, description="ring step", style=LABEL)
         self.out = w.HTML()
         for control in (self.ranks, self.layout, self.step):
             control.observe(lambda change: self.show(), names="value")
         self.widget = w.VBox([w.HBox([self.ranks, self.layout]), self.step, self.out])
+        self.widget.add_class("mt-cp-widget")
         self.show()
 
     def show(self) -> None:

@@ -13,8 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..memory import GB, RECIPES, activation_bytes_per_layer, model_state_bytes
+from . import beside
 
-__all__ = ["ModelShape", "MODELS", "DEVICES", "per_device", "bar_html", "MemoryCalculator"]
+__all__ = ["ModelShape", "MODELS", "DEVICES", "per_device", "bar_html", "zero_hint",
+           "MemoryCalculator"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ MODELS = {
 DEVICES = {"H100 80GB": 80, "A100 40GB": 40, "RTX 4090 24GB": 24, "T4 16GB": 16}
 
 KINDS = ("parameters", "gradients", "optimizer_states", "activations")
+#: the controls' labels: one width, so that the controls line up
+STYLE = {"description_width": "90px"}
 COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_states": "#55a868",
           "activations": "#c44e52"}
 
@@ -88,24 +92,42 @@ def bar_html(breakdown: dict, capacity_gb: float, label: str = "") -> str:
         f'</div><div style="font-size:90%">{legend}</div></div>')
 
 
+def zero_hint(devices: int, zero_stage: int) -> str | None:
+    """Why the device count changes nothing (or ZeRO does nothing) for this setting; else None."""
+    if zero_stage == 0 and devices > 1:
+        return (f"At ZeRO stage 0 every device holds all the weights, gradients and optimizer "
+                f"states (plain data parallelism), so {devices} devices need as much each as one: "
+                "more devices split the batch, not the memory. Stages 1, 2 and 3 shard them.")
+    if zero_stage > 0 and devices == 1:
+        return ("With one device ZeRO has nothing to shard over: it divides the model states "
+                "among devices. Add devices to see the stage act.")
+    return None
+
+
 class MemoryCalculator:
     """ipywidgets front end: ``MemoryCalculator().widget`` is what the notebook displays."""
 
     def __init__(self, model: str = "LLaMA 7B", device: str = "H100 80GB"):
         import ipywidgets as w
 
-        self.model = w.Dropdown(options=list(MODELS), value=model, description="model")
-        self.recipe = w.Dropdown(options=list(RECIPES), value="mixed-adam", description="recipe")
+        self.model = w.Dropdown(options=list(MODELS), value=model, description="model",
+                                style=STYLE)
+        self.recipe = w.Dropdown(options=list(RECIPES), value="mixed-adam", description="recipe",
+                                 style=STYLE)
         self.devices = w.Dropdown(options=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024], value=1,
-                                  description="devices")
+                                  description="devices", style=STYLE)
         self.zero = w.ToggleButtons(options=["0", "1", "2", "3"], value="0",
-                                    description="ZeRO stage")
+                                    description="ZeRO stage",
+                                    style=dict(STYLE, button_width="48px"), layout=beside())
         self.zero.add_class("mt-zero-stage")
-        self.device = w.Dropdown(options=list(DEVICES), value=device, description="device")
+        self.device = w.Dropdown(options=list(DEVICES), value=device, description="device",
+                                 style=STYLE)
         self.seq = w.Dropdown(options=[512, 1024, 2048, 4096, 8192], value=2048,
-                              description="sequence")
-        self.micro_batch = w.IntSlider(value=1, min=1, max=32, description="micro-batch")
-        self.recompute = w.Checkbox(value=False, description="activation checkpointing")
+                              description="sequence", style=STYLE)
+        self.micro_batch = w.IntSlider(value=1, min=1, max=32, description="micro-batch",
+                                       style=STYLE)
+        self.recompute = w.Checkbox(value=False, description="activation checkpointing",
+                                    style=STYLE)
         self.out = w.HTML()
         controls = [self.model, self.recipe, self.devices, self.zero, self.device, self.seq,
                     self.micro_batch, self.recompute]
@@ -121,7 +143,10 @@ class MemoryCalculator:
                           self.recompute.value)
 
     def update(self) -> None:
-        self.out.value = bar_html(self.breakdown(), DEVICES[self.device.value])
+        hint = zero_hint(self.devices.value, int(self.zero.value))
+        self.out.value = bar_html(self.breakdown(), DEVICES[self.device.value]) + (
+            "" if hint is None else f'<div class="mt-hint" style="font-family:sans-serif;'
+            f'font-size:90%;color:#555;max-width:720px;line-height:1.4">{hint}</div>')
 
     def _ipython_display_(self):
         from IPython.display import display

@@ -14,9 +14,13 @@ from __future__ import annotations
 import html
 import io
 import re
+import time
+from datetime import datetime, timedelta
+
+from . import LABEL
 
 __all__ = ["KIND_COLORS", "KIND_NAMES", "IDLE_COLOR", "bar_color", "gantt_rows", "bubble_summary",
-           "summary_html", "plot_gantt", "gantt_figure", "BubbleWidget"]
+           "summary_html", "plot_gantt", "gantt_figure", "refusal", "BubbleWidget"]
 
 #: Base colour per kind and model chunk (index = chunk): forwards cool, backwards warm.
 KIND_COLORS = {
@@ -210,16 +214,88 @@ def gantt_figure(timeline: list[dict], stages: int, title: str | None = None,
     plot_gantt(ax, timeline, stages, title=title, unit=unit)
     return fig
 
-
 def _png(fig) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=80)
     return buf.getvalue()
 
 
-def _error_html(message: str, what: str = "schedule") -> str:
-    return (f'<div class="mt-pipeline-error" style="color:#b00;font-family:sans-serif">'
-            f'<b>{what}:</b> {html.escape(message)}</div>')
+def _faded(png: bytes) -> bytes:
+    """The picture 60 % of the way to white: a measurement made for other settings."""
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(png)).convert("RGB")
+    buf = io.BytesIO()
+    Image.blend(image, Image.new("RGB", image.size, "white"), 0.6).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _note_html(message: str, kind: str = "refusal") -> str:
+    """A sentence in place of a chart: ``refusal`` (this setting cannot run) or ``error`` (a run
+    failed)."""
+    color = "#8a5a00" if kind == "refusal" else "#b00"
+    return (f'<div class="mt-pipeline-{kind}" style="color:{color};font-family:sans-serif;'
+            f'line-height:1.4">{html.escape(message)}</div>')
+
+
+def refusal(name: str, stages: int, microbatches: int, chunks: int = 1, *,
+            n_layer: int | None = None, batch: int | None = None) -> str | None:
+    """Why schedule ``name`` cannot run ``microbatches`` micro-batches on ``stages`` ranks of
+    ``chunks`` model chunks each (of a model of ``n_layer`` blocks and a batch of ``batch``
+    samples, when given), in plain words; None if it can.  The conditions are those of
+    :func:`~minitrain.parallel.schedules.check_schedule` (a test holds the two together)."""
+    p, m, v = stages, microbatches, chunks
+    if name == "naive" and m != 1:
+        return (f"The naive schedule sends the whole batch through the ranks in one piece: it has "
+                f"no micro-batches. Set micro-batches M to 1 (it is {m}), or pick gpipe or 1f1b "
+                "to split the batch.")
+    if name == "interleaved":
+        if v < 2:
+            return "Interleaving gives every rank two or more model chunks: set chunks V to 2 or more."
+        if m % p:
+            return (f"Interleaved 1F1B sends the micro-batches round the {p} ranks in groups of "
+                    f"{p}: {m} micro-batches do not make whole groups. Set micro-batches M to a "
+                    f"multiple of {p}, such as {p * max(1, m // p)}.")
+    elif v != 1:
+        return (f"{name} gives every rank one model chunk: chunks V only counts for the "
+                "interleaved schedule.")
+    if n_layer is not None and p * v > n_layer:
+        if v == 1:
+            return (f"The model has {n_layer} layers: it cannot be cut into {p} stages of at "
+                    "least one layer each.")
+        most = n_layer // p
+        fix = f"set chunks V to {most} or fewer" if most >= 2 else "pick 1f1b (one chunk per rank)"
+        return (f"The model has {n_layer} layers: {p} ranks × {v} chunks would need {p * v}, one "
+                f"layer or more per chunk. To run it, {fix}.")
+    if batch is not None and m > batch:
+        return (f"The batch has {batch} samples, so it makes at most {batch} micro-batches: set "
+                f"micro-batches M to {batch} or fewer.")
+    return None
+
+
+#: what a refused real run says about the model and the batch (the limits the widget was not told)
+_LIMITS = {"n_layer": re.compile(r"the model has (\d+) layers"),
+           "batch": re.compile(r"is more than (?:batch=|--batch-size )(\d+)")}
+
+
+def _cause(exc: BaseException) -> str:
+    """A failed run's message without the rank's traceback (``RankError`` appends it)."""
+    text = str(exc).split("\n\n--- traceback", 1)[0].strip()
+    return re.sub(r"^rank \d+ failed: ", "", text)
+
+
+def _sent_at():
+    """When the front end sent the message being handled (its header's date), or None outside a
+    kernel: a click sent while a run was going is not a new request."""
+    try:
+        from IPython import get_ipython
+
+        date = get_ipython().kernel.get_parent("shell")["header"]["date"]
+        if isinstance(date, str):
+            date = datetime.fromisoformat(date.replace("Z", "+00:00"))
+        return date if isinstance(date, datetime) else None
+    except Exception:  # not in a kernel, or no message being handled
+        return None
 
 
 class BubbleWidget:
@@ -227,21 +303,27 @@ class BubbleWidget:
 
     ``run(schedule, stages, microbatches, chunks) -> timeline`` (seconds), if given, adds a "Run on
     real ranks" button that draws the measured timeline below the ideal one.  ``ranks``: the
-    cluster's size, if known (the real run's P is fixed to it).
+    cluster's size, if known (the real run's P is fixed to it); ``n_layer`` and ``batch``: the
+    model's layers and the batch the run trains on, if known.  The button is disabled, with the
+    reason beside it, for a setting the real run cannot take; limits the widget was not told it
+    learns from the first run they refuse.  A measured chart drawn for other settings than the
+    controls show is faded and marked.
     """
 
     def __init__(self, run=None, stages: int = 4, microbatches: int = 8, chunks: int = 1,
-                 schedule: str = "1f1b", ranks: int | None = None):
+                 schedule: str = "1f1b", ranks: int | None = None, n_layer: int | None = None,
+                 batch: int | None = None):
         import ipywidgets as w
 
         from ..parallel.schedules import SCHEDULES
 
-        self.run, self.ranks = run, ranks
-        self.schedule = w.Dropdown(options=list(SCHEDULES), value=schedule, description="schedule")
-        self.stages = w.IntSlider(value=stages, min=2, max=8, description="stages P")
+        self.run, self.ranks, self.n_layer, self.batch = run, ranks, n_layer, batch
+        self.schedule = w.Dropdown(options=list(SCHEDULES), value=schedule, description="schedule",
+                                   style=LABEL)
+        self.stages = w.IntSlider(value=stages, min=2, max=8, description="stages P", style=LABEL)
         self.microbatches = w.IntSlider(value=microbatches, min=1, max=16,
-                                        description="micro-batches M")
-        self.chunks = w.IntSlider(value=chunks, min=1, max=4, description="chunks V")
+                                        description="micro-batches M", style=LABEL)
+        self.chunks = w.IntSlider(value=chunks, min=1, max=4, description="chunks V", style=LABEL)
         self.text = w.HTML()
         self.image = w.Image(format="png")
         self.fig = self.summary = self.error = None
@@ -252,15 +334,21 @@ class BubbleWidget:
             c.observe(self._changed, names="value")
         children = [w.HBox(controls[:2]), w.HBox(controls[2:]), self.text, self.image]
         self.measured_fig = self.measured_summary = self.measured_error = None
+        self.measured_config = None  # (schedule, P, M, V) of the measured chart
+        self._measured_png = self._faded_png = None
+        self._running, self._busy_until = False, None
         if run is not None:
-            label = "Run on real ranks" + (f" (P = {ranks})" if ranks else "")
-            self.run_button = w.Button(description=label, button_style="primary",
-                                       layout=w.Layout(width="auto"))
-            self.run_button.on_click(lambda _b: self.run_measured())
+            self._label = "Run on real ranks" + (f" (P = {ranks})" if ranks else "")
+            self.run_button = w.Button(description=self._label, button_style="primary",
+                                       layout=w.Layout(width="auto", flex="0 0 auto"))
+            self.run_button.add_class("mt-bubble-run")
+            self.run_button.on_click(self._clicked)
+            self.run_note = w.HTML()
             self.measured_text = w.HTML()
             self.measured_image = w.Image(format="png")
             self.measured_image.layout.display = "none"
-            children += [self.run_button, self.measured_text, self.measured_image]
+            children += [w.HBox([self.run_button, self.run_note]), self.measured_text,
+                         self.measured_image]
         self.widget = w.VBox(children)
         self.widget.add_class("mt-bubble-widget")
         self.update()
@@ -289,40 +377,87 @@ class BubbleWidget:
             self._hold = False
         self.update()
 
+    def run_refusal(self) -> str | None:
+        """Why the real ranks cannot run what the controls say, in plain words; None if they can."""
+        name, p, m, v = self.config()
+        if self.ranks is not None and p != self.ranks:
+            return f"The cluster has {self.ranks} ranks: set stages P = {self.ranks} to run on it."
+        return refusal(name, p, m, v, n_layer=self.n_layer, batch=self.batch)
+
     # -- drawing ------------------------------------------------------------------------------
     def update(self) -> None:
-        """Recompute the ideal schedule and redraw it (or show why it is invalid)."""
+        """Recompute the ideal schedule and redraw it (or say why it cannot run)."""
         from ..parallel.schedules import make_schedule, simulate
 
         name, p, m, v = self.config()
-        try:
-            timeline = simulate(make_schedule(name, p, m, v))
-        except ValueError as e:  # ScheduleError is a ValueError
+        self.error = refusal(name, p, m, v)
+        if self.error is None:
+            try:
+                timeline = simulate(make_schedule(name, p, m, v))
+            except ValueError as e:  # not foreseen by refusal(): say so rather than fail
+                self.error = f"This schedule cannot run: {e}"
+        if self.error is not None:
             self.fig = self.summary = None
-            self.error = str(e)
-            self.text.value = _error_html(self.error)
+            self.text.value = _note_html(self.error)
             self.image.layout.display = "none"
+        else:
+            self.summary = bubble_summary(timeline, p, m, v)
+            self.fig = gantt_figure(timeline, p, title=f"{name}, ideal: P={p}, M={m}"
+                                    + (f", V={v}" if v > 1 else ""))
+            self.image.value = _png(self.fig)
+            self.image.layout.display = None
+            self.text.value = summary_html(self.summary, "ideal")
+        self._refresh_run()
+
+    def _refresh_run(self) -> None:
+        """The button's state and the measured chart's mark, for what the controls now say."""
+        if self.run is None or self._running:
             return
-        self.error = None
-        self.summary = bubble_summary(timeline, p, m, v)
-        self.fig = gantt_figure(timeline, p, title=f"{name}, ideal: P={p}, M={m}"
-                                + (f", V={v}" if v > 1 else ""))
-        self.image.value = _png(self.fig)
-        self.image.layout.display = None
-        self.text.value = summary_html(self.summary, "ideal")
+        why = self.run_refusal()
+        self.run_button.disabled = why is not None
+        self.run_button.description = self._label
+        self.run_note.value = "" if why is None else _note_html(why)
+        if self.measured_summary is None:
+            return
+        name, p, m, v = self.measured_config
+        current = self.measured_config == self.config()
+        text = summary_html(self.measured_summary, "measured", unit="ms")
+        if not current:
+            text = ('<div class="mt-bubble-stale" style="font-family:sans-serif;color:#8a5a00;'
+                    'line-height:1.4">'
+                    f'Measured earlier for {html.escape(name)}, P = {p}, M = {m}'
+                    + (f", V = {v}" if v > 1 else "") + ', not the setting above: press '
+                    '"Run on real ranks" to measure this one.</div>' + text)
+            if self._faded_png is None:
+                self._faded_png = _faded(self._measured_png)
+        self.measured_text.value = text
+        self.measured_image.value = self._measured_png if current else self._faded_png
+
+    def _clicked(self, _button) -> None:
+        sent = _sent_at()
+        if sent is not None and self._busy_until is not None and sent < self._busy_until:
+            return  # clicked while the last run was running (a double click): not a new request
+        started = time.monotonic()
+        try:
+            self.run_measured()
+        finally:
+            if sent is not None:
+                self._busy_until = sent + timedelta(seconds=time.monotonic() - started)
 
     def run_measured(self) -> None:
         """Run the current schedule on the real ranks (``run``) and draw what was recorded."""
         if self.run is None:
             raise RuntimeError("BubbleWidget(run=...) was not given a run callable")
-        name, p, m, v = self.config()
-        self.measured_fig = self.measured_summary = self.measured_error = None
-        self.measured_image.layout.display = "none"
-        if self.ranks is not None and p != self.ranks:
-            self.measured_error = (f"the cluster has {self.ranks} ranks: set stages P = "
-                                   f"{self.ranks} to run on it")
-            self.measured_text.value = _error_html(self.measured_error, "run")
+        if self._running:
             return
+        name, p, m, v = self.config()
+        why = self.run_refusal()
+        if why is not None:
+            self.measured_error = why
+            self._said(_note_html(why))
+            return
+        self._running = True
+        self.run_button.disabled, self.run_button.description = True, "Running…"
         self.measured_text.value = ('<div class="mt-bubble-running" style="font-family:sans-serif">'
                                     f'running {html.escape(name)} on real ranks…</div>')
         try:
@@ -331,19 +466,40 @@ class BubbleWidget:
             fig = gantt_figure(timeline, p, unit="ms",
                                title=f"{name}, measured: P={p}, M={m}"
                                + (f", V={v}" if v > 1 else ""))
-        except ValueError as e:
-            self.measured_error = str(e)
-            self.measured_text.value = _error_html(self.measured_error, "run")
-            return
-        except Exception as e:  # a rank failed: show it, keep the widget alive
-            self.measured_error = f"{type(e).__name__}: {e}"
-            self.measured_text.value = (f'<pre class="mt-pipeline-error" style="color:#b00">'
-                                        f'{html.escape(self.measured_error)}</pre>')
-            return
+        except Exception as e:  # a refusal or a failed rank: say so, keep the widget alive
+            self._running = False
+            self.measured_error, kind = self._failure(e)
+            self._said("" if kind == "refusal" else _note_html(self.measured_error, kind))
+            return  # a refusal is said beside the button; an earlier measurement stays, marked
+        finally:
+            self._running = False
         self.measured_summary, self.measured_fig = summary, fig
-        self.measured_image.value = _png(fig)
+        self.measured_config, self._measured_png, self._faded_png = (name, p, m, v), _png(fig), None
+        self.measured_error = None
         self.measured_image.layout.display = None
-        self.measured_text.value = summary_html(summary, "measured", unit="ms")
+        self._refresh_run()
+
+    def _said(self, note: str) -> None:
+        """``note`` above the measured chart (if there is one, it stays, marked as not this
+        setting's)."""
+        self.measured_text.value = ""
+        self._refresh_run()
+        self.measured_text.value = note + self.measured_text.value
+
+    def _failure(self, exc: Exception) -> tuple[str, str]:
+        """What a failed run says and its kind (``refusal`` or ``error``): in the widget's words
+        when it is a limit of the model or the batch (learnt for next time: the button then
+        refuses such settings)."""
+        cause = _cause(exc)
+        for name, pattern in _LIMITS.items():
+            found = pattern.search(cause)
+            if found and getattr(self, name) is None:
+                setattr(self, name, int(found[1]))
+        why = self.run_refusal()
+        if why is not None:
+            return why, "refusal"
+        return ("The run on the real ranks failed: "
+                + (cause.splitlines()[0] if cause else type(exc).__name__), "error")
 
     def _ipython_display_(self):
         from IPython.display import display

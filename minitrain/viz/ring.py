@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import Comm, ring_all_reduce
+from . import LABEL
 
 __all__ = ["record_ring", "ring_frames", "contributors", "frame_html", "RingWidget"]
 
@@ -85,11 +86,12 @@ class RingWidget:
 
         self.frames = frames
         self.play = w.Play(min=0, max=len(frames) - 1, interval=1200)
-        self.slider = w.IntSlider(min=0, max=len(frames) - 1, description="frame")
+        self.slider = w.IntSlider(min=0, max=len(frames) - 1, description="frame", style=LABEL)
         w.jslink((self.play, "value"), (self.slider, "value"))
         self.out = w.HTML()
         self.slider.observe(lambda change: self.show(change["new"]), names="value")
         self.widget = w.VBox([w.HBox([self.play, self.slider]), self.out])
+        self.widget.add_class("mt-ring-widget")
         self.show(0)
 
     def show(self, i: int) -> None:

@@ -10,6 +10,8 @@ ipywidgets to them.
 
 from __future__ import annotations
 
+from . import LABEL, beside
+
 __all__ = ["KINDS", "held", "grid", "grid_html", "ShardingWidget"]
 
 KINDS = ("parameters", "gradients", "optimizer_states")
@@ -75,8 +77,9 @@ class ShardingWidget:
             from ..parallel.flat import shard_layout as layout_fn
         self.model, self.layout_fn = model, layout_fn
         self.stage = w.ToggleButtons(options=["0", "1", "2", "3"], value=str(stage),
-                                     description="ZeRO stage")
-        self.n = w.IntSlider(value=n, min=1, max=8, description="ranks N")
+                                     description="ZeRO stage",
+                                     style=dict(LABEL, button_width="48px"), layout=beside())
+        self.n = w.IntSlider(value=n, min=1, max=8, description="ranks N", style=LABEL)
         self.out = w.HTML()
         for c in (self.stage, self.n):
             c.observe(lambda _change: self.update(), names="value")

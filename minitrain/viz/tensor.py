@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import html
 
-__all__ = ["RANK_COLORS", "split_plan", "split_html", "TensorSplitWidget"]
+from . import LABEL, beside
+
+__all__ = ["RANK_COLORS", "split_plan", "split_html", "valid_sizes", "TensorSplitWidget"]
 
 RANK_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3",
                "#8c8c8c")
@@ -38,9 +40,10 @@ def split_plan(mlp, n: int, split_a: str = "columns") -> dict:
             "collectives": []}
     cut = ff if split_a == "columns" else d
     if cut % n:
-        name = "d_ff" if split_a == "columns" else "d_model"
-        plan["problem"] = (f"{name}={cut} does not split over {n} ranks: pick a number of ranks "
-                           f"that divides {cut}")
+        what = ("the hidden width d_ff" if split_a == "columns" else "the model width d_model")
+        plan["problem"] = (f"A split by {split_a} cuts {what}, {cut}, into {n} equal parts: "
+                           f"{cut} does not divide by {n}. Pick a number of ranks that divides "
+                           f"{cut}.")
         return plan
     for r in range(n):
         if split_a == "columns":  # torch stores A as fc.weight = Aᵀ (ff × d): A's columns are its rows
@@ -128,17 +131,25 @@ def split_html(plan: dict) -> str:
             f'<div style="margin-top:4px">where the ranks add up:</div><ul>{comm}</ul></div>')
 
 
+def valid_sizes(mlp, most: int = 8) -> list[int]:
+    """The TP sizes up to ``most`` that split ``mlp`` either way (they divide d_model and d_ff)."""
+    d, ff = mlp.fc.in_features, mlp.fc.out_features
+    return [n for n in range(1, most + 1) if d % n == 0 and ff % n == 0]
+
+
 class TensorSplitWidget:
     """TP size and how A is split as controls; the plan of ``model.blocks[0].mlp`` (a GPT) or of
-    an MLP redrawn at every change."""
+    an MLP redrawn at every change.  The sizes offered are those that split the MLP either way."""
 
     def __init__(self, model, n: int = 2, split_a: str = "columns"):
         import ipywidgets as w
 
         self.mlp = model.blocks[0].mlp if hasattr(model, "blocks") else model
-        self.n = w.IntSlider(value=n, min=1, max=8, description="TP size N")
+        sizes = sorted(set(valid_sizes(self.mlp)) | {n})  # only sizes that split (and the one asked)
+        self.n = w.SelectionSlider(options=sizes, value=n, description="TP size N", style=LABEL)
         self.split = w.ToggleButtons(options=["columns", "rows"], value=split_a,
-                                     description="split A by")
+                                     description="split A by",
+                                     style=dict(LABEL, button_width="80px"), layout=beside())
         self.out = w.HTML()
         for c in (self.n, self.split):
             c.observe(lambda _change: self.update(), names="value")

@@ -41,7 +41,7 @@ def plot_ddp_timeline(reports: list[dict], step: int = -1):
     ax.set_yticks(range(len(rows)), [f"rank {r['rank']}" for r in rows])
     ax.invert_yaxis()
     ax.set_xlabel("ms since backward started")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)  # off the bars
     ax.set_title("DDP: buckets are all-reduced while backward is still running")
     fig.tight_layout()
     return fig

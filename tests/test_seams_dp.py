@@ -1,10 +1,12 @@
 """The data-parallel family's seams: each filled from outside by a reference function (the
-lesson's exercise, or the package's own step written out) runs inside the real strategy and
-trains exactly as the package's own code does."""
+lesson's exercise as its solution in tests/answers/, or the package's own step written out) runs
+inside the real strategy and trains exactly as the package's own code does."""
 
 import pytest
-import torch
 
+from answers.lesson02 import end_of_backward, grad_ready
+from answers.lesson03 import topk_ef as topk_error_feedback
+from answers.lesson04 import zero1_step, zero3_hook
 from minitrain import GPT, TrainConfig, train
 from minitrain.comm import ring_all_reduce
 
@@ -16,50 +18,6 @@ def sync_gradients(model, comm):
     for p in model.parameters():
         p.grad /= comm.size
         comm.all_reduce(p.grad)
-
-
-def grad_ready(bucket, i, grad, comm):
-    """The lesson-02 exercise's solution: fill the bucket, launch its all-reduce once full."""
-    torch.mul(grad, 1.0 / comm.size, out=bucket.views[i])
-    bucket.ready.add(i)
-    if len(bucket.ready) == len(bucket.views):
-        bucket.work = comm.all_reduce(bucket.buffer, async_op=True)
-
-
-def end_of_backward(buckets):
-    for bucket in buckets:
-        bucket.work.wait()
-
-
-def topk_error_feedback(grad, residual, k):
-    """The lesson-03 exercise's solution."""
-    corrected = grad + residual
-    indices = corrected.abs().topk(k).indices
-    values = corrected[indices]
-    new_residual = corrected.clone()
-    new_residual[indices] = 0
-    return indices, values, new_residual
-
-
-def zero1_step(flat_params, flat_grads, shard, optimizer, comm):
-    """The lesson-04 exercise's solution: this rank's own gradient reduce-scattered, the shard
-    stepped, the shards all-gathered."""
-    grad = torch.empty_like(shard)
-    comm.reduce_scatter(grad, flat_grads)
-    shard.grad = grad / comm.size
-    optimizer.step()
-    comm.all_gather(flat_params, shard.detach().clone())
-
-
-def zero3_hook(unit, comm, moment):
-    """The lesson-04 exercise's solution: blocking, no prefetch (the package's own is neither)."""
-    if moment.startswith("before"):
-        unit.allocate()
-        comm.all_gather(unit.full, unit.shard)
-    else:
-        if moment == "after backward":
-            comm.reduce_scatter(unit.grad_shard, unit.grad)
-        unit.free()
 
 
 CASES = [

@@ -3,104 +3,19 @@
 and gives the losses of the package's own path."""
 
 import pytest
-import torch
-import torch.nn.functional as F
 
+from answers.lesson04 import zero1_step
+from answers.lesson05 import one_f_one_b, stage_step
+from answers.lesson06 import ColumnParallel as ColumnParallelLinear
+from answers.lesson06 import RowParallel as RowParallelLinear
+from answers.lesson08 import mesh_groups
 from minitrain import GPTConfig, TrainConfig, train
 from minitrain.comm import ring_all_reduce
 
-# 4 layers (2 stages x 2 chunks), 4 heads (tp 2), a batch of 8 (2 replicas, micro-batches)
+# the reference functions are the exercises' solutions (tests/answers/): what a learner's correct
+# answer does.  4 layers (2 stages x 2 chunks), 4 heads (tp 2), a batch of 8 (2 replicas, micro-batches)
 CFG = TrainConfig(steps=3, batch_size=8, seed=0,
                   model=GPTConfig(n_layer=4, n_head=4, d_model=32, seq_len=16))
-
-
-# -- the reference functions, written as the exercises ask ------------------------------------------
-
-
-def one_f_one_b(rank, P, M):
-    """Lesson 05: this rank's 1F1B order as strings."""
-    warmup = min(P - rank - 1, M)
-    order = [f"F{m}" for m in range(warmup)]
-    for i in range(M - warmup):
-        order += [f"F{warmup + i}", f"B{i}"]
-    return order + [f"B{m}" for m in range(M - warmup, M)]
-
-
-def stage_step(action, stage, inp, saved, send, loss):
-    """Lesson 05: one forward or backward of one stage, with its messages."""
-    key = (action.microbatch, action.stage)
-    if action.kind == "F":
-        out = stage(inp)
-        if stage.last:
-            out = loss(out)
-        saved[key] = (inp, out)
-        if stage.last:
-            return out
-        send(out.detach())
-        return None
-    x, out = saved.pop(key)
-    out.backward(inp)
-    if not stage.first:
-        send(x.grad)
-    return None
-
-
-def _grads(ctx, g):
-    x, weight = ctx.saved_tensors
-    g2 = g.reshape(-1, g.shape[-1])
-    grad_w = g2.t() @ x.reshape(-1, x.shape[-1])
-    return g @ weight, grad_w, g2.sum(0) if ctx.has_bias else None
-
-
-class ColumnParallelLinear(torch.autograd.Function):
-    """Lesson 06: Y_r = X A_r + b_r forward; dL/dX summed over the ranks backward (f)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, comm):
-        ctx.save_for_backward(x, weight)
-        ctx.comm, ctx.has_bias = comm, bias is not None
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, g):
-        grad_x, grad_w, grad_b = _grads(ctx, g)
-        ctx.comm.all_reduce(grad_x)
-        return grad_x, grad_w, grad_b, None
-
-
-class RowParallelLinear(torch.autograd.Function):
-    """The mirror: Z = Σ_r X_r B_r (all-reduced, g) + b forward; identity on dL/dZ backward."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, comm):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        out = F.linear(x, weight)
-        comm.all_reduce(out)
-        return out if bias is None else out + bias
-
-    @staticmethod
-    def backward(ctx, g):
-        return (*_grads(ctx, g), None)
-
-
-def mesh_groups(dp, pp, tp, axis):
-    """Lesson 08: the groups of one axis, rank = (p·dp + d)·tp + t."""
-    rank = lambda d, p, t: (p * dp + d) * tp + t  # noqa: E731
-    if axis == "tp":
-        return [[rank(d, p, t) for t in range(tp)] for p in range(pp) for d in range(dp)]
-    if axis == "dp":
-        return [[rank(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)]
-    return [[rank(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)]
-
-
-def zero1_step(flat_params, flat_grads, shard, optimizer, comm):
-    """Lesson 04: ZeRO-1's step from this rank's own gradient (3d's ZeRO-1 over its dp group)."""
-    grad = torch.empty_like(shard)
-    comm.reduce_scatter(grad, flat_grads)
-    shard.grad = grad / comm.size
-    optimizer.step()
-    comm.all_gather(flat_params, shard.detach().clone())
 
 
 TENSOR = {"column_parallel_linear": ColumnParallelLinear, "row_parallel_linear": RowParallelLinear}

@@ -73,12 +73,18 @@ def rank_trouble(exc: BaseException, fn, where: str) -> str:
                 f"peer answered{learner_line(getattr(exc, 'remote_traceback', text), fn)} — a "
                 "send needs the matching recv on the peer (if every rank sends first, all wait), "
                 "and every rank must call each collective")
+    return f"{where}: {rank_error(exc, fn)}"
+
+
+def rank_error(exc: BaseException, fn) -> str:
+    """A rank's exception as one line: its type and message, and the learner's line it came from."""
+    text = str(exc)
     tb = getattr(exc, "remote_traceback", "") or text
     kind = getattr(exc, "exc_type", "") or type(exc).__name__
     message = text.splitlines()[0].split("failed: ", 1)[-1]
     if kind and not message.startswith(kind):
         message = f"{kind}: {message}"
-    return f"{where}: {message}{learner_line(tb, fn)}"
+    return f"{message}{learner_line(tb, fn)}"
 
 
 def _timeout(text: str) -> str:

@@ -16,7 +16,7 @@ import re
 import torch
 
 from .core import exercise, ranks
-from .inside import learner_line
+from .inside import learner_line, rank_error
 
 # --------------------------------------------------------------------------------------------------
 # The launcher's diagnosis, in the learner's terms
@@ -75,12 +75,7 @@ def diagnosis(exc: BaseException, fn, where: str) -> str:
         why = re.search(r"what\(\):\s+\[[^\]]*\]\s*(.+)", text)
         reason = why.group(1).strip() if why else "the ranks called mismatched collectives"
         return (f"{where} rank {exc.rank} was aborted by the backend (signal 6): {reason}")
-    tb = getattr(exc, "remote_traceback", "") or text
-    kind = getattr(exc, "exc_type", "") or type(exc).__name__
-    message = text.splitlines()[0].split("failed: ", 1)[-1]
-    if kind and not message.startswith(kind):
-        message = f"{kind}: {message}"
-    return f"{where} rank {getattr(exc, 'rank', '?')} raised {message}{learner_line(tb, fn)}"
+    return f"{where} rank {getattr(exc, 'rank', '?')} raised {rank_error(exc, fn)}"
 
 
 def all_wait_in(exc, op: str, n: int) -> bool:

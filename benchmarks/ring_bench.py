@@ -46,7 +46,7 @@ def main() -> None:
     parser.add_argument("--sizes", type=float, nargs="+", default=[1, 16, 64])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--pieces", type=int, default=None, help="sub-chunks per chunk (default: ~1 MiB each)")
+    parser.add_argument("--pieces", type=int, default=None, help="sub-chunks per chunk (default: ~2 MiB each)")
     args = parser.parse_args()
     print(f"{'ranks':>5} {'MiB':>5} {'ring ms':>9} {'gloo ms':>9} {'ratio':>6} {'ring GB/s':>10} {'gloo GB/s':>10}")
     for n in args.ranks:

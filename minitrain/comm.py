@@ -322,7 +322,7 @@ def all_reduce_coalesced(tensors: list, comm: Comm, tag: str = "", divide_by: in
 
 #: Sub-chunk size the ring pipelines in (bytes): a chunk of C bytes goes as ceil(C / this) pieces
 #: (at most :data:`RING_MAX_PIECES`), so the next piece travels while the last one is being added.
-RING_PIECE_BYTES = 1 << 20
+RING_PIECE_BYTES = 2 << 20
 RING_MAX_PIECES = 16
 
 
@@ -344,7 +344,7 @@ def ring_all_reduce(tensor: torch.Tensor, comm: Comm, record: list | None = None
     2(N-1)/N of the tensor in total, whatever N is: that is why the ring is bandwidth-optimal.
 
     Pipelined, as NCCL and gloo do: each chunk travels as ``pieces`` sub-chunks (default: about
-    1 MiB each, one for small tensors).  The receives of a step are posted before they are needed,
+    2 MiB each, one for small tensors).  The receives of a step are posted before they are needed,
     and piece j of step s+1 is sent as soon as piece j of step s has arrived and been added, so
     sending, receiving and adding overlap instead of taking turns.
 

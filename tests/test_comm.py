@@ -10,7 +10,7 @@ from minitrain.comm import ring_sent_bytes
 SHAPES = [(1,), (7,), (10,), (1001,), (3, 5)]  # sizes that do and do not divide by 2, 3, 4
 
 
-def ring_vs_builtin(shapes):
+def ring_vs_builtin(shapes, pieces=None):
     comm = Comm()
     out = []
     for i, shape in enumerate(shapes):
@@ -18,7 +18,7 @@ def ring_vs_builtin(shapes):
         x = torch.randn(shape, generator=gen, dtype=torch.float64)
         expected = x.clone()
         dist.all_reduce(expected)
-        got = ring_all_reduce(x.clone(), comm)
+        got = ring_all_reduce(x.clone(), comm, pieces=pieces)
         out.append(torch.allclose(got, expected, rtol=1e-12, atol=1e-12))
     sends = [e for e in comm.tracer.events if e.op == "send"]
     return out, sum(e.bytes for e in sends), len(sends)
@@ -35,6 +35,19 @@ def test_ring_all_reduce_equals_dist_all_reduce(clusters, n):
         assert abs(sent - 2 * (n - 1) / n * total) <= 2 * (n - 1) * len(SHAPES) * 8
     # over all ranks every chunk is sent exactly 2(N-1) times... in total: 2(N-1) x data
     assert sum(r[1] for r in results) == 2 * (n - 1) * total
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ring_in_pieces_equals_dist_all_reduce(clusters, n):
+    """Each chunk sent as several sub-chunks (the pipelined ring): same sum, same bytes."""
+    shapes = [(10,), (1001,)]
+    total = sum(torch.Size(s).numel() for s in shapes) * 8
+    for pieces in (2, 5):
+        results = clusters(n).run(ring_vs_builtin, shapes, pieces)
+        for rank, (equal, sent, calls) in enumerate(results):
+            assert all(equal), f"pieces={pieces}, rank {rank}: {equal}"
+            assert calls > 2 * (n - 1) * len(shapes), "the chunks were not cut into pieces"
+        assert sum(r[1] for r in results) == 2 * (n - 1) * total
 
 
 def ring_on_a_view():

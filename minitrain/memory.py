@@ -28,6 +28,7 @@ DTYPE_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, 
 RECIPES = {
     "mixed-adam": (2, 2, 12),   # bf16/fp16 weights+grads; fp32 master weights, momentum, variance
     "fp32-adam": (4, 4, 8),     # fp32 weights+grads; fp32 momentum, variance
+    "fp8-adam": (1, 1, 12),     # at best: fp8 weights+grads; the optimizer stays fp32 (as mixed-adam)
     "fp32-sgd": (4, 4, 0),
     "fp32-momentum": (4, 4, 4),
 }

@@ -48,6 +48,9 @@ def test_zero_formulas_reproduce_the_papers_7_5b_on_64_gpus():
 def test_sixteen_bytes_per_parameter_arithmetic():
     assert 7e9 * bytes_per_param("bf16") / GB == 14
     assert model_state_bytes(7e9)["total"] / GB == 112 > 80  # more than an 80 GB H100
+    # FP8 weights and gradients leave the fp32 optimizer states: 14 bytes, not 16
+    fp8 = model_state_bytes(7e9, recipe="fp8-adam")
+    assert fp8["total"] == 14 * 7e9 and fp8["optimizer_states"] == model_state_bytes(7e9)["optimizer_states"]
 
 
 def test_formula_inputs_are_checked():

@@ -254,3 +254,12 @@ def test_hidden_fraction_and_timeline_rows_are_pure():
     assert [r["rank"] for r in rows] == [0, 1]
     assert rows[0]["bars"][0] == dict(unit=0, kind="gather", start=0.0, end=2000.0, backward=False)
     assert rows[0]["hidden"] == pytest.approx(1 / 3)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from minitrain.viz.fsdp import plot_fsdp_timeline
+
+    for names, labels in ((None, ["unit 0", "unit 1"]), ({0: "embedding", 1: "block 0"}, ["embedding", "block 0"])):
+        fig = plot_fsdp_timeline([tl, tl], names)  # one colour per unit, and a legend saying which
+        assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == labels
+        plt.close(fig)

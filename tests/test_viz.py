@@ -207,3 +207,6 @@ def test_mesh_colours_every_machine_apart_and_cuts_the_groups_table():
     widget.per_node.value = 4
     assert [t.get_text() for t in widget.fig.axes[0].get_legend().get_texts()][1] == \
         "machine m1: ranks 4–7"
+    one_row = MeshWidget(1, 4, 1, devices_per_node=2)  # a grid one rank high still names both machines
+    assert [t.get_text() for t in one_row.fig.axes[0].get_legend().get_texts()] == \
+        ["machine m0: ranks 0–1", "machine m1: ranks 2–3"]

@@ -7,7 +7,7 @@ import pytest
 from minitrain.parallel.schedules import (Action, ScheduleError, bubble_fraction,
                                           make_schedule, simulate)
 from minitrain.viz.pipeline import (BubbleWidget, bar_color, bubble_summary, gantt_figure,
-                                    gantt_rows, plot_gantt)
+                                    gantt_rows, ideal_timeline, plot_gantt)
 
 
 def ideal(name, p, m, v=1):
@@ -346,3 +346,25 @@ def test_a_refused_or_failed_run_keeps_the_last_measurement_marked():
     w.run_measured()
     assert "The batch has 8 samples" in w.measured_text.value
     assert "mt-bubble-stale" in w.measured_text.value
+
+
+def test_interleaved_chunks_take_their_share_of_a_stage_on_the_drawn_time_axis():
+    """A chunk holds 1/v of a stage's layers: drawn with a whole unit per chunk, interleaving
+    would look slower than 1F1B, when it is faster (same bubble fraction either way)."""
+    import matplotlib
+    from matplotlib.figure import Figure
+
+    matplotlib.use("Agg")
+    p, m, v = 4, 8, 2
+    flat, inter = ideal_timeline("1f1b", p, m), ideal_timeline("interleaved", p, m, v)
+    assert flat == ideal("1f1b", p, m)
+    span = lambda tl: max(e["end"] for e in tl)  # noqa: E731
+    assert span(inter) < span(flat) == 3 * (m + p - 1)
+    assert bubble_fraction(inter, p) == pytest.approx(bubble_fraction(ideal("interleaved", p, m, v), p))
+    ax = Figure().add_subplot()
+    plot_gantt(ax, inter, p)
+    assert ax.get_xlabel() == "time (a stage's F = 1, B = 2 units; each of its 2 chunks takes 1/2 of that)"
+    plot_gantt(ax, ideal("interleaved", p, m, v), p)  # one unit per chunk: the label says so
+    assert ax.get_xlabel() == "time (F = 1, B = 2, I = W = 1 unit per chunk)"
+    w = BubbleWidget(stages=p, microbatches=m, schedule="interleaved")
+    assert w.summary["makespan"] == span(inter) and "makespan 28.5 units" in w.text.value

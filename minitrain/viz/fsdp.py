@@ -27,9 +27,11 @@ def unit_timeline_rows(timelines: list[list[dict]]) -> list[dict]:
             for rank, tl in enumerate(timelines)]
 
 
-def plot_fsdp_timeline(timelines: list[list[dict]]):
-    """Gather, compute and reduce-scatter lanes per rank (one colour per unit), frees as ticks."""
+def plot_fsdp_timeline(timelines: list[list[dict]], unit_names: dict[int, str] | None = None):
+    """Gather, compute and reduce-scatter lanes per rank (one colour per unit, named in a legend
+    beside the axis by ``unit_names`` — unit index → name — or "unit 3"), frees as ticks."""
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     rows = unit_timeline_rows(timelines)
     fig, ax = plt.subplots(figsize=(11, 1.2 + 1.3 * len(rows)))
@@ -48,6 +50,11 @@ def plot_fsdp_timeline(timelines: list[list[dict]]):
         hidden = "-" if row["hidden"] is None else f"{row['hidden']:.0%}"
         labels += [(base + k, f"rank {row['rank']} {kind}" + (f" ({hidden} hidden)" if k == 0 else ""))
                    for kind, k in LANES.items()]
+    units = sorted({b["unit"] for row in rows for b in row["bars"] if b["kind"] != "free"})
+    names = unit_names or {}
+    ax.legend(handles=[Patch(color=colors(u % 10), label=names.get(u, f"unit {u}")) for u in units],
+              title="unit", fontsize=8, title_fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0),
+              frameon=False)
     ax.set_yticks([y for y, _ in labels], [t for _, t in labels], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("ms (hatched: backward; black ticks: full parameters freed)")

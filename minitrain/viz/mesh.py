@@ -97,7 +97,7 @@ def plot_mesh(ax, shape: MeshShape, devices_per_node: int | None = None, title: 
     ax.set_xticks([p + 0.5 for p in range(shape.pp)], [f"stage {p}" for p in range(shape.pp)])
     ax.set_yticks([rows - (d + 0.5) * shape.tp for d in range(shape.dp)],
                   [f"replica {d}" for d in range(shape.dp)])
-    shown = min(machines, rows)  # the legend is no taller than the grid
+    shown = min(machines, max(rows, 4))  # the legend about as tall as the grid, at most
     def ranks(m: int) -> str:
         first, last = m * per_node, min(shape.size, (m + 1) * per_node) - 1
         return f"rank {first}" if first == last else f"ranks {first}–{last}"
@@ -105,7 +105,8 @@ def plot_mesh(ax, shape: MeshShape, devices_per_node: int | None = None, title: 
     handles = [Patch(color=colors[m], alpha=0.35, label=f"machine m{m}: {ranks(m)}")
                for m in range(shown)]
     if shown < machines:
-        handles.append(Patch(color="white", label=f"… {machines - shown} more machines"))
+        more = machines - shown
+        handles.append(Patch(color="white", label=f"… {more} more machine{'s' if more > 1 else ''}"))
     ax.legend(handles=handles, title=f"colour = machine ({per_node} device{'s' if per_node > 1 else ''} each)", fontsize=7,
               title_fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.set_title(title or f"dp {shape.dp} x pp {shape.pp} x tp {shape.tp}: dashed boxes are "

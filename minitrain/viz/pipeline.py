@@ -19,8 +19,8 @@ from datetime import datetime, timedelta
 
 from . import LABEL
 
-__all__ = ["KIND_COLORS", "KIND_NAMES", "IDLE_COLOR", "bar_color", "gantt_rows", "bubble_summary",
-           "summary_html", "plot_gantt", "gantt_figure", "refusal", "BubbleWidget"]
+__all__ = ["KIND_COLORS", "KIND_NAMES", "IDLE_COLOR", "bar_color", "ideal_timeline", "gantt_rows",
+           "bubble_summary", "summary_html", "plot_gantt", "gantt_figure", "refusal", "BubbleWidget"]
 
 #: Base colour per kind and model chunk (index = chunk): forwards cool, backwards warm.
 KIND_COLORS = {
@@ -66,6 +66,28 @@ def bar_color(kind: str, microbatch: int, microbatches: int, chunk: int = 0) -> 
     t = 0.45 * microbatch / max(microbatches - 1, 1)
     rgb = [int(base[i:i + 2], 16) for i in (1, 3, 5)]
     return "#" + "".join(f"{round(c + (255 - c) * t):02x}" for c in rgb)
+
+
+def ideal_timeline(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> list[dict]:
+    """The ideal timeline of a schedule to draw: :func:`~minitrain.parallel.schedules.simulate` with
+    a stage's F = 1, B = 2 (I = W = 1) units, so a chunk of an interleaved schedule, which holds
+    1/v of its stage's layers, takes 1/v of that.  Schedules of any v then share one time axis (with
+    a whole unit per chunk, interleaving would look v times slower than it is); the bubble fraction
+    is the same either way."""
+    from ..parallel.schedules import COSTS, make_schedule, simulate
+
+    costs = {kind: cost / chunks for kind, cost in COSTS.items()}
+    return simulate(make_schedule(schedule, stages, microbatches, chunks), costs)
+
+
+def _time_label(rows: list[dict]) -> str:
+    """The x label of an ideal timeline, from what one forward of one chunk took in it."""
+    bars = [b for r in rows for b in r["bars"]]
+    chunks = 1 + max(b["chunk"] for b in bars)
+    forward = next((b["end"] - b["start"] for b in bars if b["kind"] == "F"), 1.0)
+    if chunks == 1 or abs(forward - 1.0) < 1e-9:
+        return "time (F = 1, B = 2, I = W = 1 unit" + (" per chunk)" if chunks > 1 else ")")
+    return f"time (a stage's F = 1, B = 2 units; each of its {chunks} chunks takes 1/{chunks} of that)"
 
 
 def _luminance(color: str) -> float:
@@ -139,7 +161,7 @@ def summary_html(summary: dict, what: str = "ideal", unit: str = "units") -> str
     s = summary
     p, m, v = s["stages"], s["microbatches"], s["chunks"]
     formula = "(p−1)/(m+p−1)" if v == 1 else "(p−1)/(v·m+p−1)"
-    span = f"{s['makespan'] * 1e3:.1f} ms" if unit == "ms" else f"{s['makespan']:g} units"
+    span = f"{s['makespan'] * 1e3:.1f} ms" if unit == "ms" else f"{s['makespan']:.4g} units"
     peaks = " ".join(str(s["peak_in_flight"].get(r, 0)) for r in range(p))
     held = "micro-batches" if v == 1 else "(micro-batch, chunk) activations"
     return (f'<div class="mt-bubble-summary mt-bubble-{what}" style="font-family:sans-serif">'
@@ -196,8 +218,7 @@ def plot_gantt(ax, timeline: list[dict], stages: int, title: str | None = None,
     ax.set_yticks(range(stages), [f"rank {r}" for r in range(stages)])
     ax.set_ylim(stages - 0.5, -0.5)  # rank 0 on top
     ax.set_xlim(t0 * scale, t1 * scale)
-    ax.set_xlabel("time (F = 1, B = 2, I = W = 1 unit)" if unit == "units"
-                  else "ms since the step started")
+    ax.set_xlabel(_time_label(rows) if unit == "units" else "ms since the step started")
     if title is not None:
         ax.set_title(title, fontsize=10)
     return ax
@@ -387,13 +408,11 @@ class BubbleWidget:
     # -- drawing ------------------------------------------------------------------------------
     def update(self) -> None:
         """Recompute the ideal schedule and redraw it (or say why it cannot run)."""
-        from ..parallel.schedules import make_schedule, simulate
-
         name, p, m, v = self.config()
         self.error = refusal(name, p, m, v)
         if self.error is None:
             try:
-                timeline = simulate(make_schedule(name, p, m, v))
+                timeline = ideal_timeline(name, p, m, v)
             except ValueError as e:  # not foreseen by refusal(): say so rather than fail
                 self.error = f"This schedule cannot run: {e}"
         if self.error is not None:

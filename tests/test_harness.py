@@ -13,6 +13,8 @@ from minitrain.precision import DynamicLossScaler
 from minitrain.strategies import ConfigError, get_strategy, strategy_names
 from minitrain.strategies.base import option_fields
 
+from answers.lesson07 import scale_update as _reference_loss_scale_update  # lesson 07's solution
+
 PARALLEL = Path(__file__).resolve().parents[1] / "minitrain" / "parallel"
 
 
@@ -64,15 +66,6 @@ def test_a_seam_the_strategy_does_not_have_is_refused():
     with pytest.raises(ConfigError, match="no seam called 'ring'"):
         train(TrainConfig(), seams={"ring": lambda t, comm: t})
 
-
-def _reference_loss_scale_update(scale, good_steps, found_inf, growth_interval):
-    """The dynamic loss-scale rule, written outside the package (lesson 07's exercise)."""
-    if found_inf:
-        return scale / 2, 0, False
-    good_steps += 1
-    if good_steps == growth_interval:
-        return scale * 2, 0, True
-    return scale, good_steps, True
 
 
 def test_the_loss_scale_seam_runs_inside_the_real_strategy(clusters):

@@ -33,6 +33,8 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from . import shipping
+
 __all__ = [
     "descendants",
     "threads_per_rank",
@@ -340,7 +342,7 @@ def _worker_main(rank: int, world_size: int, conn, opts: dict) -> None:
         task["number"] += 1
         task["since"] = time.monotonic()
         try:
-            fn, args, kwargs = cloudpickle.loads(payload)
+            fn, args, kwargs = shipping.loads(payload)
             result = fn(*args, **kwargs)
             task["since"] = None
             _flush()
@@ -602,7 +604,7 @@ class Cluster:
         the next ``run`` starts fresh ranks.
         """
         self.start()
-        payload = cloudpickle.dumps((fn, args, kwargs))  # a function that cannot be sent: no harm
+        payload = shipping.dumps((fn, args, kwargs))  # a function that cannot be sent: no harm
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             self._task += 1

@@ -2,6 +2,7 @@
 every failing rank kept, and a cluster that stays consistent whatever happens to a run."""
 
 import os
+import pickle
 import signal
 import subprocess
 import time
@@ -213,3 +214,34 @@ def test_a_cell_defined_after_the_ranks_started_still_shows_its_line(two):
     text = str(info.value)
     assert "rank 0 waiting in all_reduce at cell line 3: dist.all_reduce(torch.ones(1))" in text
     assert "    dist.all_reduce(torch.ones(1))  # the line to show" in text  # in its stack too
+
+
+def test_shipping_keeps_a_cells_file_name_and_source(tmp_path):
+    """What the ranks get (minitrain.shipping): the code's real file name, whatever cloudpickle
+    renames it to, and the source of a file that exists only in this process's linecache."""
+    import linecache
+
+    from minitrain import shipping
+
+    src = "def cell_fn(x):\n    y = x + 1  # the second line\n    return y\n"
+    path = "/tmp/ipykernel_0/shipped_cell.py"  # never on disk, as with a notebook cell
+    linecache.cache[path] = (len(src), None, src.splitlines(True), path)
+    namespace: dict = {}
+    exec(compile(src, path, "exec"), namespace)
+    try:
+        data = shipping.dumps(namespace["cell_fn"])
+    finally:
+        linecache.cache.pop(path, None)
+    assert linecache.getline(path, 2) == ""  # the receiver has no copy of the cell...
+    try:
+        fn = shipping.loads(data)
+        assert fn(1) == 2
+        assert fn.__code__.co_filename == path  # ...until loads() puts it there
+        assert linecache.getline(path, 2).strip() == "y = x + 1  # the second line"
+    finally:
+        linecache.cache.pop(path, None)
+    real = tmp_path / "module_on_disk.py"
+    real.write_text(src)
+    exec(compile(src, str(real), "exec"), namespace)
+    sources, _ = pickle.loads(shipping.dumps(namespace["cell_fn"]))
+    assert sources == {}  # a function from a file on disk ships no source: the rank reads it

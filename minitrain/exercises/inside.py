@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import shipping
 from .core import parts, ranks
 
 # --------------------------------------------------------------------------------------------------
@@ -286,7 +287,7 @@ def _by_value(fn) -> bytes:
     for module in modules:
         cloudpickle.register_pickle_by_value(module)
     try:
-        return cloudpickle.dumps(fn)
+        return shipping.dumps(fn)  # with the cell's source: lesson 08's tracebacks show its lines
     finally:
         for module in modules:
             cloudpickle.unregister_pickle_by_value(module)
@@ -295,13 +296,11 @@ def _by_value(fn) -> bytes:
 def mine(problems: dict | None = None) -> dict:
     """The learner's kept functions by exercise name; those that do not load are left out (with
     the reason in ``problems`` when given)."""
-    import cloudpickle
-
     out = {}
     folder = mine_dir()
     for path in sorted(folder.glob("*.pkl")) if folder.is_dir() else []:
         try:
-            out[path.stem] = cloudpickle.loads(path.read_bytes())
+            out[path.stem] = shipping.loads(path.read_bytes())
         except Exception as exc:  # noqa: BLE001 - e.g. kept by another version of the package
             if problems is not None:
                 problems[path.stem] = f"{type(exc).__name__}: {exc}"

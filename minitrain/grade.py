@@ -78,16 +78,16 @@ class _Unreadable(ValueError):
 def _code_cells(nb) -> list[str]:
     """The sources of ``nb``'s code cells, or :class:`_Unreadable` saying which cell is not a cell."""
     if not isinstance(nb, dict):
-        raise _Unreadable(f"the file holds a JSON {type(nb).__name__}, not a notebook (an object "
-                          "with a list of cells)")
+        raise _Unreadable(f"the file holds {_json_kind(nb)}, not a notebook (an object with a "
+                          "list of cells)")
     cells = nb.get("cells")
     if not isinstance(cells, list):
-        raise _Unreadable("it has no list of cells" if cells is None else
-                          f"its cells are a {type(cells).__name__}, not a list")
+        raise _Unreadable("it has no list of cells" if "cells" not in nb else
+                          f"its cells are {_json_kind(cells)}, not a list")
     sources = []
     for number, cell in enumerate(cells, 1):
         if not isinstance(cell, dict):
-            raise _Unreadable(f"cell {number} is a {type(cell).__name__}, not a cell")
+            raise _Unreadable(f"cell {number} is {_json_kind(cell)}, not a cell")
         kind = cell.get("cell_type")
         if not isinstance(kind, str):
             raise _Unreadable(f"cell {number} has no cell_type")
@@ -96,11 +96,28 @@ def _code_cells(nb) -> list[str]:
         source = cell.get("source")
         if isinstance(source, list) and all(isinstance(line, str) for line in source):
             source = "".join(source)
+        if isinstance(source, list):
+            raise _Unreadable(f"cell {number}'s source is a list with something other than text "
+                              "in it (a cell's source is text or a list of lines)")
         if not isinstance(source, str):
-            what = "no source" if source is None else f"a source that is a {type(source).__name__}"
-            raise _Unreadable(f"cell {number} has {what} (a cell's source is text or a list of lines)")
+            raise _Unreadable(f"cell {number}'s source is {_json_kind(source)}, not text or a list "
+                              "of lines" if "source" in cell else f"cell {number} has no source")
         sources.append(source)
     return sources
+
+
+def _json_kind(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true/false"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, str):
+        return "text"
+    return "a list"
 
 
 def _read(path: Path) -> list[str]:
@@ -399,8 +416,8 @@ def grade_notebook(path: Path, known: dict[str, Path] | None = None, timeout: fl
     row.exercises = {n: "" for n in names}
     for number, source in enumerate(mine, 1):
         if source.lstrip().startswith(CHECK_MARK) and source not in expected:
-            call = _check_call(source)
-            what = f'check("{call[0]}", …)' if call else "no check call of the lesson's"
+            name = (_check_call(source) or _CHECK_CALL.findall(source) or [None])[0]
+            what = f'check("{name}", …)' if name else "no check call"
             row.errors.append(f"cell {number}: a check cell the lesson does not have ({what}): "
                               "reported, not scored")
     takes = {}
@@ -419,7 +436,7 @@ def _run_and_judge(row: Grade, path: Path, cells: list[str], takes: dict, timeou
                    sealed: bool, memory: int | None, hide: list) -> None:
     """Run the notebook in one box while a judge waits in another; fill ``row``."""
     checks = set(takes)
-    with tempfile.TemporaryDirectory(prefix="minitrain-grade-") as host, \
+    with tempfile.TemporaryDirectory(prefix=f"minitrain-grade-{os.getpid()}-") as host, \
             sandbox.Box(sealed=sealed, memory=memory, hide=hide) as judge_box, \
             sandbox.Box(sealed=sealed, memory=memory, hide=hide) as run_box:
         files = {k: open(os.path.join(host, k), "w+b") for k in ("spec", "ran", "run.log", "judged",

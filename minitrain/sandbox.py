@@ -37,7 +37,7 @@ NOBODY = 65534
 INSIDE_TMP = "/tmp"  # the sandbox's only writable folder (a private tmpfs)
 HIDDEN = ("/home", "/root", "/run", "/var/tmp", "/mnt", "/media", "/srv")
 FILE_CAP = 128 << 20  # RLIMIT_FSIZE: the largest file a sandboxed process may write
-MAX_PROCESSES = 512
+MAX_PROCESSES = 1024  # tasks (threads count) in the box
 
 
 # --------------------------------------------------------------------------------------------------
@@ -226,6 +226,9 @@ def _bwrap_args(hide: list[Path], tmp_size: int, sources: dict[Path, str]) -> li
             args += ["--size", str(tmp_size), "--tmpfs", str(path)]
         else:
             args += ["--ro-bind", sources.get(path, str(path)), str(path)]
+    for path, kind in rules:  # a hidden folder is empty and read-only; /tmp and /dev/shm writable
+        if kind == "mask" and str(path) not in (INSIDE_TMP, "/dev/shm"):
+            args += ["--remount-ro", str(path)]
     for p in hide:  # a hidden file (the gradebook) reads as empty, where it is still in view
         p = p.resolve()
         if p.is_file() and _in_view(p, rules):
@@ -288,7 +291,7 @@ class Box:
         self.sealed, self.memory, self.hide = sealed, memory, [Path(p) for p in hide]
         self.proc: subprocess.Popen | None = None
         self.cgroup: _Cgroup | None = None
-        self.host_tmp = None if sealed else tempfile.mkdtemp(prefix="minitrain-grade-")
+        self.host_tmp = None if sealed else tempfile.mkdtemp(prefix=f"minitrain-grade-{os.getpid()}-")
         self.tmp = INSIDE_TMP if sealed else self.host_tmp  # where the command may write
         self.timed_out = False
         self.stage: str | None = None  # run by root: where the folders Python needs are bound
@@ -306,7 +309,7 @@ class Box:
             if self.sealed:
                 sources = {}
                 if os.geteuid() == 0:  # bind what Python needs onto folders nobody can reach
-                    self.stage = tempfile.mkdtemp(prefix="minitrain-stage-")
+                    self.stage = tempfile.mkdtemp(prefix=f"minitrain-stage-{os.getpid()}-")
                     os.chmod(self.stage, 0o755)
                     mounts = []
                     for n, path in enumerate(_needed()):

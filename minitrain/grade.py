@@ -29,21 +29,24 @@ import csv
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import sandbox
 from .exercises import CHECK_MARK
 
-__all__ = ["Grade", "grade_notebook", "grade_folder", "main", "SandboxUnavailable"]
+__all__ = ["Grade", "grade_notebook", "grade_folder", "main", "SandboxUnavailable",
+           "GradebookMismatch"]
 
 LESSONS = Path(__file__).resolve().parents[1] / "lessons"
 _CHECK_CALL = re.compile(r'check\("([a-z0-9_]+)"')
 
-MAX_NOTEBOOK = 256 << 20  # bytes of a submitted notebook
+MAX_NOTEBOOK = 128 << 20  # bytes of a submitted notebook
 MAX_PAYLOAD = 64 << 20  # bytes of one exercise's function, pickled
 MAX_RESULTS = 512 << 20  # bytes read back from a sandbox
 FIELD_CAP = 1000  # characters in one gradebook field
@@ -426,14 +429,18 @@ def grade_notebook(path: Path, known: dict[str, Path] | None = None, timeout: fl
             call = _check_call(source)
             if call is not None:
                 takes[i] = call
-    _run_and_judge(row, path, mine, takes, timeout, sealed,
-                   None if memory_gib is None else int(memory_gib * 2**30),
-                   [path.parent.resolve(), *hide])
+    try:
+        _run_and_judge(row, mine, takes, timeout, sealed,
+                       None if memory_gib is None else int(memory_gib * 2**30),
+                       [path.parent.resolve(), *hide])
+    except Exception as exc:  # noqa: BLE001 - one notebook's trouble is one row, never the class's
+        row.status = f"failed to run: the grader met {type(exc).__name__}: {exc}"
+        row.exercises = {n: v or "fail: not judged" for n, v in row.exercises.items()}
     return row
 
 
-def _run_and_judge(row: Grade, path: Path, cells: list[str], takes: dict, timeout: float,
-                   sealed: bool, memory: int | None, hide: list) -> None:
+def _run_and_judge(row: Grade, cells: list[str], takes: dict, timeout: float, sealed: bool,
+                   memory: int | None, hide: list) -> None:
     """Run the notebook in one box while a judge waits in another; fill ``row``."""
     checks = set(takes)
     with tempfile.TemporaryDirectory(prefix=f"minitrain-grade-{os.getpid()}-") as host, \
@@ -508,12 +515,16 @@ def _run_problem(ran: list[dict], code, box: sandbox.Box, timeout: float, memory
 
 def _judge(row: Grade, box: sandbox.Box, files: dict, taken: dict, timeout: float, memory) -> None:
     """Hand the functions taken out to the judge; its verdicts go into ``row``."""
-    todo = [(name, taken[name]) for name in row.exercises if name in taken]
-    try:
-        box.proc.stdin.write(json.dumps(todo).encode())
-        box.proc.stdin.close()
-    except OSError:  # the judge is gone: said below
-        pass
+    todo = json.dumps([(name, taken[name]) for name in row.exercises if name in taken]).encode()
+
+    def hand_over():  # in a thread: a judge still importing, or stuck, is timed out below
+        try:
+            box.proc.stdin.write(todo)
+            box.proc.stdin.close()
+        except (OSError, ValueError):  # the judge is gone: said below
+            pass
+
+    threading.Thread(target=hand_over, daemon=True).start()
     code = box.wait(timeout)
     box.stop()
     judged = _results(files["judged"])
@@ -559,6 +570,10 @@ def _header(columns: list[str]) -> list[str]:
     return ["file", "lesson", "status", "passed", *columns, "errors"]
 
 
+class GradebookMismatch(ValueError):
+    """``--resume`` into a gradebook whose columns are not this folder's."""
+
+
 def _already(out: Path, header: list[str]) -> set[str]:
     """The files an interrupted gradebook already has rows for (a row cut short is dropped)."""
     data = out.read_bytes()
@@ -569,7 +584,7 @@ def _already(out: Path, header: list[str]) -> set[str]:
     if not rows:
         return set()
     if rows[0] != header:
-        raise ValueError(f"{out} has the columns {', '.join(rows[0])}, but this folder's lessons "
+        raise GradebookMismatch(f"{out} has the columns {', '.join(rows[0])}, but this folder's lessons "
                          f"give {', '.join(header)}: grade into a new file (--out) instead of "
                          "--resume")
     return {r[0] for r in rows[1:] if r}
@@ -643,6 +658,25 @@ def main(argv: list[str] | None = None) -> int:
                         help="grade without a sandbox where none can be made (a notebook can then "
                              "reach your files and leave processes behind); each row says so")
     args = parser.parse_args(argv)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None  # like Ctrl-C
+    try:
+        return _main(parser, args)
+    except KeyboardInterrupt:
+        print("\ninterrupted: " + (f"the rows graded so far are in {args.out}; the same command "
+                                   "with --resume grades the rest" if Path(args.out).exists() else
+                                   "no row was written yet"), file=sys.stderr)
+        return 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _terminated(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _main(parser, args) -> int:
     if not Path(args.folder).is_dir():
         parser.exit(2, f"minitrain grade: error: {args.folder} is not a folder\n")
     if not (args.timeout > 0):
@@ -658,12 +692,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rows = grade_folder(args.folder, args.out, args.timeout, args.lessons, resume=args.resume,
                             sealed=not args.unsealed, memory_gib=args.memory)
-    except ValueError as exc:  # --resume into a gradebook of other columns
+    except GradebookMismatch as exc:
         parser.exit(2, f"minitrain grade: error: {exc}\n")
-    except KeyboardInterrupt:
-        print(f"\ninterrupted: the rows graded so far are in {args.out}; run the same command with "
-              "--resume to grade the rest", file=sys.stderr)
-        return 130
     graded = sum(r.status.startswith("graded") for r in rows)
     print(f"wrote {args.out}: {len(rows)} notebook(s) graded now, {graded} graded, "
           f"{len(rows) - graded} with a problem (see the status column)")

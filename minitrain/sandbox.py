@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 __all__ = ["Box", "unavailable", "INSIDE_TMP"]
@@ -178,15 +179,21 @@ class _Cgroup:
                     pass
             time.sleep(0.02)
 
-    def remove(self) -> None:
+    def remove(self, within: float = 10.0) -> None:
+        """Remove the cgroup (killing what is still in it; a killed process takes a moment to
+        leave, longer on a busy machine)."""
+        deadline = time.monotonic() + within
         for d in self.dirs:
-            for _ in range(50):
+            while True:
                 try:
                     d.rmdir()
                     break
                 except FileNotFoundError:
                     break
-                except OSError:  # busy: a killed process not yet gone
+                except OSError:  # busy
+                    if time.monotonic() > deadline:
+                        break
+                    self.kill(within=0.1)
                     time.sleep(0.02)
 
 
@@ -203,7 +210,12 @@ def _needed() -> list[Path]:
     paths = {Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix), Path(sys.base_exec_prefix),
              Path(os.path.realpath(sys.executable)).parent.parent,
              Path(minitrain.__file__).resolve().parent}
-    paths |= {Path(p) for p in sys.path if p and os.path.isabs(p) and os.path.isdir(p)}
+    # the path a sandboxed ``python -I`` has (site-packages, what .pth files add), not this
+    # process's script folder, working folder or PYTHONPATH
+    own = {os.path.realpath(p) for p in [os.getcwd(), *(sys.path[:1] or []),
+                                         *os.environ.get("PYTHONPATH", "").split(os.pathsep)] if p}
+    paths |= {Path(p) for p in sys.path if p and os.path.isabs(p) and os.path.isdir(p)
+              and os.path.realpath(p) not in own}
     paths = {Path(os.path.realpath(p)) for p in paths if p != Path("/")}
     # a path inside another is bound with it
     return sorted(p for p in paths if not any(q != p and q in p.parents for q in paths))
@@ -275,6 +287,21 @@ def _in_view(path: Path, rules: list[tuple[Path, str]]) -> bool:
 
 
 _JOIN = 'while [ "$#" -gt 0 ] && [ "$1" != -- ]; do echo $$ > "$1" || exit 97; shift; done; shift; exec "$@"'
+@contextmanager
+def _uninterrupted():
+    """Ctrl-C (SIGINT) and SIGTERM wait until the block is done, then arrive (main thread only)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 # run by root, in a mount namespace of its own: bind each folder Python needs onto a folder that
 # nobody can reach (pairs of source and target, up to "--"), then run the rest
 _STAGE = ('while [ "$#" -gt 0 ] && [ "$1" != -- ]; do mount --bind "$1" "$2" || exit 98; shift 2; '
@@ -300,7 +327,8 @@ class Box:
         """Start ``argv`` with ``env`` (sealed: all of it, nothing else is passed in), ``stdin`` (a
         file or PIPE), ``stdout`` (a file, for stdout and stderr) and the open ``pass_fds``."""
         limits = [f"--fsize={FILE_CAP}"]
-        self.cgroup = _Cgroup.make(self.memory)
+        with _uninterrupted():  # a cgroup made is a cgroup that close() removes
+            self.cgroup = _Cgroup.make(self.memory)
         if self.memory and self.cgroup is None:  # no cgroup: a limit per process
             limits.append(f"--as={self.memory}")
         prlimit = shutil.which("prlimit")
@@ -365,13 +393,14 @@ class Box:
             self.cgroup.kill()
 
     def close(self) -> None:
-        """Stop everything, remove the cgroup and (unsealed) the temporary folder."""
-        self.stop()
-        if self.cgroup is not None:
-            self.cgroup.remove()
-        for folder in (self.host_tmp, self.stage):
-            if folder is not None:
-                shutil.rmtree(folder, ignore_errors=True)
+        """Stop everything, remove the cgroup and the temporary folders (Ctrl-C waits for this)."""
+        with _uninterrupted():
+            self.stop()
+            if self.cgroup is not None:
+                self.cgroup.remove()
+            for folder in (self.host_tmp, self.stage):
+                if folder is not None:
+                    shutil.rmtree(folder, ignore_errors=True)
 
     def __enter__(self):
         return self

@@ -254,8 +254,10 @@ def graded(tmp_path_factory):
     write("00_zz_escape.ipynb", notebook(escape(out), SOLVED, CHECK))
     write("00_memory.ipynb", notebook(SOLVED, CHECK, 'hog = b"x" * (3 << 30)'))
     # one bad notebook, one row
-    write("00_source_number.ipynb", '{"cells":[{"cell_type":"code","source":5}]}')
-    write("00_source_null.ipynb", '{"cells":[{"cell_type":"code","source":null}]}')
+    for name, source in (("00_source_number.ipynb", 5), ("00_source_null.ipynb", None)):
+        bad = notebook(SOLVED, CHECK)  # the lesson's cells and one that is not a cell
+        bad["cells"].insert(1, {**bad["cells"][0], "source": source})
+        write(name, bad)
     write("source_null_no_prefix.ipynb", '{"cells":[{"cell_type":"code","source":null}]}')
     write("00_deep.ipynb", "[" * 100_000 + "]" * 100_000)
     write("00_no_cell_type.ipynb", '{"cells":[{"source":"1"}]}')
@@ -380,8 +382,8 @@ def test_nothing_is_left_behind(graded):
 
 
 @pytest.mark.parametrize("name, status", [
-    ("00_source_number.ipynb", "unreadable: cell 1's source is a number, not text or a list of lines"),
-    ("00_source_null.ipynb", "unreadable: cell 1's source is null, not text or a list of lines"),
+    ("00_source_number.ipynb", "unreadable: cell 2's source is a number, not text or a list of lines"),
+    ("00_source_null.ipynb", "unreadable: cell 2's source is null, not text or a list of lines"),
     ("source_null_no_prefix.ipynb", "unreadable: cell 1's source is null, not text or a list of lines"),
     ("00_deep.ipynb", "unreadable: its JSON is nested too deeply to read"),
     ("00_no_cell_type.ipynb", "unreadable: cell 1 has no cell_type"),

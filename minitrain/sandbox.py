@@ -156,7 +156,8 @@ class _Cgroup:
                 if key == "oom_kill":
                     return int(value)
         except (OSError, ValueError):
-            return 0
+            pass
+        return 0
 
     def kill(self, within: float = 5.0) -> bool:
         """SIGKILL every process in the cgroup until none is left; True when none is."""
@@ -286,7 +287,12 @@ def _in_view(path: Path, rules: list[tuple[Path, str]]) -> bool:
     return deepest is None or deepest[1] == "bind"
 
 
-_JOIN = 'while [ "$#" -gt 0 ] && [ "$1" != -- ]; do echo $$ > "$1" || exit 97; shift; done; shift; exec "$@"'
+# the box's first process joins its cgroup (a cgroup.procs file per controller, up to "--"), then
+# runs the rest: everything it starts is in the cgroup from the start
+_JOIN = ('while [ "$#" -gt 0 ] && [ "$1" != -- ]; do echo $$ > "$1" || exit 97; shift; done; '
+         'shift; exec "$@"')
+
+
 @contextmanager
 def _uninterrupted():
     """Ctrl-C (SIGINT) and SIGTERM wait until the block is done, then arrive (main thread only)."""
@@ -409,7 +415,15 @@ class Box:
         self.close()
 
 
-_PROBE = "import nbclient, ipykernel, minitrain.exercises"
+# what a sandboxed Python must reach, without the cost of importing torch: the runner's packages
+# and the files of this package, the kernel's and torch's, readable
+_PROBE = ("import importlib.util as u, os, nbclient, cloudpickle\n"
+          "for name in ('minitrain', 'ipykernel', 'torch'):\n"
+          "    origin = u.find_spec(name).origin\n"
+          "    open(origin, 'rb').close()\n"
+          "    os.listdir(os.path.dirname(origin))\n"
+          "open(os.path.join(os.path.dirname(u.find_spec('minitrain').origin), 'exercises', "
+          "'__init__.py'), 'rb').close()")
 _unavailable: list = []
 
 

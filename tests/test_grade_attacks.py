@@ -1,10 +1,12 @@
 """``minitrain grade`` against a class that cheats, vandalises, escapes and sends garbage (issue 27).
 
 Every attack is a notebook of lesson 00 (its exercise is pure Python, so a tiny notebook grades in
-seconds); one folder holds them all and is graded once, and each test reads its row.  Each of these
-tests failed on the grader before issue 27: the cheats were recorded as passes, the vandal changed
-the submissions, solutions/ and the installed package, the daemons outlived grading and rewrote the
-gradebook, 3 GB went unnoticed, and the structural oddities aborted the whole run.
+seconds); one folder holds them all and is graded once, and each test reads its row.  Every attack's
+test failed on the grader before issue 27: the cheats were recorded as passes, the vandal changed
+the submissions, solutions/ and the installed package and reached the teacher's loopback, the
+daemons held grading up (for ever, with the pipe kept open) and rewrote the gradebook, 3 GB went
+unnoticed, the malformed notebooks aborted the whole run, a 5 MB message broke the CSV, Ctrl-C lost
+every row.  Ten thousand cells and a 50 MB output were graded before, and still are.
 """
 
 import csv

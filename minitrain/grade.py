@@ -29,11 +29,13 @@ import csv
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -289,47 +291,233 @@ if not spec["graceful"]:
     os._exit(0)  # sealed: the sandbox's end stops the kernel and all it started
 """
 
-# Judges in a sandbox of its own: the checkers are imported first (from the read-only package),
-# then, once the notebook has run, the functions taken out arrive on stdin, and each verdict goes to
-# fd 3.  No code of the student's exists in this process before the checkers are bound.
+# The judge, in a sandbox of its own, as its pid 1: it imports the checkers (from the read-only
+# package) before any student's code exists and makes itself unreachable (not dumpable: no process
+# of its sandbox may trace it or read its memory; as pid 1 it ignores their signals).  Then, for each
+# notebook, it forks a fresh process which reads that notebook's functions from stdin, judges each
+# and writes the verdicts to the verdicts pipe (argv[2]).  The judge itself never holds a student's
+# code or verdict.  When that process ends, every other process of the sandbox is killed and its
+# /tmp and /dev/shm are emptied; only then does the judge say "done" on the control pipe (argv[1]),
+# which no judged process ever had: nothing of one notebook meets the next.
 _JUDGE = r"""
-import base64, json, os, sys
-out = open(int(sys.argv[1]), "w")
-def emit(**item):
-    out.write(json.dumps(item) + "\n")
-    out.flush()
+import base64, ctypes, json, os, select, shutil, signal, sys, time
+control, verdicts, sealed = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "sealed"
+def emit(fd, item):
+    data = (json.dumps(item) + "\n").encode()
+    while data:
+        data = data[os.write(fd, data):]
 try:
     import minitrain.exercises as exercises
     from minitrain.exercises import problem
     from minitrain.shipping import loads
 except BaseException as exc:
-    emit(failed=f"the checkers did not load: {type(exc).__name__}: {exc}"[:2000])
+    emit(control, {"failed": f"the checkers did not load: {type(exc).__name__}: {exc}"[:2000]})
     sys.exit(1)
-emit(ready=True)
-todo = json.loads(sys.stdin.read())
-for name, item in todo:
-    if "data" not in item:
-        verdict = "fail: " + item["problem"]
-    else:
-        try:
-            fn = loads(base64.b64decode(item["data"]))
-        except BaseException as exc:
-            verdict = f"fail: your function could not be loaded to be judged: {type(exc).__name__}: {exc}"
+libc = ctypes.CDLL(None, use_errno=True)
+alone = sealed and os.getpid() == 1  # pid 1 of a namespace of its own
+if alone:
+    libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0
+emit(control, {"ready": True})
+
+def judge_one():
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = os.read(0, 1 << 20)
+        if not chunk:
+            os._exit(3)  # no more notebooks
+        line += chunk
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # nothing more to read
+    todo = json.loads(line)
+    del line
+    for name, item in todo:
+        if "data" not in item:
+            verdict = "fail: " + item["problem"]
         else:
             try:
-                found = problem(name, fn)
+                fn = loads(base64.b64decode(item["data"]))
             except BaseException as exc:
-                found = f"the checker raised {type(exc).__name__}: {exc}"
-            verdict = "pass" if found is None else f"fail: {found}"
-    emit(name=name, verdict=str(verdict)[:4000])
-try:
-    exercises.release()
-except BaseException:
-    pass
-emit(done=True)
-out.close()
+                verdict = (f"fail: your function could not be loaded to be judged: "
+                           f"{type(exc).__name__}: {exc}")
+            else:
+                try:
+                    found = problem(name, fn)
+                except BaseException as exc:
+                    found = f"the checker raised {type(exc).__name__}: {exc}"
+                verdict = "pass" if found is None else f"fail: {found}"
+        emit(verdicts, {"name": name, "verdict": str(verdict)[:4000]})
+    try:
+        exercises.release()
+    except BaseException:
+        pass
+
+def others():
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]
+
+while True:
+    select.select([0], [], [])
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(control)
+            if alone:
+                libc.prctl(4, 1, 0, 0, 0)  # the judged process is an ordinary one
+            judge_one()
+        finally:
+            os._exit(0)
+    status = os.waitpid(pid, 0)[1]
+    if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 3:
+        break
+    if alone:  # nothing of this notebook is left for the next
+        while others():
+            os.kill(-1, signal.SIGKILL)
+            while True:
+                try:
+                    if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                        break
+                except ChildProcessError:
+                    break
+            time.sleep(0.005)
+        for folder in ("/tmp", "/dev/shm"):
+            for entry in os.listdir(folder):
+                path = os.path.join(folder, entry)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
+    emit(control, {"done": True, "killed": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None})
+    if not alone:
+        break  # unsealed: a fresh judge for each notebook
 os._exit(0)
 """
+
+MAX_VERDICTS = 1 << 20  # bytes of verdicts read back for one notebook
+
+
+class _Judge:
+    """The grader's side of the judge (see ``_JUDGE``): started once, it judges notebook after
+    notebook (restarted after a notebook that timed out or stopped it; unsealed, started afresh
+    for each notebook, there being no namespace of its own to clear between them)."""
+
+    def __init__(self, *, sealed: bool, memory: int | None, hide: list):
+        self.sealed, self.memory, self.hide = sealed, memory, hide
+        self.box: sandbox.Box | None = None
+        self.log = None
+        self.control = self.verdicts = -1
+
+    def start(self) -> None:
+        """Start the judge (it imports the checkers while the first notebook runs)."""
+        if self.box is not None:
+            return
+        self.box = sandbox.Box(sealed=self.sealed, memory=self.memory, hide=self.hide,
+                               as_pid_1=True)
+        self.log = tempfile.TemporaryFile()
+        control, verdicts = os.pipe(), os.pipe()
+        self.control, self.verdicts = control[0], verdicts[0]
+        try:
+            self.box.start([sys.executable, "-I", "-c", _JUDGE, str(control[1]), str(verdicts[1]),
+                            "sealed" if self.sealed else "unsealed"],
+                           env=_env(self.box, self.sealed), stdin=subprocess.PIPE, stdout=self.log,
+                           pass_fds=[control[1], verdicts[1]])
+        finally:
+            os.close(control[1])
+            os.close(verdicts[1])
+        os.set_blocking(self.verdicts, False)
+
+    def judge(self, todo: list, timeout: float) -> tuple[dict, str]:
+        """({exercise: verdict}, "" or why some have none) for one notebook's functions."""
+        self.start()
+        box, kills = self.box, self.box.memory_kills()
+        line = json.dumps(todo).encode() + b"\n"
+
+        def hand_over():  # in a thread: a judge still importing, or stuck, is timed out below
+            try:
+                box.proc.stdin.write(line)
+                box.proc.stdin.flush()
+            except (OSError, ValueError):  # the judge is gone: said below
+                pass
+
+        threading.Thread(target=hand_over, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        control, verdicts, answer = b"", b"", None
+        while answer is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            ready = select.select([self.control, self.verdicts], [], [], min(left, 0.5))[0]
+            if self.verdicts in ready:
+                verdicts += self._drain(len(verdicts))
+            if self.control in ready:
+                chunk = os.read(self.control, 1 << 16)
+                if not chunk:
+                    break  # the judge is gone
+                control += chunk
+                for raw in control.split(b"\n")[:-1]:
+                    item = _json(raw)
+                    if isinstance(item, dict) and ("done" in item or "failed" in item):
+                        answer = item
+                control = control.rsplit(b"\n", 1)[-1]
+            elif not ready and box.proc.poll() is not None:
+                break
+        verdicts += self._drain(len(verdicts))  # all its writers are gone once it is done
+        found = {}
+        for raw in verdicts.splitlines():
+            item = _json(raw)
+            if isinstance(item, dict) and isinstance(item.get("verdict"), str):
+                found[item.get("name")] = item["verdict"]
+        problem = ""
+        if box.memory_kills() > kills:
+            problem = f"memory limit: judging used more than {_gib(self.memory)} and was stopped"
+        elif answer is None and time.monotonic() >= deadline:
+            problem = f"timeout: judging did not finish within {timeout:g} s"
+        elif answer is None or "failed" in answer:
+            why = _text(answer or {}, "failed") or _last_line(self.log)
+            problem = f"failed to run: the checker stopped ({why})"
+        elif answer.get("killed"):
+            problem = f"failed to run: the checker was stopped (signal {answer['killed']})"
+        if answer is None or "done" not in answer or not self.sealed:
+            self.close()  # a fresh judge for the next notebook
+        return found, problem
+
+    def _drain(self, have: int) -> bytes:
+        data = b""
+        while True:
+            try:
+                chunk = os.read(self.verdicts, 1 << 16)
+            except (BlockingIOError, OSError):
+                break
+            if not chunk:
+                break
+            if have + len(data) < MAX_VERDICTS:
+                data += chunk
+        return data
+
+    def close(self) -> None:
+        if self.box is not None:
+            self.box.close()
+            self.box = None
+        for fd in (self.control, self.verdicts):
+            if fd >= 0:
+                os.close(fd)
+        self.control = self.verdicts = -1
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _json(raw: bytes):
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
 
 
 def _env(box: sandbox.Box, sealed: bool) -> dict:
@@ -385,11 +573,11 @@ def _last_line(log) -> str:
 
 def grade_notebook(path: Path, known: dict[str, Path] | None = None, timeout: float = 300, *,
                    sealed: bool = True, memory_gib: float | None = DEFAULT_MEMORY_GIB,
-                   hide=()) -> Grade:
+                   hide=(), judge: "_Judge | None" = None) -> Grade:
     """Grade one submitted notebook (see the module's docstring).  ``sealed=False`` runs it without
     a sandbox (its row says so); ``hide``: folders and files its sandbox must not see besides the
-    notebook's own folder.  Raises :class:`SandboxUnavailable` when ``sealed`` and no sandbox can
-    be made here."""
+    notebook's own folder; ``judge``: grade_folder's, shared by its notebooks (else one of its
+    own).  Raises :class:`SandboxUnavailable` when ``sealed`` and no sandbox can be made here."""
     if sealed and (reason := sandbox.unavailable()):
         raise SandboxUnavailable(reason)
     known = lessons() if known is None else known
@@ -429,32 +617,34 @@ def grade_notebook(path: Path, known: dict[str, Path] | None = None, timeout: fl
             call = _check_call(source)
             if call is not None:
                 takes[i] = call
+    memory = None if memory_gib is None else int(memory_gib * 2**30)
+    hide = [path.parent.resolve(), *hide]
+    own = judge is None
     try:
-        _run_and_judge(row, mine, takes, timeout, sealed,
-                       None if memory_gib is None else int(memory_gib * 2**30),
-                       [path.parent.resolve(), *hide])
+        if own:
+            judge = _Judge(sealed=sealed, memory=memory, hide=hide)
+        _run_and_judge(row, mine, takes, timeout, sealed, memory, hide, judge)
     except Exception as exc:  # noqa: BLE001 - one notebook's trouble is one row, never the class's
         row.status = f"failed to run: the grader met {type(exc).__name__}: {exc}"
         row.exercises = {n: v or "fail: not judged" for n, v in row.exercises.items()}
+    finally:
+        if own and judge is not None:
+            judge.close()
     return row
 
 
 def _run_and_judge(row: Grade, cells: list[str], takes: dict, timeout: float, sealed: bool,
-                   memory: int | None, hide: list) -> None:
-    """Run the notebook in one box while a judge waits in another; fill ``row``."""
+                   memory: int | None, hide: list, judge: _Judge) -> None:
+    """Run the notebook in a box of its own, then have ``judge`` judge what was taken out."""
     checks = set(takes)
+    judge.start()  # (already started by grade_folder: it imported the checkers meanwhile)
     with tempfile.TemporaryDirectory(prefix=f"minitrain-grade-{os.getpid()}-") as host, \
-            sandbox.Box(sealed=sealed, memory=memory, hide=hide) as judge_box, \
-            sandbox.Box(sealed=sealed, memory=memory, hide=hide) as run_box:
-        files = {k: open(os.path.join(host, k), "w+b") for k in ("spec", "ran", "run.log", "judged",
-                                                                  "judge.log")}
+            sandbox.Box(sealed=sealed, memory=memory, hide=hide) as box:
+        files = {k: open(os.path.join(host, k), "w+b") for k in ("spec", "ran", "run.log")}
         try:
-            judge_box.start([sys.executable, "-I", "-c", _JUDGE, str(files["judged"].fileno())],
-                            env=_env(judge_box, sealed), stdin=subprocess.PIPE,
-                            stdout=files["judge.log"], pass_fds=[files["judged"].fileno()])
-            work = os.path.join(run_box.tmp, "work")
+            work = os.path.join(box.tmp, "work")
             spec = {"cells": cells, "takes": takes, "take": _TAKE, "cwd": work,
-                    "payloads": os.path.join(run_box.tmp, "taken"), "max_payload": MAX_PAYLOAD,
+                    "payloads": os.path.join(box.tmp, "taken"), "max_payload": MAX_PAYLOAD,
                     "graceful": not sealed}
             files["spec"].write(json.dumps(spec).encode())
             files["spec"].seek(0)
@@ -463,36 +653,44 @@ def _run_and_judge(row: Grade, cells: list[str], takes: dict, timeout: float, se
                     f"os.makedirs(os.environ['HOME'], exist_ok=True); "
                     f"exec(compile({_RUNNER!r}, '<minitrain-grade-runner>', 'exec'))",
                     str(files["ran"].fileno())]
-            run_box.start(argv, env=_env(run_box, sealed), stdin=files["spec"],
-                          stdout=files["run.log"], pass_fds=[files["ran"].fileno()])
-            code = run_box.wait(timeout)
-            run_box.stop()  # every process the notebook started, before anything else
+            box.start(argv, env=_env(box, sealed), stdin=files["spec"], stdout=files["run.log"],
+                      pass_fds=[files["ran"].fileno()])
+            code = box.wait(timeout)
+            box.stop()  # every process the notebook started, before anything else
             ran = _results(files["ran"])
-            problem = _run_problem(ran, code, run_box, timeout, memory, files["run.log"])
-            if problem:
-                row.status = problem
-            for item in ran:
-                if isinstance(item.get("cell"), int) and item["cell"] - 1 not in checks:
-                    row.errors.append(f"cell {item['cell']}: {_text(item, 'ename')}: "
-                                      f"{_text(item, 'evalue')}".splitlines()[0])
-            taken = {}
-            for item in ran:
-                name = item.get("take")
-                if name in row.exercises:
-                    if isinstance(item.get("data"), str):
-                        taken[name] = {"data": item["data"]}
-                    else:
-                        taken[name] = {"problem": _text(item, "problem") or "no function reached the grader"}
-            _judge(row, judge_box, files, taken, timeout, memory)
-            for name, verdict in row.exercises.items():
-                if not verdict:
-                    row.exercises[name] = ("fail: not reached" if problem else
-                                           "fail: the check did not run")
-            if not sealed and not row.status.endswith(UNSEALED):
-                row.status += UNSEALED
+            problem = _run_problem(ran, code, box, timeout, memory, files["run.log"])
         finally:
             for f in files.values():
                 f.close()
+    if problem:
+        row.status = problem
+    for item in ran:
+        if isinstance(item.get("cell"), int) and item["cell"] - 1 not in checks:
+            row.errors.append(f"cell {item['cell']}: {_text(item, 'ename')}: "
+                              f"{_text(item, 'evalue')}".splitlines()[0])
+    taken = {}
+    for item in ran:
+        name = item.get("take")
+        if name in row.exercises:
+            if isinstance(item.get("data"), str):
+                taken[name] = {"data": item["data"]}
+            else:
+                taken[name] = {"problem": _text(item, "problem") or "no function reached the grader"}
+    if taken:
+        verdicts, trouble = judge.judge([(n, taken[n]) for n in row.exercises if n in taken], timeout)
+        for name in taken:
+            verdict = verdicts.get(name)
+            if isinstance(verdict, str) and (verdict == "pass" or verdict.startswith("fail: ")):
+                row.exercises[name] = verdict
+            else:
+                row.exercises[name] = f"fail: not judged ({(trouble or 'no verdict').split(':')[0]})"
+        if trouble and row.status == "graded":
+            row.status = trouble
+    for name, verdict in row.exercises.items():
+        if not verdict:
+            row.exercises[name] = "fail: not reached" if problem else "fail: the check did not run"
+    if not sealed:
+        row.status += UNSEALED
 
 
 def _run_problem(ran: list[dict], code, box: sandbox.Box, timeout: float, memory, log) -> str:
@@ -511,41 +709,6 @@ def _run_problem(ran: list[dict], code, box: sandbox.Box, timeout: float, memory
         return "failed to run: the kernel died" + (f" ({dead.splitlines()[0]})" if dead else "")
     failed = next((_text(i, "failed") for i in ran if "failed" in i), None)
     return "failed to run: " + (failed or _last_line(log))
-
-
-def _judge(row: Grade, box: sandbox.Box, files: dict, taken: dict, timeout: float, memory) -> None:
-    """Hand the functions taken out to the judge; its verdicts go into ``row``."""
-    todo = json.dumps([(name, taken[name]) for name in row.exercises if name in taken]).encode()
-
-    def hand_over():  # in a thread: a judge still importing, or stuck, is timed out below
-        try:
-            box.proc.stdin.write(todo)
-            box.proc.stdin.close()
-        except (OSError, ValueError):  # the judge is gone: said below
-            pass
-
-    threading.Thread(target=hand_over, daemon=True).start()
-    code = box.wait(timeout)
-    box.stop()
-    judged = _results(files["judged"])
-    for item in judged:
-        name, verdict = item.get("name"), item.get("verdict")
-        if name in taken and isinstance(verdict, str) and (verdict == "pass" or verdict.startswith("fail: ")):
-            row.exercises[name] = verdict
-    unjudged = [n for n in taken if not row.exercises[n]]
-    if not unjudged:
-        return
-    if box.memory_hit():
-        why = f"memory limit: judging used more than {_gib(memory)} and was stopped"
-    elif code is None:
-        why = f"timeout: judging did not finish within {timeout:g} s"
-    else:
-        failed = next((_text(i, "failed") for i in judged if "failed" in i), "")
-        why = "failed to run: the checker stopped (" + (failed or _last_line(files["judge.log"])) + ")"
-    if row.status == "graded":
-        row.status = why
-    for name in unjudged:
-        row.exercises[name] = f"fail: not judged ({why.split(':')[0]})"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -618,7 +781,10 @@ def grade_folder(folder, out, timeout: float = 300, lesson_folder: Path = LESSON
     if progress:
         from tqdm.auto import tqdm
         bar = tqdm(total=len(todo), desc="grading", unit="notebook", file=sys.stderr)
-    with open(out, "w" if fresh else "a", newline="", encoding="utf-8") as f:
+    hide = [folder.resolve(), out.resolve()]
+    with open(out, "w" if fresh else "a", newline="", encoding="utf-8") as f, \
+            _Judge(sealed=sealed, memory=None if memory_gib is None else int(memory_gib * 2**30),
+                   hide=hide) as judge:
         writer = csv.writer(f)
         if fresh:
             writer.writerow(header)
@@ -626,7 +792,7 @@ def grade_folder(folder, out, timeout: float = 300, lesson_folder: Path = LESSON
         try:
             for path in todo:
                 row = grade_notebook(path, known, timeout, sealed=sealed, memory_gib=memory_gib,
-                                     hide=[folder.resolve(), out.resolve()])
+                                     hide=hide, judge=judge)
                 rows.append(row)
                 writer.writerow(_row_fields(row, columns))
                 f.flush()

@@ -320,8 +320,11 @@ class Box:
     ``memory``: bytes for the box as a whole (None: unlimited); ``hide``: folders and files it must
     not see (the submissions, the gradebook)."""
 
-    def __init__(self, *, sealed: bool = True, memory: int | None = None, hide=()):
+    def __init__(self, *, sealed: bool = True, memory: int | None = None, hide=(),
+                 as_pid_1: bool = False):
         self.sealed, self.memory, self.hide = sealed, memory, [Path(p) for p in hide]
+        self.as_pid_1 = as_pid_1  # the command is its pid namespace's init (it reaps, and its
+        # namespace's processes cannot signal it)
         self.proc: subprocess.Popen | None = None
         self.cgroup: _Cgroup | None = None
         self.host_tmp = None if sealed else tempfile.mkdtemp(prefix=f"minitrain-grade-{os.getpid()}-")
@@ -354,7 +357,8 @@ class Box:
                             "setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
                             "--inh-caps=-all", "--"]  # ... and the sandbox runs as nobody
                 cmd += ["bwrap", *_bwrap_args(self.hide, self.memory or (4 << 30), sources),
-                        "--chdir", INSIDE_TMP, "--clearenv"]
+                        *(["--as-pid-1"] if self.as_pid_1 else []), "--chdir", INSIDE_TMP,
+                        "--clearenv"]
                 for k, v in env.items():
                     cmd += ["--setenv", k, v]
                 cmd += ["--", *argv]
@@ -380,8 +384,12 @@ class Box:
             self.stop()
             return None
 
+    def memory_kills(self) -> int:
+        """How many of its processes the memory limit killed so far."""
+        return self.cgroup.oom_kills() if self.cgroup is not None else 0
+
     def memory_hit(self) -> bool:
-        return bool(self.cgroup is not None and self.cgroup.oom_kills())
+        return self.memory_kills() > 0
 
     def stop(self) -> None:
         """Stop the command and every process it started."""

@@ -212,6 +212,34 @@ daemon("import time; time.sleep(600)")
 daemon({rewrite!r})"""
 
 
+def judge_daemon() -> str:
+    """An exercise function that, when judged, leaves a daemon behind which, for a minute, writes a
+    forged pass into every file descriptor it inherited (the judge's verdicts among them), so that
+    the next notebook judged (a blank one) would pass."""
+    forger = """\
+import os, time
+line = b'{"name": "zero_bytes_per_device", "verdict": "pass"}\\n'
+end = time.time() + 60
+while time.time() < end:
+    for fd in range(3, 64):
+        try:
+            os.write(fd, line)
+        except OSError:
+            pass
+    time.sleep(0.05)"""
+    return f"""\
+import os, sys
+
+def zero_bytes_per_device(psi, n, stage):
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            os.execv(sys.executable, [sys.executable, "-c", {forger!r}, {MARK!r}])
+        os._exit(0)
+    os.wait()
+    return 0"""
+
+
 HUGE_ERROR = """\
 def zero_bytes_per_device(psi, n, stage):
     raise ValueError("y" * 5_000_000)"""
@@ -252,6 +280,9 @@ def graded(tmp_path_factory):
     write("00_a_vandal.ipynb", notebook(vandal(folder, victim, out, planted,
                                               listener.getsockname()[1]), SOLVED, CHECK))
     write("00_b_blank_after_vandal.ipynb", notebook(BLANK, CHECK))
+    # the judge: what one notebook's function leaves behind meets nothing of the next notebook's
+    write("00_c_judge_daemon.ipynb", notebook(judge_daemon(), CHECK))
+    write("00_c_z_blank_after_judge_daemon.ipynb", notebook(BLANK, CHECK))
     # escapes (graded last)
     write("00_zz_escape.ipynb", notebook(escape(out), SOLVED, CHECK))
     write("00_memory.ipynb", notebook(SOLVED, CHECK, 'hog = b"x" * (3 << 30)'))
@@ -351,6 +382,14 @@ def test_a_notebook_cannot_write_the_submissions_a_classmate_solutions_or_the_pa
     assert victim["status"] == "graded" and victim["zero_bytes_per_device"] == "pass", victim
     after = rows["00_b_blank_after_vandal.ipynb"]  # graded after the vandal edited the checker
     assert after["zero_bytes_per_device"].startswith("fail: not written yet"), after
+
+
+def test_what_a_judged_function_leaves_behind_cannot_forge_the_next_verdict(rows, graded):
+    row = rows["00_c_judge_daemon.ipynb"]
+    assert row["zero_bytes_per_device"].startswith("fail: zero_bytes_per_device(7.5e+09, 64, 0) = 0"), row
+    after = rows["00_c_z_blank_after_judge_daemon.ipynb"]
+    assert after["zero_bytes_per_device"].startswith("fail: not written yet"), after
+    assert graded["alive"] == []
 
 
 def test_a_notebook_has_no_network_not_even_the_teachers_loopback(rows):

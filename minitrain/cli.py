@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"minitrain train: error: {exc}\n")
     except RankError as exc:  # the ranks' story, not the launcher's traceback
         text = str(exc)
-        if exc.exc_type == "Diverged":
-            text = text.split("\n\n--- traceback", 1)[0].replace("Diverged: ", "")
+        if exc.exc_type == "Diverged":  # the step and the fix are the whole story
+            text = f"rank {exc.rank} failed: {exc.message}"
         parser.exit(1, f"minitrain train: error: {text}\n")
     return 0

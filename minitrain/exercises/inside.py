@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,25 +22,19 @@ from .core import parts, ranks
 # --------------------------------------------------------------------------------------------------
 
 
-def learner_line(text: str, fn) -> str:
-    """`` (line L of your fn: code)`` for the last frame of ``fn``'s file in a traceback text
-    (``fn`` may be a tuple of the learner's functions)."""
-    files = {code.co_filename for code in _codes(fn)}
-    if not files:
-        return ""
-    lines, mine = text.splitlines(), []
-    for i, line in enumerate(lines):
-        m = re.match(r'\s*File "([^"]+)", line (\d+), in (\S+)', line)
-        if m and m.group(1) in files:
-            nxt = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            source = "" if nxt.startswith("File ") or nxt.startswith("^") else nxt
-            mine.append((int(m.group(2)), m.group(3), source))
+def learner_line(frames, fn) -> str:
+    """`` (line L of your fn: code)`` for the innermost of ``frames`` (a rank's stack or traceback,
+    :class:`~minitrain.diagnostics.Frame` s) in the learner's code (``fn`` may be a tuple of the
+    learner's functions)."""
+    codes = _codes(fn)
+    files = {code.co_filename for code in codes}
+    mine = [fr for fr in frames if fr.file in files]
     if not mine:
         return ""
-    line, func, source = mine[-1]
-    first = _first_line(fn, func)
-    where = f"line {line - first + 1} of your {func}" if first else f"your {func}"
-    return f" ({where}{': ' + source if source else ''})"
+    fr = mine[-1]
+    first = _first_line(fn, fr.name)
+    where = f"line {fr.line - first + 1} of your {fr.name}" if first else f"your {fr.name}"
+    return f" ({where}{': ' + fr.code if fr.code else ''})"
 
 
 def _codes(fn) -> list:
@@ -57,40 +50,43 @@ def _first_line(fn, func: str) -> int | None:
     return None
 
 
+def state_line(state, fn, was: bool = False) -> str:
+    """A rank's :class:`~minitrain.diagnostics.RankState` in the learner's terms: ``rank 0 waited
+    in all_reduce (line 3 of your mean_loss: dist.all_reduce(loss))``, ``rank 1 returned``."""
+    mine = learner_line(state.frames, fn) if fn is not None else ""
+    if state.state == "waiting" and mine:
+        return f"rank {state.rank} {'waited' if was else 'waits'} in {state.op or 'a call'}{mine}"
+    return state.line(was)
+
+
 def rank_trouble(exc: BaseException, fn, where: str) -> str:
     """One or two sentences from a rank's failure: what waited for what, or the error and the line."""
     from ..launch import CollectiveTimeout, Deadlock
 
-    text = str(exc)
     if isinstance(exc, Deadlock):
-        waits = [line.strip() for line in text.splitlines()[1:] if line.startswith("  rank ")]
+        waits = [state_line(state, fn) for _, state in sorted(exc.where.items())]
         return (f"{where}: the ranks wait for each other and never will — " + "; ".join(waits) +
                 ". Every rank must make the same collective calls in the same order, and a send "
                 "needs the matching recv on its peer")
     if isinstance(exc, CollectiveTimeout):
-        op = re.search(r"waiting \d+ms for (\w+) operation", text)
-        what = f"its {op.group(1)}" if op else "a collective"
-        return (f"{where}: rank {exc.rank} waited {_timeout(text)} for {what} to complete and no "
-                f"peer answered{learner_line(getattr(exc, 'remote_traceback', text), fn)} — a "
-                "send needs the matching recv on the peer (if every rank sends first, all wait), "
-                "and every rank must call each collective")
+        what = f"its {exc.op}" if exc.op else "a collective"
+        return (f"{where}: rank {exc.rank} waited {exc.timeout_s:g} s for {what} to complete and "
+                f"no peer answered{learner_line(exc.frames, fn)} — a send needs the matching recv "
+                "on the peer (if every rank sends first, all wait), and every rank must call each "
+                "collective")
     return f"{where}: {rank_error(exc, fn)}"
 
 
 def rank_error(exc: BaseException, fn) -> str:
     """A rank's exception as one line: its type and message, and the learner's line it came from."""
-    text = str(exc)
-    tb = getattr(exc, "remote_traceback", "") or text
-    kind = getattr(exc, "exc_type", "") or type(exc).__name__
-    message = text.splitlines()[0].split("failed: ", 1)[-1]
+    message = getattr(exc, "message", None)
+    if message is None:
+        message = str(exc)
+    kind = getattr(exc, "exc_type", "") or ("" if hasattr(exc, "message") else type(exc).__name__)
+    message = message.splitlines()[0] if message else ""
     if kind and not message.startswith(kind):
         message = f"{kind}: {message}"
-    return f"{message}{learner_line(tb, fn)}"
-
-
-def _timeout(text: str) -> str:
-    ms = re.search(r"waiting (\d+)ms", text)
-    return f"{int(ms.group(1)) / 1000:g} s" if ms else "until its timeout"
+    return f"{message}{learner_line(getattr(exc, 'frames', ()), fn)}"
 
 
 # --------------------------------------------------------------------------------------------------

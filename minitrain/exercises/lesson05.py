@@ -329,7 +329,7 @@ def _wrong_of(exc) -> str | None:
     found = []
     for e in [exc, *getattr(exc, "others", [])]:
         if getattr(e, "exc_type", "") == _Wrong.__name__:
-            found.append(str(e).splitlines()[0].split(f"{_Wrong.__name__}: ", 1)[-1])
+            found.append(e.message.splitlines()[0])
     for text in found:
         if text.endswith(_SENDER):
             return text[:-len(_SENDER)]

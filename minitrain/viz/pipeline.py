@@ -301,6 +301,8 @@ _LIMITS = {"n_layer": re.compile(r"the model has (\d+) layers"),
 
 def _cause(exc: BaseException) -> str:
     """A failed run's message without the rank's traceback (``RankError`` appends it)."""
+    if isinstance(getattr(exc, "message", None), str):  # a RankError: the rank's own words
+        return f"{exc.exc_type}: {exc.message}" if exc.exc_type else exc.message
     text = str(exc).split("\n\n--- traceback", 1)[0].strip()
     return re.sub(r"^rank \d+ failed: ", "", text)
 

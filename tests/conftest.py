@@ -74,6 +74,21 @@ def benchmark_module(name: str):
         sys.modules.pop(name, None)
 
 
+def pytest_report_header(config):
+    """The versions under test, in the log: CI installs what a fresh install resolves today."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    names = ("torch", "numpy", "cloudpickle", "matplotlib", "ipywidgets", "ipykernel", "nbval",
+             "nbclient", "jupyterlab", "playwright")
+    found = []
+    for name in names:
+        try:
+            found.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            found.append(f"{name} (not installed)")
+    return "minitrain is tested with: " + ", ".join(found)
+
+
 @pytest.fixture
 def no_spawn(monkeypatch):
     """No rank may start during the test: every refusal comes before spawning.  Forking new ranks

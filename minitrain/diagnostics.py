@@ -127,7 +127,8 @@ class RankError(RuntimeError):
     ``remote_traceback`` (the rank's traceback as text); ``where`` (rank -> :class:`RankState`, every
     rank's state when the run failed); ``others`` (the other failing ranks' errors); for a death
     ``signal`` and ``native`` (the end of its native stderr) and ``abort_reason`` (the C++ runtime's
-    reason for a SIGABRT); for a :class:`CollectiveTimeout`, ``timeout_s``."""
+    reason for a SIGABRT); for a :class:`CollectiveTimeout`, ``timeout_s``; ``exc_args``, the
+    exception's arguments when they were plain values (a checker's exception can carry facts)."""
 
     headline = ""  # a subclass's first words
 
@@ -143,6 +144,7 @@ class RankError(RuntimeError):
         self.native = ""
         self.abort_reason = ""
         self.timeout_s: float | None = None
+        self.exc_args: tuple = ()  # the exception's own arguments, when they were plain values
         self.secondary = False  # True when it only reports that another rank went away
         self.priority = 0  # which failure is reported first: 0 cause, 1 timeout, 2 peer gone
 

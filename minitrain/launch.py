@@ -409,8 +409,10 @@ class Cluster:
         return died(rank, proc.exitcode, proc.pid, native_tail(stderr_file(self.port, rank)), rss)
 
     def _error(self, rank: int, name: str, text: str, tb: str, timed_out: bool,
-               frames: tuple = ()) -> RankError:
-        return raised(rank, name, text, tb, frames, self.timeout if timed_out else None)
+               frames: tuple = (), args: tuple = ()) -> RankError:
+        err = raised(rank, name, text, tb, frames, self.timeout if timed_out else None)
+        err.exc_args = args
+        return err
 
 
 def launch(fn, world_size: int, *args, backend: str | None = None, timeout: float = 60.0,

@@ -78,6 +78,16 @@ def stderr_file(port: int, rank: int) -> str:
     return os.path.join(tempfile.gettempdir(), f"minitrain-{port}-rank{rank}.stderr")
 
 
+def _plain_args(exc: BaseException) -> tuple:
+    """The exception's arguments, when they travel (plain values): a checker's own exception can
+    carry facts, not only a sentence."""
+    try:
+        cloudpickle.dumps(exc.args)
+        return exc.args
+    except Exception:  # noqa: BLE001 - anything that does not pickle stays behind
+        return ()
+
+
 def worker_main(rank: int, world_size: int, conn, opts: dict) -> None:
     """Entry point of every rank: join the group, then run what the parent sends until told to stop."""
     _die_with_parent()
@@ -156,7 +166,7 @@ def worker_main(rank: int, world_size: int, conn, opts: dict) -> None:
             _flush()
             frames = frames_of(traceback.extract_tb(exc.__traceback__)[1:])  # below this loop
             send(("error", type(exc).__name__, str(exc), traceback.format_exc(), _is_timeout(exc),
-                  frames))
+                  frames, _plain_args(exc)))
             if not dist.is_initialized():
                 break
     try:

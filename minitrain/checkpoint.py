@@ -18,12 +18,10 @@ the step (a batch is a pure function of seed and step: :mod:`minitrain.data`); t
 saved per rank and restored.  :mod:`minitrain.checkpoint_checks` refuses, before any process starts,
 a ``--save-dir`` or ``--resume`` that cannot work.
 
-What goes into a rank's file is the strategy's business: its ``checkpointer``
-(:class:`~minitrain.strategies.base.Checkpointer`) implements ``layout(cfg)``, ``save(strategy)``,
-``load(strategy, read)`` and ``consolidate(cfg, read)`` (and, where it reshards,
-``portable_optimizer`` and ``load_portable``).  A checkpoint of another strategy or world size is
-resharded through the layout-free portable form (:mod:`minitrain.strategies.portable`, which also
-says which layouts resume which).
+What goes into a rank's file is the strategy's ``checkpointer``'s business
+(:class:`~minitrain.strategies.base.Checkpointer`: ``layout(cfg)``, ``save(strategy)``,
+``load(strategy, read)``, ``consolidate(cfg, read)``, and ``portable_optimizer``/``load_portable``
+where it reshards through the layout-free form of :mod:`minitrain.strategies.portable`).
 """
 
 from __future__ import annotations
@@ -65,20 +63,11 @@ def step_dir(save_dir, step: int) -> Path:
     return Path(save_dir) / f"step-{step:06d}"
 
 
-# --------------------------------------------------------------------------------------------------
-# Who saves
-# --------------------------------------------------------------------------------------------------
-
-
 def checkpoint_support(cls: type[Strategy]) -> str | None:
     """None if strategy ``cls`` saves and resumes checkpoints (it has a checkpointer), else why not."""
     if isinstance(cls.checkpointer, Checkpointer):
         return None
     return f"strategy {cls.name!r} cannot save checkpoints: {cls.checkpointer}"
-
-
-def _json(value):
-    return json.loads(json.dumps(value, default=lambda v: getattr(v, "name", None) or str(v)))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -210,11 +199,12 @@ def save_checkpoint(strategy: Strategy, steps_done: int) -> Path:
     files = [None] * comm.size if comm.rank == 0 else None
     dist.gather_object(mine, files, dst=comm.global_rank(0), group=comm.group)
     if comm.rank == 0:
-        options = cfg.options
-        meta = {"format": FORMAT, "version": VERSION, "step": steps_done, "layout": portable.layout_of(cfg),
-                "config": _json({**cfg.__dict__, "model": cfg.model.to_dict(), "options":
-                                 dataclasses.asdict(options) if dataclasses.is_dataclass(options)
-                                 else dict(options)}),
+        config = {**cfg.__dict__, "model": cfg.model.to_dict(),
+                  "options": dataclasses.asdict(cfg.options)}
+        meta = {"format": FORMAT, "version": VERSION, "step": steps_done,
+                "layout": portable.layout_of(cfg),
+                "config": json.loads(json.dumps(config, default=lambda v: getattr(v, "name", None)
+                                                or str(v))),
                 "files": dict(files), "torch": torch.__version__,
                 "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
         _write_atomically(path / META, lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))

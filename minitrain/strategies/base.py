@@ -397,8 +397,7 @@ class Strategy(abc.ABC):
     precisions: tuple[str, ...] = ("fp32",)
     recomputes: bool = True  # honours --checkpoint-activations (recomputation, lesson 07)
     seams: tuple[str, ...] = ()  # the names of the seams it honours (an instance's: its Seams)
-    checkpointer: Checkpointer | str = ("it does not implement checkpoints yet (a strategy that "
-                                        "does has a checkpointer: see Checkpointer in "
+    checkpointer: Checkpointer | str = ("it has no checkpointer yet (see Checkpointer in "
                                         "minitrain/strategies/base.py)")
 
     # -- what __init__ builds ----------------------------------------------------------------------

@@ -423,7 +423,7 @@ class Strategy(abc.ABC):
         self.cfg: TrainConfig = cfg
         self.comm: Comm = comm
         self.seams = seams or Seams()  # the functions given (the class's ``seams``: their names)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if (
+        self.device: torch.device = torch.device("cuda", torch.cuda.current_device()) if (
             torch.distributed.get_backend() == "nccl") else torch.device("cpu")
         self.master_weights: dict = {}  # {16-bit parameter: fp32 copy}, filled by build_model
         self.loss_scaler: DynamicLossScaler | None = None  # set by make_optimizer (fp16-mixed)

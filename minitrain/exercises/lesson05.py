@@ -58,7 +58,8 @@ def _one_f_one_b_table(fn, P: int, M: int):
           "process on 2 and 3 ranks")
 def _check_one_f_one_b(fn) -> str | None:
     """Valid (the validator), 1F1B's memory bound, 1F1B's order or makespan, then run for real."""
-    from ..parallel.schedules import ScheduleError, orders, peak_in_flight, simulate, validate
+    from ..analysis import peak_in_flight
+    from ..parallel.schedules import ScheduleError, orders, simulate, validate
     from .inside import inside
 
     for P, M in _PIPE_CASES:
@@ -174,7 +175,8 @@ def _stage_step_alone(fn, timeout: float):
     from ..data import ArithmeticData
     from ..model import GPT, loss_fn
     from ..parallel.pipeline import PipelineStage
-    from ..parallel.schedules import Action, orders, peak_in_flight
+    from ..analysis import peak_in_flight
+    from ..parallel.schedules import Action, orders
 
     comm = Comm()
     r, P = comm.rank, comm.size

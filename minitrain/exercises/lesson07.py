@@ -162,7 +162,8 @@ def _step_problem(fn) -> str | None:
 
 
 def _mp_cfg(precision: str, **more):
-    from .. import GPTConfig, TrainConfig
+    from ..model import GPTConfig
+    from ..strategies import TrainConfig
     return TrainConfig(strategy="ddp", world_size=2, steps=4, batch_size=8, precision=precision,
                        model=GPTConfig(**_MODEL), **more)
 
@@ -302,7 +303,8 @@ def _recompute_problem(fn) -> str | None:
 
 
 def _recompute_cfg():
-    from .. import GPTConfig, TrainConfig
+    from ..model import GPTConfig
+    from ..strategies import TrainConfig
     return TrainConfig(strategy="ddp", world_size=2, steps=4, batch_size=8,
                        checkpoint_activations=True, model=GPTConfig(**_MODEL))
 
@@ -327,7 +329,7 @@ def _block_saves(cfg) -> int:
 def _activations(summary: dict, cfg) -> list:
     """Activation peaks with and without recomputation (an extra run), what recomputation saved
     beside one block's saved tensors, and the step-time cost beside one more forward."""
-    from .. import train
+    from ..train import train
 
     plain = train(cfg.with_(checkpoint_activations=False), cluster=ranks(cfg.world_size))["summary"]
     m = cfg.model

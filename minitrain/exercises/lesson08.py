@@ -98,6 +98,6 @@ def _mesh_bytes(summary: dict, cfg) -> list:
 
 
 def _mesh_run_cfg():
-    from .. import TrainConfig
+    from ..strategies import TrainConfig
     return TrainConfig(strategy="3d", world_size=4, steps=3, batch_size=8, model=_mesh_model(),
                        options={"dp": 2, "pp": 1, "tp": 2})

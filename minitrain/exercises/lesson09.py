@@ -76,7 +76,8 @@ def _merge_alone(fn) -> str | None:
 
 
 def _tiny_cfg(strategy: str, world: int, moe: bool = False):
-    from .. import GPTConfig, TrainConfig
+    from ..model import GPTConfig
+    from ..strategies import TrainConfig
     from ..model import PRESETS
 
     base = PRESETS["tiny-moe"] if moe else GPTConfig()

@@ -173,9 +173,9 @@ def inside(name: str, fn, cfg, seam: str | None = None, reference: str = "single
     guarded for it by :func:`.guards.plug`) on the checkers' running ranks, and compare its losses with one process (``reference="single"``) or
     with the package's own code (``"package"``, where the technique changes the maths, e.g. top-k).
 
-    ``measure(summary, cfg)`` returns the :class:`Row` s shown beside the losses (a ``measure``
-    with a third parameter also gets the package's run's summary, to compare with).  Returns the
-    problem, or None (and keeps the :class:`Run` in :data:`RUNS`)."""
+    ``measure(summary, cfg, package)`` returns the :class:`Row` s shown beside the losses
+    (``package``: the package's own run's summary, to compare with).  Returns the problem, or None
+    (and keeps the :class:`Run` in :data:`RUNS`)."""
     from ..train import train
     from ..launch import RankError
 
@@ -200,18 +200,10 @@ def inside(name: str, fn, cfg, seam: str | None = None, reference: str = "single
         if not (math.isfinite(a) and abs(a - b) <= tolerance * abs(b)):
             return (f"alone it is right, but {where} the loss at step {step} is {a:.6f} where "
                     f"{ref_name} {'gives' if ref_name == 'one process' else 'code gives'} {b:.6f}")
-    rows = _measured(measure, theirs["summary"], cfg, package["summary"]) if measure else []
+    rows = measure(theirs["summary"], cfg, package["summary"]) if measure else []
     RUNS[name] = Run(name, cfg.strategy, n, theirs["summary"].get("options") or {}, theirs["losses"], want, ref_name, theirs["summary"],
                      package["summary"], rows)
     return None
-
-
-def _measured(measure, summary: dict, cfg, package: dict) -> list:
-    import inspect
-
-    if len(inspect.signature(measure).parameters) >= 3:
-        return measure(summary, cfg, package)
-    return measure(summary, cfg)
 
 
 class NoRun(str):

@@ -132,7 +132,7 @@ def ddp_config():
     return TrainConfig(strategy="ddp", model=model, **_DDP_RUN)
 
 
-def ring_rows(summary: dict, cfg) -> list:
+def ring_rows(summary: dict, cfg, package) -> list:
     """Bytes and messages one rank sent per step (tracer) beside the ring's formulas."""
     n, steps, psi = cfg.world_size, summary["steps"], summary["params"]
     buckets = len(summary["report"][0].get("bucket_bytes") or [])

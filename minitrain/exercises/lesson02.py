@@ -68,7 +68,7 @@ def _sync_rank(fn):
     return None
 
 
-def _naive_rows(summary, cfg):
+def _naive_rows(summary, cfg, package):
     from ..model import GPT
     formula, expected = _ring_bytes(cfg)
     params = len(list(GPT(cfg.model).parameters()))

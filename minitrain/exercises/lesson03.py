@@ -82,7 +82,7 @@ def _alone(fn) -> str | None:
     return None
 
 
-def _rows(summary, cfg):
+def _rows(summary, cfg, package):
     from ..model import GPT
     from ..parallel.compression import TopK
 

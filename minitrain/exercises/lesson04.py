@@ -160,7 +160,7 @@ def _check_zero1_step(fn) -> str | None:
     return _on_ranks(_zero1_rank, fn) or _inside_at("zero1_step", fn, "zero1", _zero1_rows)
 
 
-def _zero1_rows(summary: dict, cfg) -> list:
+def _zero1_rows(summary: dict, cfg, package) -> list:
     n, psi, b = cfg.world_size, summary["params"], _bytes_per_element(summary)
     sent = sent_per_rank(summary, "reduce_scatter") + sent_per_rank(summary, "all_gather")
     states = summary["memory"][0]["bytes"]["optimizer_states"]
@@ -367,7 +367,7 @@ def _largest_unit_bytes(model_cfg, n: int, b: int) -> int:
     return max(FlatUnit([p for p in u.parameters() if p.requires_grad], n).total for u in units) * b
 
 
-def _zero3_rows(summary: dict, cfg) -> list:
+def _zero3_rows(summary: dict, cfg, package) -> list:
     n, psi, b = cfg.world_size, summary["params"], _bytes_per_element(summary)
     mem = summary["memory"][0]
     peak = mem["bytes"]["parameters"] + mem["gathered_peak"]

@@ -374,7 +374,7 @@ def _one_microbatch_activations(model, stage: int, P: int, batch: int, M: int) -
     return meter.last
 
 
-def _pipeline_rows(summary: dict, cfg) -> list:
+def _pipeline_rows(summary: dict, cfg, package) -> list:
     """Bytes each rank sent (tracer), micro-batches in flight (measured timeline), rank 0's
     activation peak (ledger) and the bubble, each beside the lesson's formula."""
     from .inside import Row

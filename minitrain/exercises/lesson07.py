@@ -168,7 +168,7 @@ def _mp_cfg(precision: str, **more):
                        model=GPTConfig(**_MODEL), **more)
 
 
-def _model_states(summary: dict, cfg) -> list:
+def _model_states(summary: dict, cfg, package) -> list:
     """Rank 0's model states from the ledger beside the ZeRO paper's 2Ψ + 2Ψ + 4Ψ + 8Ψ = 16Ψ."""
     mem, psi = summary["memory"][0], summary["params"]
     b, state = mem["bytes"], mem["by_state"]
@@ -182,7 +182,7 @@ def _model_states(summary: dict, cfg) -> list:
                 + adam, "16Ψ (ZeRO)", 16 * psi)]
 
 
-def _skips(summary: dict, cfg) -> list:
+def _skips(summary: dict, cfg, package) -> list:
     return [Row("fp16-mixed: steps skipped (overflow)", summary["loss_scaler"]["skipped_steps"],
                 unit=" steps")]
 
@@ -326,7 +326,7 @@ def _block_saves(cfg) -> int:
     return meter.last
 
 
-def _activations(summary: dict, cfg) -> list:
+def _activations(summary: dict, cfg, package) -> list:
     """Activation peaks with and without recomputation (an extra run), what recomputation saved
     beside one block's saved tensors, and the step-time cost beside one more forward."""
     from ..train import train

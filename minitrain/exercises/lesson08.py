@@ -88,7 +88,7 @@ def _mesh_model():
     return GPTConfig(n_layer=2, n_head=2, d_model=32, seq_len=16)
 
 
-def _mesh_bytes(summary: dict, cfg) -> list:
+def _mesh_bytes(summary: dict, cfg, package) -> list:
     """Bytes rank 0 sent per step on each axis of the mesh, beside the lessons' formulas."""
     rep, dp = summary["report"][0], cfg.options.dp
     sent = {axis: row["sent_bytes"] for axis, row in rep["comm_by_group"].items()}

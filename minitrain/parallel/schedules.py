@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 
 __all__ = ["Action", "COSTS", "SCHEDULES", "Table", "ScheduleError", "split_layers",
-           "check_schedule", "orders", "make_schedule", "with_idles", "dependencies", "simulate",
+           "check_schedule", "one_f_one_b", "orders", "make_schedule", "with_idles", "dependencies", "simulate",
            "validate", "as_action"]
 
 
@@ -102,6 +102,12 @@ def _one_f_one_b(P: int, M: int, r: int, backward: str = "B") -> list[Action]:
     return order + [Action(backward, m, r) for m in range(M - warmup, M)]
 
 
+def one_f_one_b(rank: int, P: int, M: int) -> list[str]:
+    """1F1B's order on ``rank`` of ``P`` stages for ``M`` micro-batches, as strings ("F0", "B0"):
+    the shape of :func:`orders`'s ``order`` (the package's; lesson 05's exercise writes one)."""
+    return [f"{a.kind}{a.microbatch}" for a in _one_f_one_b(P, M, rank)]
+
+
 def _interleaved(P: int, M: int, V: int, r: int) -> list[Action]:
     """Megatron's interleaved 1F1B order on rank r (M a multiple of P).
 
@@ -163,19 +169,19 @@ def orders(name: str, stages: int, microbatches: int, chunks: int = 1, *,
            order=None) -> list[list[Action]]:
     """Each rank's actions in the order it runs them (no idles): the heart of each schedule.
 
-    ``order(rank, P, M) -> ["F0", "F1", "B0", ...]`` replaces the package's 1F1B order (lesson
-    05's exercise): each string is an action of micro-batch N on the rank's own stage."""
+    ``order(rank, P, M) -> ["F0", "F1", "B0", ...]`` is 1F1B's order (default :func:`one_f_one_b`;
+    lesson 05's exercise writes one): each string is an action of micro-batch N on the rank's own
+    stage."""
     check_schedule(name, stages, microbatches, chunks)
     P, M = stages, microbatches
-    if order is not None:
-        if name != "1f1b":
-            raise ScheduleError(f"order= replaces the 1f1b order only, got schedule={name!r}")
+    if order is not None and name != "1f1b":
+        raise ScheduleError(f"order= replaces the 1f1b order only, got schedule={name!r}")
+    if name == "1f1b":
+        order = order or one_f_one_b
         return [[as_action(a, r) for a in order(r, P, M)] for r in range(P)]
     if name in ("naive", "gpipe"):  # all forwards, then all backwards
         return [[Action("F", m, r) for m in range(M)] + [Action("B", m, r) for m in range(M)]
                 for r in range(P)]
-    if name == "1f1b":
-        return [_one_f_one_b(P, M, r) for r in range(P)]
     if name == "interleaved":
         return [_interleaved(P, M, chunks, r) for r in range(P)]
     return _zb_h1(P, M)

@@ -267,8 +267,10 @@ def test_parse_compressor():
     assert [repr(parse_compressor(s)) for s in ("topk:0.01", "int8", "sign", "powersgd:4")] == \
         ["topk:0.01", "int8", "sign", "powersgd:4"]
     for bad in ("zip", "topk", "topk:0", "topk:1.5", "int8:2", "powersgd:0", "powersgd:x"):
-        with pytest.raises(ValueError, match="use topk:RATIO"):
+        with pytest.raises(ValueError, match="use topk:RATIO") as info:
             parse_compressor(bad)
+        # the technique names its parameter and value; the CLI's check says --compress
+        assert f"compress={bad!r}" in str(info.value) and "--" not in str(info.value)
 
 
 def test_compression_flags_are_shared_by_the_strategies_that_compress():

@@ -58,7 +58,8 @@ def _one_f_one_b_table(fn, P: int, M: int):
           "process on 2 and 3 ranks")
 def _check_one_f_one_b(fn) -> str | None:
     """Valid (the validator), 1F1B's memory bound, 1F1B's order or makespan, then run for real."""
-    from ..parallel.schedules import ScheduleError, orders, peak_in_flight, simulate, validate
+    from ..analysis import peak_in_flight
+    from ..parallel.schedules import ScheduleError, orders, simulate, validate
     from .inside import inside
 
     for P, M in _PIPE_CASES:
@@ -182,7 +183,8 @@ def _stage_step_alone(fn, timeout: float):
     from ..data import ArithmeticData
     from ..model import GPT, loss_fn
     from ..parallel.pipeline import PipelineStage
-    from ..parallel.schedules import Action, orders, peak_in_flight
+    from ..analysis import peak_in_flight
+    from ..parallel.schedules import Action, orders
 
     comm = Comm()
     r, P = comm.rank, comm.size
@@ -367,7 +369,7 @@ def _one_microbatch_activations(model, stage: int, P: int, batch: int, M: int) -
     return meter.last
 
 
-def _pipeline_rows(summary: dict, cfg) -> list:
+def _pipeline_rows(summary: dict, cfg, package) -> list:
     """Bytes each rank sent (tracer), micro-batches in flight (measured timeline), rank 0's
     activation peak (ledger) and the bubble, each beside the lesson's formula."""
     from .inside import Row

@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import importlib
 import math
+import os
 import pkgutil
 import typing
 from dataclasses import dataclass, field, fields, replace
@@ -255,10 +256,9 @@ def register(cls: type["Strategy"]) -> type["Strategy"]:
 
 
 def _load() -> None:
-    """Import every strategy module so that their ``@register`` decorators run."""
-    from .. import strategies
-    for mod in pkgutil.iter_modules(strategies.__path__):
-        importlib.import_module(f"{strategies.__name__}.{mod.name}")
+    """Import every module of this folder so that their ``@register`` decorators run."""
+    for mod in pkgutil.iter_modules([os.path.dirname(__file__)]):
+        importlib.import_module(f"{__package__}.{mod.name}")
 
 
 def _find(name: str):

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..analysis import bubble_formula, bubble_fraction, peak_in_flight
 from ..comm import Comm
 from ..data import ArithmeticData
 from ..memory import ledger
 from ..model import GPT, PRESETS
 from ..parallel.pipeline import PipelineExecutor, PipelineStage, split_weight_gradients
-from ..parallel.schedules import (SCHEDULES, ScheduleError, bubble_fraction, bubble_formula,
-                                  check_schedule, make_schedule, peak_in_flight, simulate,
+from ..parallel.schedules import (SCHEDULES, ScheduleError, check_schedule, make_schedule, simulate,
                                   split_layers, validate)
 from .base import (Checkpointer, ConfigError, Lockstep, Options, TrainConfig, at_least,
                    check_strategy, flag, option, register)

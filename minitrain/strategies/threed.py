@@ -28,15 +28,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..analysis import bubble_formula, bubble_fraction
 from ..comm import Comm, all_reduce_coalesced
 from ..data import shard
 from ..memory import ledger
 from ..parallel.data_parallel import mean_over_ranks
 from ..parallel.context import balanced_layout, ring_attention, ring_bytes_per_layer, sequence_piece
-from ..parallel.mesh import Coords, Mesh, MeshShape, groups_take_cp
+from ..parallel.mesh import Coords, Mesh, MeshShape
 from ..parallel.pipeline import PipelineExecutor, PipelineStage
-from ..parallel.schedules import (bubble_fraction, bubble_formula, make_schedule, split_layers,
-                                  validate)
+from ..parallel.schedules import make_schedule, split_layers, validate
 from ..parallel.tensor_gpt import (TensorParallelParts, all_reduce_sequence_parallel_grads,
                                    tag_collectives)
 from ..parallel.zero import ZeroRedundancyOptimizer
@@ -183,11 +183,10 @@ class ThreeD(Lockstep):
     @classmethod
     def check_seams(cls, cfg: TrainConfig, seams: Seams) -> None:
         s = mesh_shape(cfg)
-        if s.cp > 1 and seams.mesh_groups is not None and not groups_take_cp(seams.mesh_groups):
-            raise ConfigError(f"the mesh_groups function takes (dp, pp, tp, axis): it numbers the "
-                              f"ranks of a 3D mesh, and this run has --cp {s.cp}; leave out --cp "
-                              "(or the seam), or give a function that also takes cp= and the "
-                              "axis 'cp' (rank = ((p·dp + d)·cp + c)·tp + t)")
+        if s.cp > 1 and seams.mesh_groups is not None:
+            raise ConfigError(f"the mesh_groups seam (dp, pp, tp, axis) numbers the ranks of a 3D "
+                              f"mesh, and this run has --cp {s.cp}: the 4D mesh numbers its own; "
+                              "leave out --cp, or the seam")
         if seams.ring_all_reduce is not None and (cfg.options.zero_stage != 0 or s.dp == 1):
             raise ConfigError("the ring_all_reduce seam averages the replicas' gradients, which "
                               "happens with --zero-stage 0 and --dp 2 or more (ZeRO-1 "

@@ -193,9 +193,13 @@ class Cluster:
         sock = _listen(self.host)
         self.port = port = sock.getsockname()[1]
         self._listen_fd = sock.detach()
-        self._store = dist.TCPStore(self.host, port, self.world_size + 1, is_master=True,
-                                    wait_for_workers=False, master_listen_fd=self._listen_fd,
-                                    timeout=datetime.timedelta(seconds=self.timeout))
+        store = dict(is_master=True, wait_for_workers=False, master_listen_fd=self._listen_fd,
+                     timeout=datetime.timedelta(seconds=self.timeout))
+        try:
+            self._store = dist.TCPStore(self.host, port, self.world_size + 1, **store)
+        except NotImplementedError:  # torch < 2.6: only the older store takes a listening socket
+            self._store = dist.TCPStore(self.host, port, self.world_size + 1, use_libuv=False,
+                                        **store)
         self._task = 0
         others = [c._listen_fd for c in _LIVE if c is not self and c._listen_fd is not None]
         opts = dict(host=self.host, port=port, backend=self.backend,

@@ -88,6 +88,8 @@ class Link:
     alpha: float
     base: float
     source: str
+    p2p_alpha: float | None = None  # a point-to-point message's latency, where it differs (gloo)
+    per_op: tuple = ()  # ((op, alpha, beta), ...): where each collective was fitted on its own
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,11 @@ class ClusterSpec:
         k, g = len(counts), max(counts.values())
         if k == 1 or self.inter is None:
             link = self.intra
+            if op in ("send", "recv") and link.p2p_alpha is not None:
+                return link.p2p_alpha + nbytes / link.busbw
+            own = {o: (a, b) for o, a, b in link.per_op}
+            if op in own:
+                return collective_seconds(op, nbytes, n, own[op][0], own[op][1], link.base)
             return collective_seconds(op, nbytes, n, link.alpha, 1 / link.busbw, link.base)
         # across nodes: a ring whose node boundaries are crossed by the node's g NICs in parallel
         # (Bekman's "model 2", within 6 % of the 4-node measurement), and whose steps that cross a
@@ -273,8 +280,10 @@ def local_cluster(cal: dict, binder: bool = False) -> ClusterSpec:
                     "calibrated on the spot: matrix products on every rank at once"
                     + ("; Binder: 1 CPU, 2 GB (mybinder.org user guide)" if binder else ""),
                     cores=1 if binder else cores)
-    link = Link("loopback (gloo)", 1 / cal["beta"], cal["alpha"], 0.0,
-                f"α-β fit of all-reduces on {ranks} ranks here (lesson 01)")
+    link = Link("loopback (gloo)", 1 / max(cal["beta"], 1e-15), cal["alpha"], 0.0,
+                f"α-β fit here ({cal.get('fit', 'an all-reduce sweep, lesson 01')})",
+                cal.get("p2p_alpha"),
+                tuple((op, a, b) for op, (a, b) in sorted((cal.get("per_op") or {}).items())))
     key = "binder" if binder else "local"
     return ClusterSpec(key, CALIBRATED[key], device, max(ranks, 1), 1, link, None, calibration=cal)
 
@@ -293,9 +302,9 @@ def describe() -> list[dict]:
 
 def calibrate_rank(sizes=(4096, 65536, 1 << 20, 4 << 20), repeats: int = 3) -> dict:
     """This machine's numbers, measured with every rank at once (call it on every rank): the α-β of
-    a ring all-reduce (lesson 01's fit, max over ranks), each rank's FLOP rate on a 256x256 fp32
-    matrix product, and its memory bandwidth on an 8 MB copy; ``cores`` and ``memory_gb`` from the
-    operating system."""
+    a ring all-reduce (lesson 01's fit, max over ranks), a small message's one-way time between
+    neighbours (``p2p_alpha``), each rank's FLOP rate on a 256x256 fp32 matrix product, and its
+    memory bandwidth on an 8 MB copy; ``cores`` and ``memory_gb`` from the operating system."""
     import torch
     import torch.distributed as dist
 
@@ -324,12 +333,41 @@ def calibrate_rank(sizes=(4096, 65536, 1 << 20, 4 << 20), repeats: int = 3) -> d
         y.copy_(x)
         k += 1
     memory_rate = 2 * x.numel() * 4 * k / (time.perf_counter() - start)
+    p2p = _ping_pong(n) if n > 1 else 0.0
     rates = torch.tensor([flop_rate, memory_rate], dtype=torch.float64)
     if n > 1:
         dist.all_reduce(rates)
     return {"ranks": n, "cores": os.cpu_count() or 1, "alpha": alpha, "beta": beta,
+            "p2p_alpha": p2p,
             "flop_rate": rates[0].item() / n, "memory_rate": rates[1].item() / n,
             "memory_gb": _memory_gb(), "sizes": list(sizes), "seconds": t.tolist()}
+
+
+def _ping_pong(n: int, rounds: int = 20) -> float:
+    """One-way time of a small message between neighbouring ranks (0<->1, 2<->3, ...): the median
+    round trip over two."""
+    import torch
+    import torch.distributed as dist
+
+    r = dist.get_rank()
+    peer = r ^ 1
+    buf = torch.zeros(16)
+    if peer >= n:
+        dist.barrier()
+        return 0.0
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        if r % 2 == 0:
+            dist.send(buf, peer)
+            dist.recv(buf, peer)
+        else:
+            dist.recv(buf, peer)
+            dist.send(buf, peer)
+        times.append(time.perf_counter() - t)
+    dist.barrier()
+    times.sort()
+    return times[len(times) // 2] / 2
 
 
 def _memory_gb() -> float:

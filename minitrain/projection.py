@@ -318,6 +318,7 @@ class Op:
     phase: str = "model"
     measured: tuple = (0.0, 0.0)   # the measured interval (relative to the step's start)
     blocking: bool = False         # issue: the call itself returned only once it was done (gloo)
+    weight: float | None = None    # compute: its share of the step's FLOPs (default: seconds)
 
 
 @dataclass
@@ -526,9 +527,10 @@ def replay(programs: dict, instances: dict, cost=None, compute=None, issue_cost:
 
 def message_times(result: dict) -> list[tuple]:
     """(op, ranks, bytes, seconds) of the run's own communications, as the ranks saw them (one
-    clock: the ranks of one host): a collective from its last member's issue to its last
-    member's completion; a message from the later of its send and receive posts to when its
-    receiver, blocked on it, got it.  The first recorded step is left out (warm-up)."""
+    clock: the ranks of one host): a collective from its last member's issue to its members'
+    completion (their mean: each rank waits for its own, and a loaded machine delays some), when
+    every member blocked on it (a rank computing meanwhile slows its completion on shared cores); a message from its send's post to its arrival, seen by a receiver that
+    was already waiting for it.  The first recorded step is left out (warm-up)."""
     out = []
     logs = result["events"]
     steps = len(_windows(logs[0]["marks"]))
@@ -542,9 +544,19 @@ def message_times(result: dict) -> list[tuple]:
                     (sends if e["op"] == "send" else recvs)[key] = e
                     continue
                 issue[key][r] = e["start"]
-                finish[key][r] = e["end"]
-                meta[key] = (e["op"], len(key[1]), e["bytes"])
-        for key, (op, n, nbytes) in meta.items():
+                # when this rank could go on: its call returned, or its wait did
+                finish[key][r] = max(e["end"], e["returned"] or 0.0, e["wait_end"] or 0.0)
+                if key not in meta or meta[key] is not None:
+                    meta[key] = (e["op"], len(key[1]), e["bytes"])
+                # a rank that went on computing meanwhile delayed the op's completion (two cores):
+                # only communications every member blocked on at once are timed
+                if e["async_op"] and e["end"] > (e["returned"] or e["start"]) + 1e-4 and (
+                        e["wait_start"] is None or e["wait_start"] - (e["returned"] or 0) > 5e-5):
+                    meta[key] = None
+        for key, m in meta.items():
+            if m is None:
+                continue
+            op, n, nbytes = m
             if n > 1 and len(issue[key]) == n:
                 out.append((op, n, nbytes, max(1e-7, max(finish[key].values())
                                               - max(issue[key].values()))))
@@ -552,35 +564,70 @@ def message_times(result: dict) -> list[tuple]:
             sd = sends.get(key)
             if sd is None or rv["wait_start"] is None:
                 continue
-            posted = max(sd["start"], rv["start"])
-            if rv["wait_end"] - rv["wait_start"] > 5e-5 and rv["wait_start"] >= posted:
-                out.append(("send", 2, rv["bytes"], max(1e-7, rv["wait_end"] - posted)))
+            # only a receiver already waiting when the send was posted saw the message arrive
+            if rv["start"] <= sd["start"] and rv["wait_start"] <= sd["start"]:
+                out.append(("send", 2, rv["bytes"], max(1e-7, rv["wait_end"] - sd["start"])))
     return out
 
 
-def fit_run(result: dict) -> tuple[float, float] | None:
-    """This machine's (α, β) from the run's own messages (:func:`message_times`): least squares in
-    relative error on T = α·steps + β·bytes per rank, as lesson 01 fits its sweep, on the median
-    time of each kind of message (what a step's mean time adds up); None when the messages cannot tell α from β (fewer than two
-    sizes)."""
+def fit_run(result: dict, beta: float | None = None) -> dict | None:
+    """This machine's α-β from the run's own messages (:func:`message_times`): least squares on
+    T = α·steps + β·bytes per rank over every collective the run made — in absolute error, so that
+    the fitted times add up to what its steps spent (a loaded machine's delays are heavy-tailed;
+    lesson 01's relative-error fit would follow the luckiest); β only when the sizes span a factor
+    of 100 and reach 1 KB — or ``beta`` given (an all-reduce sweep's, lesson 01: its fastest repeats
+    measure the wire; the run's messages, on a loaded machine, mostly its delays).  Each collective
+    also on its own (``per_op``: gloo's algorithms differ), its α the mean excess over β.  A point-to-point
+    message's latency apart (``p2p_alpha``: the median of the messages a receiver waited for —
+    gloo's are a rendezvous, unlike a collective's step).  None when nothing was sent."""
     import numpy as np
 
     from .costmodel import ring_steps, ring_volume
-    groups = defaultdict(list)
+    groups, p2p = defaultdict(list), []
     for op, n, b, sec in message_times(result):
-        groups[(op, n, b)].append(sec)
-    if len(groups) < 2 or len({k[2] for k in groups}) < 2:
+        if op == "send":
+            p2p.append((b, sec))
+        else:
+            groups[(op, n, b)].append(sec)
+    if not groups and not p2p:
         return None
-    # the mean time of each kind of message: a loaded machine's delays are heavy-tailed, and a
-    # least-squares fit in relative error to every sample would follow whichever were luckiest
-    rows = [(op, n, b, statistics.fmean(secs)) for (op, n, b), secs in groups.items()]
-    A = np.array([[ring_steps(op, n), ring_volume(op, b, n)] for op, n, b, _ in rows], float)
-    t = np.array([r[3] for r in rows], float)
-    w = 1 / t
-    (alpha, beta), *_ = np.linalg.lstsq(A * w[:, None], t * w, rcond=None)
-    if beta <= 0:
-        beta = max(1e-12, float(np.median([(tt - alpha * a) / v for (a, v), tt in zip(A, t) if v])))
-    return max(float(alpha), 0.0), float(beta)
+    out: dict = {}
+
+    def fit(rows):
+        """(α, β or None) by least squares in absolute error; β only from sizes that tell."""
+        A = np.array([[ring_steps(op, n), ring_volume(op, b, n)] for op, n, b, _ in rows], float)
+        t = np.array([r[3] for r in rows], float)
+        sizes = [b for _, _, b, _ in rows if b > 0]
+        if sizes and max(sizes) >= 1024 and max(sizes) >= 100 * min(sizes):
+            (alpha, beta), *_ = np.linalg.lstsq(A, t, rcond=None)
+            if beta > 0 and alpha >= 0:
+                return float(alpha), float(beta)
+        return float(np.sum(t * A[:, 0]) / max(np.sum(A[:, 0] ** 2), 1e-30)), None
+
+    rows = [(op, n, b, sec) for (op, n, b), secs in groups.items() for sec in secs]
+    if rows:
+        if beta is None:
+            alpha, beta = fit(rows)
+        else:  # the sweep's β (its fastest repeats: the wire); the run's messages give α
+            alpha = float(np.mean([(sec - ring_volume(o, by, n) * beta) / ring_steps(o, n)
+                                   for o, n, by, sec in rows]))
+        out["alpha"] = max(alpha, 0.0)
+        if beta is not None:
+            out["beta"] = beta
+        per_op = {}
+        for name in {r[0] for r in rows}:
+            b = out.get("beta")
+            a = float(np.mean([(sec - ring_volume(o, by, n) * (b or 0.0)) / ring_steps(o, n)
+                               for o, n, by, sec in rows if o == name]))
+            per_op[name] = (max(a, 0.0), b or 0.0)
+        out["per_op"] = per_op
+    if p2p:
+        out["p2p_alpha"] = max(0.0, statistics.median(sec - by * out.get("beta", beta or 0.0)
+                                                      for by, sec in p2p))
+        out.setdefault("alpha", out["p2p_alpha"])
+    elif "alpha" in out:
+        out["p2p_alpha"] = None  # no message was seen arriving: the sweep's ping-pong, if any
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -670,8 +717,9 @@ def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | No
         raise ValueError("no step was recorded")
     chosen = list(steps) if steps is not None else (list(range(1, recorded)) or [0])
     replays = []
-    for i in chosen:
-        programs, events, window = _step_programs(result, i)
+    built = [_step_programs(result, i) for i in chosen]
+    _smooth([b[0] for b in built])
+    for programs, events, window in built:
         instances = {}
         for r, evs in events.items():
             for key, e in evs.items():
@@ -738,11 +786,18 @@ def _cluster(name: str, result: dict, compute, model) -> ClusterSpec:
     if key not in ("local", "binder"):
         return get_cluster(name)
     cal = dict(result["summary"].get("calibration") or {})
-    fitted = fit_run(result)
+    fitted = fit_run(result, cal.get("beta"))
     if fitted is not None:
-        cal.update(alpha=fitted[0], beta=fitted[1], fit="the run's own messages")
+        if fitted.get("p2p_alpha") is None:
+            fitted.pop("p2p_alpha", None)
+        cal.update(fitted, fit="α: the run's own messages; β: " + (
+            "an all-reduce sweep after the run (lesson 01)" if "flop_rate" in cal
+            else "the run's own messages"))
     elif cal:
         cal["fit"] = "an all-reduce sweep after the run (lesson 01)"
+    if result["summary"]["world_size"] == 1:
+        cal.setdefault("alpha", 0.0)  # one rank sends nothing
+    cal.setdefault("beta", 0.0)
     if "flop_rate" not in cal:
         if compute == "model" or model is not None or key == "binder":
             raise ValueError(f"cluster {key!r} prices compute at this machine's calibrated FLOP "
@@ -784,7 +839,7 @@ def _model_compute(programs, work, spec: ClusterSpec, precision, ranks_on_node, 
     for r, prog in programs.items():
         for op in prog:
             if op.kind == "compute":
-                measured[r][op.phase] += op.seconds
+                measured[r][op.phase] += _weight(op)
     totals = {}
     for r in programs:
         rate = spec.device.flop_rate(precision, ranks_on_node[nodes[r]])
@@ -798,9 +853,30 @@ def _model_compute(programs, work, spec: ClusterSpec, precision, ranks_on_node, 
 
     def price(rank, op):
         m = measured[rank][op.phase]
-        return totals[rank][op.phase] * op.seconds / m if m > 0 else 0.0
+        return totals[rank][op.phase] * _weight(op) / m if m > 0 else 0.0
 
     return price
+
+
+def _weight(op: Op) -> float:
+    return op.seconds if op.weight is None else op.weight
+
+
+def _smooth(all_programs: list[dict]) -> None:
+    """Give each compute span, as its share of the FLOPs, the median of its measured durations over
+    the steps (the same span of every step: lockstep steps run the same program) — a span a busy
+    machine stretched once does not take more of the step's FLOPs for it."""
+    if len(all_programs) < 2:
+        return
+    for r in all_programs[0]:
+        shapes = {tuple((op.kind, op.phase) for op in progs[r]) for progs in all_programs}
+        if len(shapes) != 1:
+            continue
+        for i, op in enumerate(all_programs[0][r]):
+            if op.kind == "compute":
+                w = statistics.median(progs[r][i].seconds for progs in all_programs)
+                for progs in all_programs:
+                    progs[r][i].weight = w
 
 
 def _axes(summary: dict) -> dict:

@@ -43,7 +43,7 @@ from .model import GPTConfig, training_flops
 from .parallel.schedules import split_layers
 
 __all__ = ["MODEL_SIZES", "target_model", "check_projection", "project", "replay", "Op",
-           "Instance", "ReplayError", "rank_work", "Scaler", "format_projection",
+           "Instance", "ReplayError", "rank_work", "Scaler", "format_projection", "breakdown",
            "NOT_REPLAYED"]
 
 #: Bigger models of the same family (GPT-2 shaped: 4h-wide GeLU MLPs, learned positions), by the
@@ -516,7 +516,8 @@ def replay(programs: dict, instances: dict, cost=None, compute=None, issue_cost:
                          f"{op.key}: not issued by rank(s) {missing}")
         raise ReplayError("the event log cannot be replayed: " + "; ".join(lines))
     first = min(t0.values(), default=0.0)
-    return {"ranks": {r: {"end": t[r], "segments": segs[r]} for r in programs}, "comm": done,
+    return {"ranks": {r: {"start": t0[r], "end": t[r], "segments": segs[r]} for r in programs},
+            "comm": done,
             "step_time": max(t.values(), default=0.0) - first}
 
 
@@ -747,18 +748,18 @@ def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | No
         replays.append(out)
     order = sorted(range(len(replays)), key=lambda k: replays[k]["step_time"])
     median = replays[order[len(order) // 2]]
-    parts = _parts(median, lay)
+    T = median["step_time"]  # the median step (its parts and timeline are the ones shown)
+    parts = breakdown(median, lay["pp"] > 1)
     peak = spec.device.flop_rate(precision) / spec.device.fraction
     if not spec.accelerator:
         peak = spec.device.flop_rate(precision, max(ranks_on_node.values()))
     total_model_flops = sum(w.model_flops for w in work.values())
-    T = median["step_time"]
     memory = _memory(summary, run_cfg, target, precision, work, lay)
     out = {
         "cluster": spec.key, "cluster_title": spec.title,
         "model": _model_name(model, target), "params": target.num_params(),
         "precision": precision, "compute_mode": mode, "degrees": degrees or None,
-        "step_time_s": statistics.median(r["step_time"] for r in replays),
+        "step_time_s": T,
         "step_times_s": [r["step_time"] for r in replays],
         "measured_step_s": statistics.median(r["measured"] for r in replays),
         "mean_step_time_s": statistics.fmean(r["step_time"] for r in replays),
@@ -933,11 +934,12 @@ def _member_nodes(inst: Instance, nodes: dict, n: int, sizes: dict, axes: dict,
     return stride_nodes
 
 
-def _parts(rep: dict, lay: dict) -> dict:
+def breakdown(rep: dict, pipeline: bool = False) -> dict:
     """Mean over ranks of compute, exposed communication, bubble and idle (they add up to the step
-    time), and the share of communication time hidden behind compute."""
+    time: a rank's waiting is exposed communication while its communication is in flight, else
+    idle — bubble in a ``pipeline`` on point-to-point waits and at the end), ``comm_s`` (the time
+    a rank has communication in flight), and the share of that hidden behind compute."""
     T = rep["step_time"]
-    pipeline = lay["pp"] > 1
     sums = defaultdict(float)
     busy_total = exposed_total = 0.0
     n = len(rep["ranks"])
@@ -958,7 +960,7 @@ def _parts(rep: dict, lay: dict) -> dict:
                 exposed += overlap
                 sums["bubble_s" if pipeline and s["key"][0] == "p" else "idle_s"] += d - overlap
         sums["exposed_comm_s"] += exposed
-        sums["bubble_s" if pipeline else "idle_s"] += T - info["end"]
+        sums["bubble_s" if pipeline else "idle_s"] += T - (info["end"] - info.get("start", 0.0))
         busy_total += _merge(busy)
         exposed_total += min(exposed, _merge(busy)) if busy else 0.0
     out = {k: sums[k] / n for k in ("compute_s", "exposed_comm_s", "bubble_s", "idle_s")}
@@ -1018,7 +1020,8 @@ def _memory(summary, run: GPTConfig, target: GPTConfig, precision, work, lay) ->
 def format_projection(p: dict) -> str:
     """One line for the readable summary."""
     hidden = p.get("hidden_comm_share")
-    mem = max(m["total"] for m in p["memory"]) / GB if p.get("memory") else 0
+    mem = (max(m["total"] for m in p["memory"]) / GB if p.get("memory")
+           else max(p.get("memory_per_device_gb") or [0.0]))
     return (f"projected on {p['cluster']} as {p['model']}: {p['step_time_s'] * 1e3:,.2f} ms per step "
             f"(compute {p['compute_s'] * 1e3:,.2f}, exposed comm {p['exposed_comm_s'] * 1e3:,.2f}, "
             f"bubble {p['bubble_s'] * 1e3:,.2f}, idle {p['idle_s'] * 1e3:,.2f} ms; "

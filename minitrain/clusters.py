@@ -155,6 +155,18 @@ class ClusterSpec:
                    + crossing * self.inter.alpha)
         return latency + ring_volume(op, nbytes, n) / busbw
 
+    def hardware(self, precision: str = "bf16-mixed"):
+        """The chooser's :class:`~minitrain.chooser.Hardware` with this cluster's numbers (one cost
+        model: the chooser prices a layout with the same FLOP rate, bus bandwidths and α)."""
+        from .chooser import Hardware
+        inter = self.inter or self.intra
+        return Hardware(device_memory_gb=self.device.memory_gb,
+                        devices_per_node=self.devices_per_node, nodes=self.nodes,
+                        intra_node_gbps=self.intra.busbw / GB,
+                        inter_node_gbps=inter.busbw * self.devices_per_node / GB,
+                        device_tflops=self.device.flop_rate(precision) / 1e12,
+                        latency_intra_s=self.intra.alpha, latency_inter_s=inter.alpha)
+
     def row(self) -> dict:
         """The numbers, for ``minitrain clusters`` and the projection's summary."""
         d = self.device

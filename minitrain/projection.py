@@ -191,7 +191,8 @@ class RankWork:
     head_params: float
 
 
-def rank_work(summary: dict, cfg: GPTConfig, rank: int, degrees: dict | None = None) -> RankWork:
+def rank_work(summary: dict, cfg: GPTConfig, rank: int, degrees: dict | None = None,
+              recompute: bool | None = None) -> RankWork:
     """Rank ``rank``'s work per step for model ``cfg`` in the run's layout (the run's own model, or
     a bigger one: the same stages, degrees and batch; blocks split as the run split its own);
     ``degrees`` ({"tp": 8}) re-sizes tensor parallelism (data parallelism leaves a rank's work
@@ -211,7 +212,8 @@ def rank_work(summary: dict, cfg: GPTConfig, rank: int, degrees: dict | None = N
     else:
         blocks = L
     tokens = batch * seq / (_layout(summary)["dp"] * lay["cp"])
-    recompute = bool(summary.get("checkpoint_activations"))
+    if recompute is None:
+        recompute = bool(summary.get("checkpoint_activations"))
     flops = training_flops(cfg, tokens, blocks, head, tp=tp, recompute=recompute)
     model_flops = training_flops(cfg, tokens, blocks, head, tp=tp)
     block = cfg.block_params() / tp
@@ -662,7 +664,8 @@ def _step_programs(result: dict, step_index: int):
 
 
 def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | None = None,
-            compute: str | None = None, degrees: dict | None = None, steps=None) -> dict:
+            compute: str | None = None, degrees: dict | None = None, steps=None,
+            recompute: bool | None = None) -> dict:
     """Re-time ``result`` (from ``train(..., record_events=True)`` or ``project=``) on ``cluster``
     (a preset name, a :class:`~minitrain.clusters.ClusterSpec`; "local"/"binder" need the run's
     calibration) for ``model`` (None: the run's own; "1.3b", "7b"..., or a GPTConfig).
@@ -673,7 +676,9 @@ def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | No
     prices it from its FLOPs.  ``degrees``: {axis: size} re-sizes the groups of an axis ("dp",
     "tp", "pp", "cp") — the run's ranks stand for a bigger mesh of the same shape (every replica
     alike), e.g. ``{"dp": 48}`` for 48 replicas where the run had 2.  ``steps``: which recorded
-    steps (default: all but the first); the median step is drawn.
+    steps (default: all but the first); the median step is drawn.  ``recompute``: count one more
+    forward of the blocks (activation checkpointing) where the run did not recompute (a strategy
+    that cannot) — its FLOPs only: the recomputed forward's communication is not in the run's log.
 
     Returns a dict: ``cluster``, ``model``, ``step_time_s`` (median over the steps), ``compute_s``,
     ``exposed_comm_s``, ``bubble_s``, ``idle_s`` (their mean over ranks: they add up to the step
@@ -711,7 +716,7 @@ def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | No
     ranks_on_node = defaultdict(int)
     for node in nodes.values():
         ranks_on_node[node] += 1
-    work = {r: rank_work(summary, target, r, degrees) for r in range(world)}
+    work = {r: rank_work(summary, target, r, degrees, recompute) for r in range(world)}
     scale = Scaler(summary, run_cfg, target, items, degrees)
     recorded = len(_windows(result["events"][0]["marks"]))
     if recorded == 0:
@@ -732,7 +737,8 @@ def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | No
         _drop_unmatched(programs, instances)
 
         def cost(inst, _spec=spec):
-            n = degrees.get(_axis_of(inst, axes), len(inst.members))
+            n = len(inst.members) if inst.op in ("send", "recv") else degrees.get(
+                _axis_of(inst, axes), len(inst.members))
             where = _member_nodes(inst, nodes, n, sizes, axes, spec, bool(degrees))
             return inst.repeat * _spec.seconds(inst.op, inst.bytes, where)
 
@@ -754,7 +760,7 @@ def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | No
     if not spec.accelerator:
         peak = spec.device.flop_rate(precision, max(ranks_on_node.values()))
     total_model_flops = sum(w.model_flops for w in work.values())
-    memory = _memory(summary, run_cfg, target, precision, work, lay)
+    memory = _memory(summary, run_cfg, target, precision, work, {**lay, "dp": sizes["dp"]})
     out = {
         "cluster": spec.key, "cluster_title": spec.title,
         "model": _model_name(model, target), "params": target.num_params(),
@@ -766,6 +772,7 @@ def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | No
         "measured_mean_step_s": statistics.fmean(r["measured"] for r in replays),
         **parts,
         "mfu": total_model_flops / (T * world * peak) if T > 0 else None,
+        "hfu": sum(w.flops for w in work.values()) / (T * world * peak) if T > 0 else None,
         "tokens_per_s": summary["batch_size"] * target.seq_len * sizes["dp"] / lay["dp"] / T
         if T > 0 else None,
         "memory": memory,
@@ -864,27 +871,30 @@ def _weight(op: Op) -> float:
 
 
 def _smooth(all_programs: list[dict]) -> None:
-    """Give each compute span, as its share of the FLOPs, the median of its measured durations over
-    the steps (the same span of every step: lockstep steps run the same program) — a span a busy
-    machine stretched once does not take more of the step's FLOPs for it."""
-    if len(all_programs) < 2:
-        return
+    """Give each compute span, as its share of its rank's FLOPs, the median of its measured
+    durations over the steps and over the ranks that run the same program (tensor-parallel peers,
+    data-parallel replicas: lockstep ranks doing the same work) — so that a span a busy machine
+    stretched once takes no more of the FLOPs for it, and peers that split a layer's work evenly
+    are not made to wait for each other by noise."""
+    shape = {}
     for r in all_programs[0]:
         shapes = {tuple((op.kind, op.phase) for op in progs[r]) for progs in all_programs}
-        if len(shapes) != 1:
-            continue
-        for i, op in enumerate(all_programs[0][r]):
+        if len(shapes) == 1:
+            shape.setdefault(shapes.pop(), []).append(r)
+    for ranks in shape.values():
+        for i, op in enumerate(all_programs[0][ranks[0]]):
             if op.kind == "compute":
-                w = statistics.median(progs[r][i].seconds for progs in all_programs)
+                w = statistics.median(progs[r][i].seconds for progs in all_programs for r in ranks)
                 for progs in all_programs:
-                    progs[r][i].weight = w
+                    for r in ranks:
+                        progs[r][i].weight = w
 
 
 def _axes(summary: dict) -> dict:
     """{ranks tuple: axis name} for the run's groups (the world: its one axis)."""
     s, w = summary["strategy"], summary["world_size"]
     world = tuple(range(w))
-    one = {"pipeline": "pp", "tensor": "tp"}.get(s, "dp")
+    one = {"pipeline": "pp", "tensor": "tp", "3d": "world", "context": "world"}.get(s, "dp")
     out = {world: one}
     if s == "3d":
         for rep in summary.get("report") or []:

@@ -43,7 +43,8 @@ from .model import GPTConfig, training_flops
 from .parallel.schedules import split_layers
 
 __all__ = ["MODEL_SIZES", "target_model", "check_projection", "project", "replay", "Op",
-           "Instance", "ReplayError", "rank_work", "Scaler", "format_projection", "breakdown",
+           "Instance", "ReplayError", "rank_work", "Scaler", "format_projection", "breakdown", "warp", "ddp_timeline",
+           "pipeline_timeline",
            "NOT_REPLAYED"]
 
 #: Bigger models of the same family (GPT-2 shaped: 4h-wide GeLU MLPs, learned positions), by the
@@ -782,8 +783,63 @@ def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | No
         "sources": spec.row()["sources"],
     }
     out["step"] = chosen[order[len(order) // 2]]
+    out["windows"] = {r: w[0] for r, w in median["window"].items()}  # each rank's step start
     out["_replay"] = median
     return out
+
+
+def ddp_timeline(result: dict, projection: dict) -> list[dict]:
+    """The DDP report's timeline of the projected step (``--timeline``: backward and each bucket's
+    all-reduce, per rank) re-timed: the form :func:`minitrain.viz.timeline.timeline_rows` draws.
+    Backward's edges are warped (:func:`warp`); a bucket runs when the replay ran it."""
+    out = []
+    for rank, rep in enumerate(result["summary"]["report"]):
+        step = rep["timeline"][projection["step"] - result["summary"].get("start_step", 0)]
+        comm = {e["tag"]: e for e in projection["timeline"][rank] if e["op"] != "compute"}
+        buckets = []
+        for b in step["buckets"]:
+            e = comm.get(f"bucket{b['index']}")
+            start, end = (e["issued"], e["end"]) if e else (warp(projection, rank, b["start"]),) * 2
+            buckets.append({**b, "start": start, "end": end, "bytes": e["bytes"] if e else b["bytes"]})
+        out.append({"timeline": [{"backward_start": warp(projection, rank, step["backward_start"]),
+                                  "backward_end": warp(projection, rank, step["backward_end"]),
+                                  "buckets": buckets}]})
+    return out
+
+
+def pipeline_timeline(result: dict, cluster="dgx-h100", model=None, **kw) -> tuple[list, dict]:
+    """The pipeline's measured timeline (its report's, the last step's) re-timed on ``cluster`` at
+    ``model``: ``(timeline, projection)`` — the timeline in the executor's own form (``rank``,
+    ``action``, ``ready``, ``start``, ``end``; seconds from the step's start), what the lesson's
+    Gantt charts draw."""
+    steps = len(_windows(result["events"][0]["marks"]))
+    p = project(result, cluster, model, steps=[steps - 1], **kw)
+    # the executor's clock starts on rank 0 after its barrier, where it broadcast that reading
+    window = _windows(result["events"][0]["marks"])[steps - 1]
+    t0 = next(e["start"] for e in sorted(result["events"][0]["events"], key=lambda e: e["start"])
+              if not e["traced"] and e["op"] == "broadcast" and e["start"] >= window[1])
+    out = []
+    for e in result["summary"]["report"][0]["timeline"]:
+        r = e["rank"]
+        out.append({**e, **{k: warp(p, r, t0 + e[k]) for k in ("ready", "start", "end")}})
+    return out, p
+
+
+def warp(projection: dict, rank: int, t: float) -> float:
+    """The projected time (seconds from the drawn step's start) of the instant ``t`` (a
+    ``time.perf_counter()`` reading on ``rank`` during that step, as the measured timelines of DDP,
+    ZeRO-3 and the pipeline record them): inside a replayed span, at the same fraction of it — so a
+    lesson draws its measured timeline re-timed with the same function that draws it measured."""
+    rel = t - projection["windows"][rank]
+    segs = projection["_replay"]["ranks"][rank]["segments"]
+    for s in segs:
+        a, b = s["measured"]
+        if a <= rel <= b:
+            frac = (rel - a) / (b - a) if b > a else 1.0
+            return s["start"] + frac * (s["end"] - s["start"])
+    if segs and rel > segs[-1]["measured"][1]:
+        return segs[-1]["end"]
+    return segs[0]["start"] if segs else 0.0
 
 
 def _cluster(name: str, result: dict, compute, model) -> ClusterSpec:

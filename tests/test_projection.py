@@ -13,7 +13,10 @@ from minitrain.clusters import PRESETS, describe, get_cluster
 from minitrain.cli import main
 from minitrain.model import GPTConfig, PRESETS as MODELS, training_flops
 from minitrain.projection import (MODEL_SIZES, Instance, Op, ReplayError, breakdown,
-                                  check_projection, project, rank_work, replay, target_model)
+                                  check_projection, ddp_timeline, pipeline_timeline, project,
+                                  rank_work, replay, target_model)
+from minitrain.viz.pipeline import bubble_summary
+from minitrain.viz.timeline import timeline_rows
 
 C = Op  # shorthand for the hand-made programs
 
@@ -272,7 +275,7 @@ def test_the_run_replayed_on_this_machine_keeps_its_measured_compute(ddp_run):
                for s in measured)
 
 
-def test_a_pipeline_projection_reports_its_bubble(clusters):
+def test_a_pipeline_projection_reports_its_bubble_and_redraws_its_timeline(clusters):
     run = train(strategy="pipeline", world_size=2, steps=2, batch_size=8, cluster=clusters(2),
                 options={"schedule": "gpipe", "microbatches": 4}, record_events=True)
     p = project(run, "dgx-h100", "1.3b")
@@ -280,6 +283,25 @@ def test_a_pipeline_projection_reports_its_bubble(clusters):
     sends = [e for e in p["timeline"][0] if e["op"] == "send"]
     assert len(sends) == 4  # one activation per micro-batch, forward
     assert sends[0]["bytes"] == pytest.approx(2 * MODEL_SIZES["1.3b"].seq_len * 2048 * 2)
+    timeline, q = pipeline_timeline(run, "dgx-h100", "1.3b")
+    measured = run["summary"]["report"][0]["timeline"]
+    assert [e["action"] for e in timeline] == [e["action"] for e in measured]
+    assert all(e["ready"] <= e["start"] <= e["end"] <= q["step_time_s"] * (1 + 1e-9)
+               for e in timeline)
+    summary = bubble_summary(timeline, 2, 4)
+    assert 0 < summary["bubble"] < 1
+
+
+def test_the_ddp_timeline_is_redrawn_on_the_cluster(clusters):
+    run = train(strategy="ddp", world_size=2, steps=3, batch_size=8, cluster=clusters(2),
+                options={"timeline": True, "bucket_mb": 0.2}, record_events=True)
+    p = project(run, "dgx-h100", "1.3b")
+    rows = timeline_rows(ddp_timeline(run, p))
+    assert len(rows) == 2 and len(rows[0]["buckets"]) == len(run["summary"]["report"][0]["bucket_bytes"])
+    start, end = rows[0]["backward"]
+    assert start < end <= p["step_time_s"] * 1e3
+    # the buckets carry the 1.3B model's gradients (bf16), all of them once
+    assert sum(b[3] for b in rows[0]["buckets"]) == pytest.approx(2 * MODEL_SIZES["1.3b"].num_params())
 
 
 def test_the_cli_prints_the_projection_in_its_json():

@@ -197,7 +197,7 @@ def one_model(get, steps: int) -> list[float]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--only", choices=["a", "b", "c"], default=None)
     args = parser.parse_args(argv)
     get, live = _clusters()

@@ -702,7 +702,7 @@ def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | No
                               else "bf16-mixed")
     items = (_itemsize(run_precision), _itemsize(precision))
     same = target == run_cfg and items[0] == items[1]
-    mode = compute or ("measured" if (same and not spec.accelerator) else "model")
+    mode = compute or ("measured" if (same and spec.key == "local") else "model")
     world = summary["world_size"]
     lay = _layout(summary)
     axes = _axes(summary)

@@ -237,8 +237,9 @@ PRESETS: dict[str, ClusterSpec] = {
 #: calibrated on the spot (need the run's ranks): this machine, and Binder's one CPU
 CALIBRATED = {"local": "this machine: its CPU ranks, calibrated on the spot (FLOP rate per rank, "
                        "lesson 01's α-β fit over loopback)",
-              "binder": "Binder (mybinder.org: 1 CPU, 2 GB): this machine's per-core FLOP rate on "
-                        "one core shared by every rank, its loopback α-β"}
+              "binder": "Binder (mybinder.org: 1 CPU, 2 GB): every rank on one core — the run's "
+                        "measured compute stretched by the cores it had here (a bigger model: this "
+                        "machine's per-core FLOP rate), its loopback α-β"}
 
 
 def cluster_names() -> list[str]:

@@ -673,8 +673,9 @@ def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | No
 
     ``precision``: of the projected run (default: the run's, but an fp32 run on GPUs as bf16-mixed,
     the way such models are trained).  ``compute``: "measured" keeps each compute span's measured
-    duration (this machine, same model: the self-consistency check), "model" (default otherwise)
-    prices it from its FLOPs.  ``degrees``: {axis: size} re-sizes the groups of an axis ("dp",
+    duration (this machine, same model: the self-consistency check; on "binder" stretched by the
+    cores the ranks had here, as they would share one), "model" (default otherwise) prices it from
+    its FLOPs.  ``degrees``: {axis: size} re-sizes the groups of an axis ("dp",
     "tp", "pp", "cp") — the run's ranks stand for a bigger mesh of the same shape (every replica
     alike), e.g. ``{"dp": 48}`` for 48 replicas where the run had 2.  ``steps``: which recorded
     steps (default: all but the first); the median step is drawn.  ``recompute``: count one more
@@ -702,7 +703,10 @@ def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | No
                               else "bf16-mixed")
     items = (_itemsize(run_precision), _itemsize(precision))
     same = target == run_cfg and items[0] == items[1]
-    mode = compute or ("measured" if (same and spec.key == "local") else "model")
+    mode = compute or ("measured" if (same and spec.key in ("local", "binder")) else "model")
+    # Binder: the same spans on one core where this machine gave them min(ranks, cores)
+    stretch = (min(summary["world_size"], spec.calibration.get("cores", 1))
+               if spec.key == "binder" and mode == "measured" else 1.0)
     world = summary["world_size"]
     lay = _layout(summary)
     axes = _axes(summary)
@@ -743,7 +747,7 @@ def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | No
             where = _member_nodes(inst, nodes, n, sizes, axes, spec, bool(degrees))
             return inst.repeat * _spec.seconds(inst.op, inst.bytes, where)
 
-        timing = None
+        timing = (lambda rank, op, k=stretch: op.seconds * k) if stretch != 1.0 else None
         if mode == "model":
             timing = _model_compute(programs, work, spec, precision, ranks_on_node, nodes)
         first = min(w[0] for w in window.values())

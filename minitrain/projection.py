@@ -1082,7 +1082,12 @@ def _memory(summary, run: GPTConfig, target: GPTConfig, precision, work, lay) ->
         acts = measured * scale * item if (target != run or item != 1) else measured
         row = {"parameters": states["parameters"], "gradients": states["gradients"],
                "optimizer_states": states["optimizer_states"], "activations": acts}
+        offload = (summary.get("options") or {}).get("offload")
+        if offload:  # ZeRO-Offload: Adam's states (and the fp32 masters) live in host memory
+            row["optimizer_states"] = 0.0
         row["total"] = sum(row.values())
+        if offload:
+            row["host"] = states["optimizer_states"]
         out.append(row)
     return out
 

@@ -102,10 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     proj = t.add_argument_group("projection (issue 25): the run re-timed on a real cluster")
     proj.add_argument("--project", metavar="CLUSTER", default=None,
                       help="re-time this run on CLUSTER and add summary.projection "
-                           "(see 'minitrain clusters'; e.g. dgx-h100, ib-h100x4, eth-25g, local)")
+                           "(see 'minitrain clusters'; e.g. dgx-h100, ib-h100x4, eth-25g, local) "
+                           "(default: none)")
     proj.add_argument("--as-model", metavar="SIZE", default=None, dest="as_model",
                       help="with --project: the same layout for a bigger model of the family "
-                           "(gpt2, 1.3b, 2.7b, 7b, 13b)")
+                           "(gpt2, 1.3b, 2.7b, 7b, 13b) (default: the run's own)")
     opts = t.add_argument_group("strategy options (each refused by the strategies that do not "
                                 "take it)")
     for name, (f, hint, users) in _strategy_options().items():
@@ -326,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"minitrain train: error: {exc}\n")
     except RankError as exc:  # the ranks' story, not the launcher's traceback
         text = str(exc)
-        if exc.exc_type == "Diverged":
-            text = text.split("\n\n--- traceback", 1)[0].replace("Diverged: ", "")
+        if exc.exc_type == "Diverged":  # the step and the fix are the whole story
+            text = f"rank {exc.rank} failed: {exc.message}"
         parser.exit(1, f"minitrain train: error: {text}\n")
     return 0

@@ -21,10 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .parallel.flat import FlatUnit
-
-__all__ = ["Event", "Tracer", "Comm", "ring_all_reduce", "all_reduce_coalesced", "ring_sent_bytes",
-           "loopback_tx_bytes", "recording"]
+__all__ = ["Event", "Tracer", "Comm", "ring_all_reduce", "backend_all_reduce", "all_reduce_coalesced",
+           "ring_sent_bytes", "loopback_tx_bytes", "recording"]
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the first names.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -290,11 +288,6 @@ class _TracedWork:
     def is_completed(self) -> bool:
         return self._done or self._work is None or self._work.is_completed()
 
-    @property
-    def waited(self) -> bool:
-        """True once :meth:`wait` was called (DDP checks that each bucket's all-reduce was)."""
-        return self._done
-
 
 class Comm:
     """A process group and a tracer: the only way strategies in minitrain communicate.
@@ -425,26 +418,30 @@ class Comm:
         self._traced("barrier", 0, lambda: dist.barrier(group=self.group))
 
 
+def backend_all_reduce(tensor: torch.Tensor, comm: Comm, tag: str = "") -> torch.Tensor:
+    """The backend's all-reduce in the shape of the ``ring_all_reduce`` seam: sums ``tensor`` over
+    ``comm``'s ranks (in place) and returns it.  :func:`ring_all_reduce` has the same shape."""
+    comm.all_reduce(tensor, tag=tag)
+    return tensor
+
+
 @torch.no_grad()
 def all_reduce_coalesced(tensors: list, comm: Comm, tag: str = "", divide_by: int = 1,
                          all_reduce=None) -> None:
     """Sum ``tensors`` over ``comm``'s ranks in place with one all-reduce of them flattened
     together (one message instead of one per tensor), then divide by ``divide_by``.
-    ``all_reduce(flat, comm)`` (in place or returned, e.g. :func:`ring_all_reduce`) replaces
-    ``comm.all_reduce``."""
+
+    ``all_reduce(flat, comm) -> the sum`` does the summing: default :func:`backend_all_reduce`
+    (traced as ``tag``); :func:`ring_all_reduce`, or a learner's ring, has the same shape."""
     if not tensors or comm.size == 1:
         return
-    unit = FlatUnit(tensors)
-    flat = unit.flatten(tensors)
-    if all_reduce is None:
-        comm.all_reduce(flat, tag=tag)
-    else:
-        out = all_reduce(flat, comm)
-        if out is not None and out is not flat:
-            flat.copy_(out)
+    all_reduce = all_reduce or (lambda t, c: backend_all_reduce(t, c, tag))
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    summed = all_reduce(flat, comm)
     if divide_by != 1:
-        flat.div_(divide_by)
-    unit.unflatten(flat)
+        summed = summed.div(divide_by)
+    for t, piece in zip(tensors, summed.split([t.numel() for t in tensors])):
+        t.copy_(piece.view_as(t))
 
 
 #: Sub-chunk size the ring pipelines in (bytes): a chunk of C bytes goes as ceil(C / this) pieces

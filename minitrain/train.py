@@ -18,11 +18,13 @@ import time
 
 import torch.distributed as dist
 
-from .checkpoint import check_checkpoint_config, clear_save_dir, load_checkpoint, maybe_save
+from .checkpoint import load_checkpoint, maybe_save
+from .checkpoint_checks import check_checkpoint_config, clear_save_dir
 from .comm import Comm, Tracer, recording
 from .data import ArithmeticData
 from .launch import Cluster
-from .strategies import (ConfigError, FreeRunning, Seams, Strategy, TrainConfig, check_common,
+from .memory import rss_bytes
+from .strategies import (ConfigError, FreeRunning, Seams, Strategy, TrainConfig, check_strategy,
                          get_strategy)
 
 __all__ = ["run_rank", "train", "check_config", "fit", "Diverged", "add_projection",
@@ -44,9 +46,7 @@ def _diverged(cfg: TrainConfig, step: int, loss: float) -> Diverged:
 def check_config(cfg: TrainConfig, seams=None) -> None:
     """Refuse a configuration that cannot run (unknown strategy, bad sizes or options, a seam the
     strategy does not have, a checkpoint that does not match) before spawning."""
-    cls = get_strategy(cfg.strategy)
-    check_common(cls, cfg, Seams.of(seams))
-    cls.check(cfg)
+    check_strategy(cfg, seams)
     check_checkpoint_config(cfg)
     cores = os.cpu_count() or 1
     if cfg.world_size > 4 * cores and cfg.backend != "nccl":
@@ -87,6 +87,11 @@ def _build(cfg: TrainConfig, comm: Comm, seams) -> Strategy:
     return get_strategy(cfg.strategy)(cfg, comm, Seams.of(seams))
 
 
+def _loss_scaler(strategy: Strategy) -> dict | None:
+    """The dynamic loss scaler's state (fp16-mixed), or None."""
+    return strategy.loss_scaler.state_dict() if strategy.loss_scaler is not None else None
+
+
 def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False, seams=None,
              record_events: bool = False, calibrate: bool = False) -> dict:
     """Train on this rank (the process group must exist); rank 0 returns the run's summary.
@@ -115,8 +120,9 @@ def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False, seams=N
         losses, times = fit(strategy, data, report)
     with comm.tracer.paused():  # gathering the result is not training traffic
         final = strategy.final_state()
-    mine = {"comm": comm.tracer.summary(), "memory": strategy.memory(), "report": strategy.report(),
-            "precision": strategy.precision_report()}
+    mine = {"comm": comm.tracer.summary(),
+            "memory": {**strategy.memory(), "rss_peak": rss_bytes(peak=True)},
+            "report": strategy.report(), "loss_scaler": _loss_scaler(strategy)}
     if record_events:
         mine["events"] = comm.tracer.export()
     gathered = [None] * comm.size if comm.rank == 0 else None
@@ -142,12 +148,12 @@ def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False, seams=N
         "options": cfg.options.given(),  # the strategy's options that differ from their defaults
         "checkpoint_activations": cfg.checkpoint_activations,
         # rank 0's dynamic loss scaler (every rank of a lockstep strategy holds the same one)
-        "loss_scaler": gathered[0]["precision"]["loss_scaler"],
+        "loss_scaler": gathered[0]["loss_scaler"],
         "final_loss": losses[-1],
         "step_time_s": statistics.median(times),
         "start_step": strategy.start_step,  # > 0 when resumed: losses are of steps start_step..
-        "resumed_from": getattr(strategy, "resumed_from", None),
-        "resharded_from": getattr(strategy, "resharded_from", None),  # "zero3 on 4 ranks"
+        "resumed_from": strategy.resumed_from,
+        "resharded_from": strategy.resharded_from,  # "zero3 on 4 ranks"
         "checkpoints": strategy.saved_checkpoints,
         "comm": [g["comm"] for g in gathered],
         "memory": [g["memory"] for g in gathered],
@@ -160,9 +166,8 @@ def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False, seams=N
     if record_events:
         out["events"] = [g["events"] for g in gathered]
         out["step_times"] = times
-    if return_state:
-        state = final if final is not None else strategy.state_dict()
-        out["state"] = {k: v.detach().cpu().clone() for k, v in state.items()}
+    if return_state:  # final_state(): the full model on rank 0
+        out["state"] = {k: v.detach().cpu().clone() for k, v in final.items()}
     return out
 
 

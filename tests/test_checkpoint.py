@@ -15,7 +15,7 @@ from minitrain.checkpoint import CheckpointError, checkpoint_support, consolidat
 from minitrain.cli import build_parser, config_from_args, main
 from minitrain.launch import RankError
 from minitrain.model import PRESETS
-from minitrain.strategies import Single
+from minitrain.strategies import Checkpointer, Lockstep, Single, get_strategy, strategy_names
 
 NANO = PRESETS["nano"]
 BASE = TrainConfig(steps=10, batch_size=6, seed=0, model=NANO)
@@ -219,10 +219,31 @@ def test_what_cannot_be_checkpointed_is_refused(no_spawn, cfg, message):
     assert message in str(info.value)
 
 
-def test_a_subclass_does_not_inherit_checkpoints():
-    class Sharded(Single):  # a Single whose state lies differently (as tensor's) must say so itself
+def test_a_checkpointer_is_complete_or_absent_with_its_reason():
+    class Bare(Lockstep):  # no checkpointer: refused, saying why
+        name = "bare"
+    assert checkpoint_support(Bare) == ("strategy 'bare' cannot save checkpoints: it has no "
+                                        "checkpointer yet (see Checkpointer in "
+                                        "minitrain/strategies/base.py)")
+
+    class Half(Checkpointer):  # saves, but cannot load or consolidate
+        def save(self, strategy):
+            return {}
+    with pytest.raises(TypeError, match="abstract"):
+        Half()
+
+    class Sharded(Single):  # an ordinary attribute: a subclass inherits it (or sets its own)
         name = "sharded"
-    assert "strategy 'sharded' does not implement checkpoints yet" in checkpoint_support(Sharded)
+    assert checkpoint_support(Sharded) is None and Sharded.checkpointer is Single.checkpointer
+
+
+@pytest.mark.parametrize("name", strategy_names())
+def test_a_checkpointer_that_reshards_implements_both_halves(name):
+    checkpointer = get_strategy(name).checkpointer
+    if isinstance(checkpointer, Checkpointer) and checkpointer.reshards:
+        for method in ("portable_optimizer", "load_portable"):
+            assert getattr(type(checkpointer), method) is not getattr(Checkpointer, method), \
+                f"{name}'s checkpointer reshards but does not implement {method}"
 
 
 # --------------------------------------------------------------------------------------------------

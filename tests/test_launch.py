@@ -90,8 +90,9 @@ def test_ranks_that_do_not_start_are_forked_again(monkeypatch, capsys):
     """A forked rank stuck before joining the group (once in CI: a lock held by a parent thread
     at fork time) — the ranks are stopped and forked again, and the cluster works."""
     launch_module = sys.modules["minitrain.launch"]  # (minitrain.launch is also a function)
+    worker_module = sys.modules["minitrain.worker"]
     stuck = mp.Value("i", 0)  # shared with the forked ranks: how many got stuck so far
-    original = launch_module._die_with_parent
+    original = worker_module._die_with_parent
 
     def first_rank_2_hangs():
         original()
@@ -102,7 +103,7 @@ def test_ranks_that_do_not_start_are_forked_again(monkeypatch, capsys):
             if first:
                 time.sleep(3600)
 
-    monkeypatch.setattr(launch_module, "_die_with_parent", first_rank_2_hangs)
+    monkeypatch.setattr(worker_module, "_die_with_parent", first_rank_2_hangs)
     monkeypatch.setattr(launch_module, "FORK_STARTUP_S", 2.0)
     with Cluster(3, timeout=30) as c:
         assert [r[2] for r in c.run(rank_and_sum)] == [6.0] * 3

@@ -66,7 +66,14 @@ def test_async_applies_every_gradient_once_in_a_recorded_order(clusters):
     for w in range(3):
         worker_rank = 1 + w
         assert [e["clock"] for e in log if e["worker"] == worker_rank] == list(range(10))
-    assert all(e["staleness"] == e["version"] - e["version_used"] >= 0 for e in log)
+    for w in range(3):
+        mine = [e for e in log if e["worker"] == 1 + w]
+        assert mine[0]["version_used"] == 0  # every worker starts from the server's weights
+        for before, after in zip(mine, mine[1:]):  # pulled at once after its own push was applied
+            assert after["version_used"] == before["version"] + 1
+        for e in mine:  # what it missed in between were the other workers' gradients
+            assert e["version_used"] <= e["version"]
+            assert all(o["worker"] != 1 + w for o in log[e["version_used"]:e["version"]])
     slow = [e["staleness"] for e in log if e["worker"] == 1]
     fast = [e["staleness"] for e in log if e["worker"] != 1]
     assert sum(slow) / len(slow) > sum(fast) / len(fast)  # the straggler computes on old weights

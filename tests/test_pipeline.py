@@ -7,9 +7,9 @@ schedule on 2–4 ranks against a single process, and measure the bubble of real
 
 import pytest
 
-from minitrain.parallel.schedules import (COSTS, SCHEDULES, Action, ScheduleError, bubble_formula,
-                                          bubble_fraction, make_schedule, orders, peak_in_flight,
-                                          simulate, split_layers, validate)
+from minitrain.analysis import bubble_formula, bubble_fraction, peak_in_flight
+from minitrain.parallel.schedules import (COSTS, SCHEDULES, Action, ScheduleError, make_schedule,
+                                          orders, simulate, split_layers, validate)
 
 F, B = (lambda m, s: Action("F", m, s)), (lambda m, s: Action("B", m, s))
 

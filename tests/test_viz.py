@@ -131,7 +131,7 @@ def test_sharding_grid_follows_the_stages():
 
 def test_sharding_widget_draws_the_real_partition():
     from minitrain import GPT, PRESETS
-    from minitrain.parallel.flat import shard_layout
+    from minitrain.analysis import shard_layout
     from minitrain.viz.sharding import ShardingWidget
 
     model = GPT(PRESETS["nano"], seed=0)

@@ -13,8 +13,11 @@ How an exercise works (lessons 00–09, and the debugging lab 01b in :mod:`.lab`
   from the ledger beside the lesson's formulas, step time against the package's own code; the cell
   after the check shows that run (``report("name")``);
 * a function that passes is kept in ``my_minitrain/`` beside the notebook (``$MINITRAIN_MINE``
-  overrides): lesson 08 trains the 3D mesh with every piece the learner wrote
+  overrides; :mod:`.kept`): lesson 08 trains the 3D mesh with every piece the learner wrote
   (:func:`.inside.your_minitrain`) and says which fell back to the package's;
+* what protects a run from a learner's function (a ring that returns nothing, a collective into a
+  freed buffer, an all-reduce never waited for) wraps the function before it goes into its seam
+  (:mod:`.guards`): the techniques call every function in a seam alike;
 * ``pytest --nbval-lax`` compares that cell's output with the stored pass verdict: a blank or wrong
   exercise fails there, a correct one passes.
 
@@ -28,8 +31,9 @@ verifies that ``lessons/`` is up to date (a test runs it).
 from . import (lab, lesson00, lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07,
                lesson08, lesson09)
 from .build import build_exercise, main, normalise
-from .inside import (Row, Run, inside, keep, mine, mine_dir, predicted, rank_trouble, report,
-                     sent_per_rank, your_minitrain)
+from .inside import (Row, Run, inside, predicted, rank_trouble, report, sent_per_rank,
+                     your_minitrain)
+from .kept import keep, mine, mine_dir
 from .core import (BEGIN, CHECK_MARK, CHECKS, END, PLACEHOLDER, blank, check, exercise, problem,
                    raised, ranks, release, verdict)
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import inspect
 import traceback
 
+from .kept import keep, parts
+
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
 PLACEHOLDER = "...  # YOUR CODE HERE"
 CHECK_MARK = "# NBVAL_CHECK_OUTPUT"
@@ -21,12 +23,6 @@ def exercise(name: str, passes: str):
         CHECKS[name] = (checker, passes)
         return checker
     return register
-
-
-def parts(fn) -> list:
-    """The learner's functions in ``fn``: ``fn`` itself, or the items of a tuple (an exercise of
-    several functions, e.g. DDP's two bucket hooks)."""
-    return list(fn) if isinstance(fn, (tuple, list)) else [fn]
 
 
 def blank(fn) -> bool:
@@ -111,12 +107,11 @@ def verdict(name: str) -> str:
 def check(name: str, fn) -> None:
     """Check the learner's ``fn`` for exercise ``name`` and print one line: the verdict.
 
-    A passing ``fn`` is kept in your minitrain (:func:`~minitrain.exercises.inside.keep`).
+    A passing ``fn`` is kept in your minitrain (:func:`~minitrain.exercises.kept.keep`).
     Returns nothing, so the check cell's only output is that line (nbval compares it).
     Use :func:`problem` to get the reason as a value."""
     found = problem(name, fn)
     if found is None:
-        from .inside import keep
         keep(name, fn)  # your minitrain: lesson 08 trains with the functions you passed
     print(verdict(name) if found is None else f"✗ {name}: {found}")
 

@@ -11,49 +11,22 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
 
 import torch
 
 from .core import exercise, ranks
-from .inside import learner_line, rank_error
+from .inside import rank_error, state_line
 
 # --------------------------------------------------------------------------------------------------
 # The launcher's diagnosis, in the learner's terms
 # --------------------------------------------------------------------------------------------------
 
 
-def _stacks(text: str) -> dict:
-    """rank -> the stack text the launcher printed for it (``--- stack of rank r ---``)."""
-    parts = re.split(r"\n--- stack of rank (\d+) ---\n", text)
-    return {int(parts[i]): parts[i + 1] for i in range(1, len(parts) - 1, 2)}
-
-
 def waits(exc: BaseException, fn) -> list[str]:
-    """Where each rank was when a run failed, from the launcher's report: ``"rank 0 waited in
-    all_reduce (line 3 of your mean_loss: dist.all_reduce(loss))"``, ``"rank 1 returned"``."""
-    text = str(exc)
-    stacks = _stacks(text)
-    out, seen = [], set()
-    for m in re.finditer(r"^  rank (\d+) (?:was )?(waiting in (\w+)|waiting|returned|failed|"
-                         r"still running)", text, re.M):
-        rank = int(m.group(1))
-        if rank in seen:
-            continue
-        seen.add(rank)
-        if m.group(3):
-            where = learner_line(stacks.get(rank, ""), fn)
-            out.append(f"rank {rank} waited in {m.group(3)}{where}")
-        else:
-            out.append(f"rank {rank} {m.group(2)}")
-    for err in [exc] + list(getattr(exc, "others", [])):  # timeouts: each rank's own traceback
-        rank = getattr(err, "rank", None)
-        op = re.search(r"waiting \d+ms for (\w+) operation", str(err))
-        if rank is not None and rank not in seen and op:
-            seen.add(rank)
-            out.append(f"rank {rank} waited in {op.group(1)}"
-                       f"{learner_line(getattr(err, 'remote_traceback', ''), fn)}")
-    return sorted(out, key=lambda s: int(s.split()[1]))
+    """Where each rank was when a run failed, from the launcher's report (its ``where``): ``"rank 0
+    waited in all_reduce (line 3 of your mean_loss: dist.all_reduce(loss))"``, ``"rank 1 returned"``."""
+    return [state_line(state, fn, was=True)
+            for _, state in sorted(getattr(exc, "where", {}).items())]
 
 
 def diagnosis(exc: BaseException, fn, where: str) -> str:
@@ -62,26 +35,22 @@ def diagnosis(exc: BaseException, fn, where: str) -> str:
     the backend), or an exception (the error and the learner's line)."""
     from ..launch import CollectiveTimeout, Deadlock
 
-    text = str(exc)
     if isinstance(exc, Deadlock):
         return (f"{where} the launcher found a deadlock: " + "; ".join(waits(exc, fn)) +
                 " — the waiting ranks wait for ranks that will never call it")
     if isinstance(exc, CollectiveTimeout):
-        ms = re.search(r"waiting (\d+)ms", text)
-        limit = f"{int(ms.group(1)) / 1000:g} s" if ms else "the group's timeout"
-        return (f"{where} nothing moved until the collective timeout ({limit}): " +
+        return (f"{where} nothing moved until the collective timeout ({exc.timeout_s:g} s): " +
                 "; ".join(waits(exc, fn)))
-    if "signal 6" in text:
-        why = re.search(r"what\(\):\s+\[[^\]]*\]\s*(.+)", text)
-        reason = why.group(1).strip() if why else "the ranks called mismatched collectives"
-        return (f"{where} rank {exc.rank} was aborted by the backend (signal 6): {reason}")
+    if getattr(exc, "signal", None) == 6:
+        reason = exc.abort_reason or "the ranks called mismatched collectives"
+        return f"{where} rank {exc.rank} was aborted by the backend (signal 6): {reason}"
     return f"{where} rank {getattr(exc, 'rank', '?')} raised {rank_error(exc, fn)}"
 
 
 def all_wait_in(exc, op: str, n: int) -> bool:
     """True when the launcher saw all ``n`` ranks waiting in ``op`` (e.g. every rank in a send)."""
-    found = [w for w in waits(exc, None) if w.split()[4:5] == [op]]
-    return len(found) == n
+    states = getattr(exc, "where", {}).values()
+    return sum(1 for s in states if s.state == "waiting" and s.op == op) == n
 
 
 # --------------------------------------------------------------------------------------------------
@@ -449,17 +418,6 @@ def run_program(cluster, name: str, fn, case: str = "") -> list | None:
 
 def short(err: BaseException) -> str:
     """The launcher's error without the ranks' stacks and tracebacks (what to read first)."""
-    keep, section = [], None
-    for line in str(err).splitlines():
-        if line.startswith("--- stack of rank"):
-            section = "stack"  # indented frames; ends at the first line that is not
-        elif line.startswith("--- traceback from rank"):
-            section = "traceback"  # ends at a blank line
-        elif section == "traceback":
-            section = None if not line.strip() else section
-        elif section == "stack" and line.startswith("  "):
-            pass
-        else:
-            section = None
-            keep.append(line)
-    return re.sub(r"\n{3,}", "\n\n", "\n".join(keep)).strip()
+    from ..diagnostics import RankError, format_error
+
+    return format_error(err, details=False) if isinstance(err, RankError) else str(err)

@@ -125,13 +125,14 @@ _DDP_RUN = dict(world_size=3, steps=3, batch_size=6, options={"bucket_mb": 0.005
 
 def ddp_config():
     """The DDP run the check trains with the learner's ring (a small GPT, three ranks)."""
-    from .. import GPTConfig, TrainConfig
+    from ..model import GPTConfig
+    from ..strategies import TrainConfig
 
     model = dataclasses.replace(GPTConfig(), n_layer=1, n_head=2, d_model=16, seq_len=10)
     return TrainConfig(strategy="ddp", model=model, **_DDP_RUN)
 
 
-def ring_rows(summary: dict, cfg) -> list:
+def ring_rows(summary: dict, cfg, package) -> list:
     """Bytes and messages one rank sent per step (tracer) beside the ring's formulas."""
     n, steps, psi = cfg.world_size, summary["steps"], summary["params"]
     buckets = len(summary["report"][0].get("bucket_bytes") or [])

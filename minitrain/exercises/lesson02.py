@@ -11,6 +11,7 @@ import time
 import torch
 
 from .core import exercise, on_clusters, parts, raised
+from .guards import WatchingComm
 from .inside import Row, inside, sent_per_rank
 
 
@@ -20,7 +21,7 @@ def _model():
 
 
 def _cfg(strategy: str, n: int, **options):
-    from .. import TrainConfig
+    from ..strategies import TrainConfig
     return TrainConfig(strategy=strategy, world_size=n, steps=3, batch_size=6 * n, seed=0,
                        model=_model(), options=options)
 
@@ -67,7 +68,7 @@ def _sync_rank(fn):
     return None
 
 
-def _naive_rows(summary, cfg):
+def _naive_rows(summary, cfg, package):
     from ..model import GPT
     formula, expected = _ring_bytes(cfg)
     params = len(list(GPT(cfg.model).parameters()))
@@ -92,52 +93,6 @@ def _check_sync_gradients(fn) -> str | None:
 _BUCKET_MB = 0.01  # the nano GPT's 104 kB of gradients in 7 buckets
 
 
-class _Watched:
-    """A work handle that notes when it is waited for (and its all-reduce, for the checker)."""
-
-    def __init__(self, work, launch: dict):
-        self.work, self.launch = work, launch
-
-    def wait(self):
-        if self.launch["waited"] is None:
-            self.launch["waited"] = time.perf_counter()
-        return self.work.wait()
-
-    @property
-    def waited(self) -> bool:
-        return self.launch["waited"] is not None
-
-    @property
-    def end(self):
-        return getattr(self.work, "end", None)
-
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
-
-def _watching_comm(launches: list, identify):
-    """A Comm whose all-reduces are noted: when, of which bucket (``identify(tensor)`` gives the
-    bucket and how many of its gradients were in then), blocking or not, waited for when."""
-    import torch.distributed as dist
-
-    from ..comm import Comm
-
-    class Watching(Comm):
-        def all_reduce(self, tensor, op=dist.ReduceOp.SUM, async_op=False, tag=""):
-            slot, got = identify(tensor)
-            launch = dict(time=time.perf_counter(), slot=slot, got=got, numel=tensor.numel(),
-                          async_op=async_op, waited=None, work=None)
-            launches.append(launch)
-            work = super().all_reduce(tensor, op=op, async_op=async_op, tag=tag)
-            if not async_op:
-                launch["waited"] = launch["time"]
-                return work
-            launch["work"] = work
-            return _Watched(work, launch)
-
-    return Watching()
-
-
 def _hooks_rank(fn):
     """On each rank: two backwards of the nano GPT through the package's DDP with the learner's two
     hooks, every all-reduce watched; what went wrong, in the order a learner should fix it."""
@@ -150,7 +105,7 @@ def _hooks_rank(fn):
     holder = {}
 
     def identify(tensor):
-        for s in holder["ddp"].reducer.slots if "ddp" in holder else []:
+        for s in holder["ddp"].slots if "ddp" in holder else []:
             if s.buffer is not None and s.buffer.data_ptr() == tensor.data_ptr() \
                     and s.buffer.numel() == tensor.numel():
                 return s.index, len(delivered.get(s.index, ()))
@@ -167,7 +122,7 @@ def _hooks_rank(fn):
         finally:
             ends["end"] = time.perf_counter()
 
-    comm = _watching_comm(launches, identify)
+    comm = WatchingComm(launches, identify)
     r, n = comm.rank, comm.size
     x, y = ArithmeticData(16, 0).batch(0, 4 * n)
     reference = GPT(_model(), seed=7)
@@ -188,7 +143,7 @@ def _hooks_rank(fn):
             for launch in launches:  # leave no all-reduce in flight for the next check
                 if launch["work"] is not None:
                     launch["work"].wait()
-        found = (_hooks_problem(fn, where, ddp.reducer.slots, launches, delivered, ends, error)
+        found = (_hooks_problem(fn, where, ddp.slots, launches, delivered, ends, error)
                  or _hooks_values(model, reference, where, n))
         if found:
             return found

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .core import exercise, raised, ranks
+from .guards import GuardedUnit
 from .inside import RUNS, Row, inside, rank_trouble, sent_per_rank
 
 #: a small GPT: the checks and the runs inside the strategies take seconds
@@ -33,7 +34,8 @@ def _on_ranks(rank_fn, fn, sizes=(2, 3)) -> str | None:
 
 
 def _cfg(strategy: str, n: int):
-    from .. import GPTConfig, TrainConfig
+    from ..model import GPTConfig
+    from ..strategies import TrainConfig
 
     cfg = TrainConfig(steps=3, batch_size=12, model=GPTConfig(**_MODEL))
     return cfg.with_(strategy=strategy, world_size=n)
@@ -158,7 +160,7 @@ def _check_zero1_step(fn) -> str | None:
     return _on_ranks(_zero1_rank, fn) or _inside_at("zero1_step", fn, "zero1", _zero1_rows)
 
 
-def _zero1_rows(summary: dict, cfg) -> list:
+def _zero1_rows(summary: dict, cfg, package) -> list:
     n, psi, b = cfg.world_size, summary["params"], _bytes_per_element(summary)
     sent = sent_per_rank(summary, "reduce_scatter") + sent_per_rank(summary, "all_gather")
     states = summary["memory"][0]["bytes"]["optimizer_states"]
@@ -182,8 +184,8 @@ def _timed_out(exc: BaseException) -> bool:
 
 
 class _Spy:
-    """Calls the learner's hook and looks at what it did: gathered (into ``unit.full``, every
-    shard in rank order), freed, reduced the gradient.  The expected values come from the same
+    """Calls the learner's hook (with a :class:`~.guards.GuardedUnit`) and looks at what it did:
+    gathered (into ``unit.full``, every shard in rank order), freed, reduced the gradient.  The expected values come from the same
     collectives run with the tracer paused; every rank agrees on a problem before any stops."""
 
     def __init__(self, fn, comm):
@@ -194,7 +196,7 @@ class _Spy:
 
     def __call__(self, unit, comm, moment):
         c, n = self.comm, self.comm.size
-        whole = unit._unit.full
+        whole = unit.full
         want_full = want_grad = grad = None
         with c.tracer.paused():
             if moment.startswith("before"):
@@ -208,7 +210,7 @@ class _Spy:
         mark = len(c.tracer.events)
         result = problem = None
         try:
-            result = self.fn(unit, comm, moment)
+            result = self.fn(GuardedUnit(unit), comm, moment)
             if result is not None and hasattr(result, "wait"):
                 result.wait()  # an asynchronous collective's work, returned as the package's does
         except Exception as exc:  # noqa: BLE001 - the learner's code may raise anything
@@ -264,7 +266,7 @@ class _Spy:
         return None
 
     def _gathered_values(self, unit, moment, ops, want, n) -> str | None:
-        full, name, r = unit._unit.full, unit.name, self.comm.rank
+        full, name, r = unit.full, unit.name, self.comm.rank
         if torch.equal(full, want):
             return None
         size = unit.shard.numel()
@@ -365,7 +367,7 @@ def _largest_unit_bytes(model_cfg, n: int, b: int) -> int:
     return max(FlatUnit([p for p in u.parameters() if p.requires_grad], n).total for u in units) * b
 
 
-def _zero3_rows(summary: dict, cfg) -> list:
+def _zero3_rows(summary: dict, cfg, package) -> list:
     n, psi, b = cfg.world_size, summary["params"], _bytes_per_element(summary)
     mem = summary["memory"][0]
     peak = mem["bytes"]["parameters"] + mem["gathered_peak"]

@@ -58,7 +58,8 @@ def _one_f_one_b_table(fn, P: int, M: int):
           "process on 2 and 3 ranks")
 def _check_one_f_one_b(fn) -> str | None:
     """Valid (the validator), 1F1B's memory bound, 1F1B's order or makespan, then run for real."""
-    from ..parallel.schedules import ScheduleError, orders, peak_in_flight, simulate, validate
+    from ..analysis import peak_in_flight
+    from ..parallel.schedules import ScheduleError, orders, simulate, validate
     from .inside import inside
 
     for P, M in _PIPE_CASES:
@@ -112,7 +113,15 @@ def _step_model():
 
 
 class _Wrong(Exception):
-    """What a rank found wrong with the learner's stage_step (one line, sent to the parent)."""
+    """What a rank found wrong with the learner's stage_step: the sentence, and (as data, for
+    :func:`_wrong_of`) ``wait`` — ``(rank, at action, waits for rank, its action)`` — or
+    ``sender=True`` for the rank that found it never sent what its peer waits for."""
+
+    def __init__(self, message: str, wait: tuple | None = None, sender: bool = False):
+        super().__init__(message, wait, sender)
+
+    def __str__(self) -> str:
+        return self.args[0]
 
 
 _HINTS = {
@@ -174,7 +183,8 @@ def _stage_step_alone(fn, timeout: float):
     from ..data import ArithmeticData
     from ..model import GPT, loss_fn
     from ..parallel.pipeline import PipelineStage
-    from ..parallel.schedules import Action, orders, peak_in_flight
+    from ..analysis import peak_in_flight
+    from ..parallel.schedules import Action, orders
 
     comm = Comm()
     r, P = comm.rank, comm.size
@@ -206,8 +216,8 @@ def _stage_step_alone(fn, timeout: float):
                    "previous stage" if grad else "after its forward, a stage sends its output to the "
                    "next stage")
             raise _Wrong(f"rank {r} waited {timeout:g} s in recv for {what} from rank {src}, "
-                         f"which never sent it: {why} (send(...))"
-                         f"{_WAIT.format(r, at, src, ('B' if grad else 'F') + str(m))}") from None
+                         f"which never sent it: {why} (send(...))",
+                         wait=(r, at, src, ("B" if grad else "F") + str(m))) from None
         return buf
 
     for a in table[r]:
@@ -263,7 +273,7 @@ def _check_message(r: int, kind: str, m: int, sent: list, want, inp):
                "after backpropagating, a stage sends the gradient of its input to the previous "
                "stage")
         raise _Wrong(f"rank {peer} waits in recv for {awaited} from rank {r}, which never sent "
-                     f"it: {why} (send(...)){_SENDER}")
+                     f"it: {why} (send(...))", sender=True)
     t = sent[0]
     if len(sent) > 1:
         raise _Wrong(f"rank {r}: {kind}{m} called send {len(sent)} times: send the {what} once")
@@ -313,31 +323,18 @@ def _check_after_step(r: int, stage, saved: dict, most: int, bound: int, referen
 
 
 #: appended to a wait's sentence (and cut from what the learner reads): who waited where for what
-_WAIT = " ⟨rank {} at {} waits for rank {}'s {}⟩"
-#: appended to the sentence of a rank that found it sent nothing its peer waits for: the cause
-_SENDER = " ⟨sender⟩"
-
-
 def _wrong_of(exc) -> str | None:
     """The sentence of the rank that found the problem (a :class:`_Wrong`), if any.  When several
     ranks wait, the cause is a message its sender should already have sent — the sender got past
     that action (it waits somewhere later, or not at all) — not a wait that follows from another."""
-    import re
-
     from ..parallel.schedules import orders
 
-    found = []
-    for e in [exc, *getattr(exc, "others", [])]:
-        if getattr(e, "exc_type", "") == _Wrong.__name__:
-            found.append(str(e).splitlines()[0].split(f"{_Wrong.__name__}: ", 1)[-1])
-    for text in found:
-        if text.endswith(_SENDER):
-            return text[:-len(_SENDER)]
-    waits = {}
-    for text in found:
-        m = re.search(r" ⟨rank (\d+) at (\w+) waits for rank (\d+)'s (\w+)⟩", text)
-        if m:
-            waits[int(m.group(1))] = (m.group(2), int(m.group(3)), m.group(4), text)
+    found = [e.exc_args for e in [exc, *getattr(exc, "others", [])]
+             if getattr(e, "exc_type", "") == _Wrong.__name__ and len(e.exc_args) == 3]
+    for text, _, sender in found:
+        if sender:
+            return text
+    waits = {w[0]: (w[1], w[2], w[3], text) for text, w, _ in found if w}
     if waits:
         P = max(max(waits), *(w[1] for w in waits.values())) + 1
         M = _STEP_ALONE[P][0] if P in _STEP_ALONE else 0
@@ -347,8 +344,8 @@ def _wrong_of(exc) -> str | None:
             past = src not in waits or (action in row and waits[src][0] in row
                                         and row.index(waits[src][0]) > row.index(action))
             if past:
-                return text[:text.index(" ⟨")]
-    return found[0].split(" ⟨")[0] if found else None
+                return text
+    return found[0][0] if found else None
 
 
 def _one_microbatch_activations(model, stage: int, P: int, batch: int, M: int) -> int:
@@ -372,7 +369,7 @@ def _one_microbatch_activations(model, stage: int, P: int, batch: int, M: int) -
     return meter.last
 
 
-def _pipeline_rows(summary: dict, cfg) -> list:
+def _pipeline_rows(summary: dict, cfg, package) -> list:
     """Bytes each rank sent (tracer), micro-batches in flight (measured timeline), rank 0's
     activation peak (ledger) and the bubble, each beside the lesson's formula."""
     from .inside import Row

@@ -197,7 +197,7 @@ def _tensor_rows(which: str):
     is in a block) and the whole model's, each beside Megatron's count."""
     from .inside import Row
 
-    def measure(summary: dict, cfg) -> list:
+    def measure(summary: dict, cfg, package) -> list:
         per = summary["report"][0]["comm_per_layer"]  # rank 0, per step
         L, N = cfg.model.n_layer, cfg.world_size
         b, s, d = cfg.batch_size, cfg.model.seq_len, cfg.model.d_model

@@ -162,12 +162,13 @@ def _step_problem(fn) -> str | None:
 
 
 def _mp_cfg(precision: str, **more):
-    from .. import GPTConfig, TrainConfig
+    from ..model import GPTConfig
+    from ..strategies import TrainConfig
     return TrainConfig(strategy="ddp", world_size=2, steps=4, batch_size=8, precision=precision,
                        model=GPTConfig(**_MODEL), **more)
 
 
-def _model_states(summary: dict, cfg) -> list:
+def _model_states(summary: dict, cfg, package) -> list:
     """Rank 0's model states from the ledger beside the ZeRO paper's 2Ψ + 2Ψ + 4Ψ + 8Ψ = 16Ψ."""
     mem, psi = summary["memory"][0], summary["params"]
     b, state = mem["bytes"], mem["by_state"]
@@ -181,7 +182,7 @@ def _model_states(summary: dict, cfg) -> list:
                 + adam, "16Ψ (ZeRO)", 16 * psi)]
 
 
-def _skips(summary: dict, cfg) -> list:
+def _skips(summary: dict, cfg, package) -> list:
     return [Row("fp16-mixed: steps skipped (overflow)", summary["loss_scaler"]["skipped_steps"],
                 unit=" steps")]
 
@@ -302,7 +303,8 @@ def _recompute_problem(fn) -> str | None:
 
 
 def _recompute_cfg():
-    from .. import GPTConfig, TrainConfig
+    from ..model import GPTConfig
+    from ..strategies import TrainConfig
     return TrainConfig(strategy="ddp", world_size=2, steps=4, batch_size=8,
                        checkpoint_activations=True, model=GPTConfig(**_MODEL))
 
@@ -324,10 +326,10 @@ def _block_saves(cfg) -> int:
     return meter.last
 
 
-def _activations(summary: dict, cfg) -> list:
+def _activations(summary: dict, cfg, package) -> list:
     """Activation peaks with and without recomputation (an extra run), what recomputation saved
     beside one block's saved tensors, and the step-time cost beside one more forward."""
-    from .. import train
+    from ..train import train
 
     plain = train(cfg.with_(checkpoint_activations=False), cluster=ranks(cfg.world_size))["summary"]
     m = cfg.model

@@ -88,7 +88,7 @@ def _mesh_model():
     return GPTConfig(n_layer=2, n_head=2, d_model=32, seq_len=16)
 
 
-def _mesh_bytes(summary: dict, cfg) -> list:
+def _mesh_bytes(summary: dict, cfg, package) -> list:
     """Bytes rank 0 sent per step on each axis of the mesh, beside the lessons' formulas."""
     rep, dp = summary["report"][0], cfg.options.dp
     sent = {axis: row["sent_bytes"] for axis, row in rep["comm_by_group"].items()}
@@ -98,6 +98,6 @@ def _mesh_bytes(summary: dict, cfg) -> list:
 
 
 def _mesh_run_cfg():
-    from .. import TrainConfig
+    from ..strategies import TrainConfig
     return TrainConfig(strategy="3d", world_size=4, steps=3, batch_size=8, model=_mesh_model(),
                        options={"dp": 2, "pp": 1, "tp": 2})

@@ -76,7 +76,8 @@ def _merge_alone(fn) -> str | None:
 
 
 def _tiny_cfg(strategy: str, world: int, moe: bool = False):
-    from .. import GPTConfig, TrainConfig
+    from ..model import GPTConfig
+    from ..strategies import TrainConfig
     from ..model import PRESETS
 
     base = PRESETS["tiny-moe"] if moe else GPTConfig()
@@ -84,7 +85,7 @@ def _tiny_cfg(strategy: str, world: int, moe: bool = False):
                        model=dataclasses.replace(base, **_MODEL))
 
 
-def _ring_bytes(summary: dict, cfg) -> list:
+def _ring_bytes(summary: dict, cfg, package) -> list:
     """Rank 0's ring traffic per step beside (3N − 2) blocks of K and V per layer."""
     from ..parallel.context import ring_bytes_per_layer
 
@@ -94,7 +95,7 @@ def _ring_bytes(summary: dict, cfg) -> list:
                 "(3N−2)·2·b·L·d·4 per layer", per_layer["total"] * m.n_layer)]
 
 
-def _all_to_all_bytes(summary: dict, cfg) -> list:
+def _all_to_all_bytes(summary: dict, cfg, package) -> list:
     """Rank 0's all-to-all traffic per step beside the exact count for the routing that ran."""
     rep = summary["report"][0]
     return [Row("all-to-all rows sent per step", rep["all_to_all_sent_bytes_per_step"],

@@ -1,39 +1,49 @@
-"""The harness's base: a run's configuration, typed strategy options, the learner's seams, and the
-:class:`Strategy` every ``--strategy NAME`` is.
+"""The harness's base: the :class:`Strategy` every ``--strategy NAME`` is, and what it is built from.
 
-A strategy *composes* technique wrappers from :mod:`minitrain.parallel` on one rank; the harness around
-it (this package, :mod:`minitrain.train`, :mod:`minitrain.cli`, :mod:`minitrain.checkpoint`) names
-it on the command line, validates its options once, runs the one training loop, and reports.
+The contract (``single.py`` is the worked example).  A strategy is a ``@register``-ed subclass of
+:class:`Lockstep`, whose ranks step together, or of :class:`FreeRunning` (``run(data, on_step)`` in
+place of ``train_step``):
 
-* :class:`Options` — a strategy's own options as a frozen dataclass; each field is made with
-  :func:`option` (default, help, an optional check) and becomes one CLI flag.
-* :class:`Seams` — where a learner's function replaces the package's inside a real strategy
-  (``train(cfg, seams={"ring_all_reduce": my_ring})``); a strategy lists the seams it honours.
-* :class:`Lockstep` — ranks step together: the loop calls ``train_step(x, y)``.  :class:`FreeRunning`
-  — ranks do not (the asynchronous parameter server): the strategy runs its own ``run(data, on_step)``.
+    name, help        its --strategy NAME and its line in 'minitrain strategies'          required
+    __init__          super().__init__(cfg, comm, seams), then set self.model and
+                      self.optimizer (helpers: build_model, make_optimizer)               required
+    train_step(x, y)  one step on the global batch -> the global mean loss (optimizer_step) required
+    check(cfg)        refuse what only it cannot run: a ConfigError naming the fix         optional
+    checkpointer      a Checkpointer (save, load, consolidate; reshard where it can), or
+                      the sentence saying why it cannot save                              optional
+    declarations      options (an Options record: one flag per field), precisions, seams (the
+                      names it honours), recomputes; by default none, fp32, none, True
+    report(), memory(), final_state(), close(), check_seams(cfg, seams): defaults serve a
+                      replica; override where its facts or its state lie elsewhere
+
+Also here: :class:`TrainConfig` (a run's configuration, the same object on every rank), typed
+:class:`Options` made with :func:`option`, :class:`Seams` (a learner's functions inside a real
+strategy), the registry, and the checks every strategy gets (:func:`check_common`).
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import importlib
 import math
+import os
 import pkgutil
 import typing
 from dataclasses import dataclass, field, fields, replace
 
 import torch
+import torch.nn as nn
 
 from ..comm import Comm
-from ..memory import ActivationMeter, ledger, rss_bytes
+from ..memory import ActivationMeter, ledger
 from ..model import GPT, GPTConfig, PRESETS
 from ..precision import PRECISIONS, DynamicLossScaler, MixedPrecisionOptimizer, cast_model_
-from .portable import from_optimizer_state, to_optimizer_state
 
 __all__ = ["ConfigError", "TrainConfig", "Options", "NoOptions", "Replicas", "option", "positive",
-           "at_least", "Seams", "Strategy", "Lockstep", "FreeRunning", "register", "get_strategy",
-           "strategy_names", "check_common", "option_fields"]
+           "at_least", "Seams", "Strategy", "Lockstep", "FreeRunning", "Checkpointer", "register",
+           "get_strategy", "strategy_names", "check_common", "check_strategy", "option_fields"]
 
 
 class ConfigError(ValueError):
@@ -246,10 +256,9 @@ def register(cls: type["Strategy"]) -> type["Strategy"]:
 
 
 def _load() -> None:
-    """Import every strategy module so that their ``@register`` decorators run."""
-    from .. import strategies
-    for mod in pkgutil.iter_modules(strategies.__path__):
-        importlib.import_module(f"{strategies.__name__}.{mod.name}")
+    """Import every module of this folder so that their ``@register`` decorators run."""
+    for mod in pkgutil.iter_modules([os.path.dirname(__file__)]):
+        importlib.import_module(f"{__package__}.{mod.name}")
 
 
 def _find(name: str):
@@ -299,6 +308,15 @@ def check_common(cls: type["Strategy"], cfg: TrainConfig, seams: Seams | None = 
         cls.check_seams(cfg, seams)
 
 
+def check_strategy(cfg: TrainConfig, seams=None) -> type["Strategy"]:
+    """Everything about the strategy that can be refused before spawning: :func:`check_common`,
+    then the strategy's own ``check``.  Returns its class."""
+    cls = get_strategy(cfg.strategy)
+    check_common(cls, cfg, Seams.of(seams))
+    cls.check(cfg)
+    return cls
+
+
 def _check_precision(cls: type["Strategy"], cfg: TrainConfig) -> None:
     if cfg.precision not in PRECISIONS:
         raise ConfigError(f"unknown --precision {cfg.precision!r}; choose one of: "
@@ -316,9 +334,51 @@ def _check_precision(cls: type["Strategy"], cfg: TrainConfig) -> None:
         if cfg.loss_scale > 0 and cfg.precision == "fp32":
             raise ConfigError("--loss-scale applies to mixed precision; add --precision "
                               "fp16-mixed (or bf16-mixed)")
-    if cfg.checkpoint_activations and not cls.checkpointing:
+    if cfg.checkpoint_activations and not cls.recomputes:
         raise ConfigError(f"strategy {cls.name!r} cannot checkpoint activations; leave out "
                           "--checkpoint-activations")
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpointers: how a strategy's training state lies in the files of minitrain.checkpoint
+# --------------------------------------------------------------------------------------------------
+
+
+class Checkpointer(abc.ABC):
+    """How one strategy's training state lies in checkpoint files: a strategy's ``checkpointer``
+    is one of these, complete (save, load, consolidate), or a sentence saying why it has none.
+    :mod:`minitrain.checkpoint` writes, verifies and reads the files; ``read(r)`` is rank r's saved
+    part.  ``reshards``: it also resumes the checkpoints of other layouts through the portable form
+    (:mod:`minitrain.strategies.portable`), with :meth:`portable_optimizer` and
+    :meth:`load_portable`.  One stateless object per strategy class; ``strategy`` is the live one.
+    """
+
+    reshards: bool = False
+
+    def layout(self, cfg: TrainConfig) -> dict:
+        """The options that decide how the state is cut (JSON values; compared on resume)."""
+        return {}
+
+    @abc.abstractmethod
+    def save(self, strategy: "Strategy") -> dict:
+        """This rank's part of the training state: tensors and plain containers."""
+
+    @abc.abstractmethod
+    def load(self, strategy: "Strategy", read) -> None:
+        """Restore what :meth:`save` saved, on the same layout."""
+
+    @abc.abstractmethod
+    def consolidate(self, cfg: TrainConfig, read) -> dict:
+        """The full model as a single-process state_dict, offline."""
+
+    def portable_optimizer(self, cfg: TrainConfig, read) -> dict:
+        """Where it reshards: the portable optimizer state from the saved parts, offline."""
+        raise NotImplementedError(f"{type(self).__name__} does not reshard")
+
+    def load_portable(self, strategy: "Strategy", weights: dict, optim: dict) -> None:
+        """Where it reshards: take this rank's cut of a portable state (the weights as a
+        single-process state_dict, the optimizer's as :meth:`portable_optimizer` gives)."""
+        raise NotImplementedError(f"{type(self).__name__} does not reshard")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -328,23 +388,31 @@ def _check_precision(cls: type["Strategy"], cfg: TrainConfig) -> None:
 
 class Strategy(abc.ABC):
     """One rank's part of a run: the model, the technique wrappers around it, the optimizer.
+    The contract is at the top of this module; every attribute is declared here once."""
 
-    Class attributes: ``name`` and ``help`` (the CLI's), ``options`` (the :class:`Options` record),
-    ``precisions`` it honours, ``checkpointing`` (activation recomputation honoured), ``seams`` it
-    honours.  ``check(cfg)`` refuses what only this strategy cannot run (the harness has already
-    done :func:`check_common`).  Checkpoint methods: see :mod:`minitrain.checkpoint`.
-    """
-
-    name = ""
-    help = ""
+    # -- what a strategy declares (class attributes, inherited as usual) ----------------------------
+    name: str = ""
+    help: str = ""
     options: type[Options] = NoOptions
-    precisions: tuple = ("fp32",)
-    checkpointing: bool = True
-    seams: tuple = ()
+    precisions: tuple[str, ...] = ("fp32",)
+    recomputes: bool = True  # honours --checkpoint-activations (recomputation, lesson 07)
+    seams: tuple[str, ...] = ()  # the names of the seams it honours (an instance's: its Seams)
+    checkpointer: Checkpointer | str = ("it has no checkpointer yet (see Checkpointer in "
+                                        "minitrain/strategies/base.py)")
+
+    # -- what __init__ builds ----------------------------------------------------------------------
+    model: nn.Module  # this rank's part of the model
+    optimizer: torch.optim.Optimizer | None  # what steps it (None where nothing does)
+
+    # -- what the harness sets ---------------------------------------------------------------------
+    start_step: int = 0  # where the loop starts (set by minitrain.checkpoint when resuming)
+    resumed_from: str | None = None  # the checkpoint directory resumed
+    resharded_from: str | None = None  # "zero3 on 4 ranks": the layout it was resharded from
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:
-        """Raise :class:`ConfigError` if this strategy cannot run ``cfg`` (its own rules only)."""
+        """Raise :class:`ConfigError` if this strategy cannot run ``cfg`` (its own rules only: the
+        harness has already done :func:`check_common`)."""
 
     @classmethod
     def check_seams(cls, cfg: TrainConfig, seams: Seams) -> None:
@@ -352,16 +420,22 @@ class Strategy(abc.ABC):
         ``cfg`` (e.g. a function written for fewer axes than the run has)."""
 
     def __init__(self, cfg: TrainConfig, comm: Comm, seams: Seams | None = None):
-        self.cfg, self.comm, self.seams = cfg, comm, seams or Seams()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if (
+        self.cfg: TrainConfig = cfg
+        self.comm: Comm = comm
+        self.seams = seams or Seams()  # the functions given (the class's ``seams``: their names)
+        self.device: torch.device = torch.device("cuda", torch.cuda.current_device()) if (
             torch.distributed.get_backend() == "nccl") else torch.device("cpu")
-        self.meter = ActivationMeter()
         self.master_weights: dict = {}  # {16-bit parameter: fp32 copy}, filled by build_model
         self.loss_scaler: DynamicLossScaler | None = None  # set by make_optimizer (fp16-mixed)
-        self.start_step = 0  # where the loop starts: set by minitrain.checkpoint.load_checkpoint
-        self.saved_checkpoints: list[str] = []
+        self.saved_checkpoints: list[str] = []  # set by minitrain.checkpoint
 
-    # -- precision and recomputation (lesson 07): every strategy builds its model with these -------
+    @functools.cached_property
+    def meter(self) -> ActivationMeter:
+        """Measures the activations each forward saves (:meth:`Lockstep.optimizer_step`): those of
+        ``self.model``, made on first use; a strategy that needs another sets ``self.meter``."""
+        return ActivationMeter(self.model)
+
+    # -- helpers: the model and the optimizer, with precision and recomputation (lesson 07) --------
 
     def build_model(self) -> GPT:
         """The tiny GPT, bit-equal on every rank (deterministic init from the seed); recomputed
@@ -395,87 +469,23 @@ class Strategy(abc.ABC):
             loss = self.loss_scaler.scale_loss(loss)
         loss.backward()
 
-    def precision_report(self) -> dict:
-        scaler = self.loss_scaler
-        return {"precision": self.cfg.precision,
-                "checkpoint_activations": self.cfg.checkpoint_activations,
-                "loss_scaler": scaler.state_dict() if scaler else None}
-
-    # -- after training --------------------------------------------------------------------------
+    # -- after training: optional, with defaults for ranks that hold a replica ---------------------
 
     def final_state(self) -> dict | None:
         """Called once on every rank after the last step (it may be a collective): the full model
-        as a single-process state_dict on rank 0, or None where :meth:`state_dict` serves."""
-        return None
-
-    def state_dict(self) -> dict:
-        """This rank's full model, for strategies whose ranks hold a replica; a strategy that
-        gathers its full model in :meth:`final_state` has no full model to give here."""
-        if type(self).final_state is not Strategy.final_state:
-            raise RuntimeError(f"strategy {self.name!r} gathers its full model with final_state() "
-                               "after the last step, on rank 0 only")
-        return self.model.state_dict()
-
-    def close(self) -> None:
-        """Free what the strategy built (process groups); called once after the run."""
+        as a single-process state_dict on rank 0, None elsewhere.  Default: rank 0's replica."""
+        return self.model.state_dict() if self.comm.rank == 0 else None
 
     def report(self) -> dict:
         """Strategy-specific facts for the summary (bucket sizes, timelines, bubbles...)."""
         return {}
 
     def memory(self) -> dict:
-        out = ledger(self.model, self.optimizer, self.meter.peak)
-        out["rss_peak"] = rss_bytes(peak=True)
-        return out
+        """This rank's memory ledger (:func:`minitrain.memory.ledger`)."""
+        return ledger(self.model, self.optimizer, self.meter.peak)
 
-    # -- checkpoints (minitrain.checkpoint): defaults for ranks holding identical replicas ---------
-    #: None where the class saves and resumes checkpoints, else why not (only a class's *own* None
-    #: counts: a subclass whose state lies differently must implement the methods and say so again)
-    checkpoint_refusal: str | None = None
-
-    @classmethod
-    def checkpoint_layout(cls, cfg: TrainConfig) -> dict:
-        """The options that decide how the state is cut (JSON values)."""
-        return {}
-
-    def checkpoint_state(self) -> dict:
-        """This rank's part of the training state; default: rank 0 writes the replica once."""
-        if self.comm.rank != 0:
-            return {}
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def load_checkpoint_state(self, read) -> None:
-        """Restore what :meth:`checkpoint_state` saved; ``read(r)`` is rank r's saved part."""
-        state = read(0)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-
-    @classmethod
-    def consolidate_checkpoint(cls, cfg: TrainConfig, read) -> dict:
-        """The full model as a single-process state_dict from the saved parts, offline."""
-        return read(0)["model"]
-
-    # -- resharding: resuming another layout's checkpoint through the portable form ---------------
-    #: True, on the registered class itself (as ``checkpoint_refusal = None``), where a checkpoint
-    #: of another strategy or world size is resumed through :mod:`minitrain.strategies.portable`
-    reshardable: bool = False
-
-    @classmethod
-    def consolidate_optimizer(cls, cfg: TrainConfig, read) -> dict:
-        """The portable optimizer state from the saved parts, offline; default: rank 0's replica
-        (the optimizer's parameters are the model's, in ``named_parameters()`` order)."""
-        names = [n for n, p in GPT(cfg.model).named_parameters() if p.requires_grad]
-        return from_optimizer_state(read(0)["optimizer"], names, masters=cfg.precision != "fp32")
-
-    @torch.no_grad()
-    def load_portable_state(self, weights: dict, optim: dict) -> None:
-        """Take this rank's cut of a portable state (the weights as a single-process state_dict,
-        the optimizer's as :meth:`consolidate_optimizer` gives); default: a replica."""
-        self.model.load_state_dict(weights)
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        order = [names[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
-        self.optimizer.load_state_dict(
-            to_optimizer_state(self.optimizer.state_dict(), order, optim, weights))
+    def close(self) -> None:
+        """Free what the strategy built (process groups); called once after the run."""
 
 
 class Lockstep(Strategy):

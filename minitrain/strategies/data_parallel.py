@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..analysis import overlap_fraction
 from ..data import shard
-from ..memory import ActivationMeter
 from ..parallel.compression import FORMS, as_error_feedback, parse_compressor
-from ..parallel.data_parallel import (DistributedDataParallel, NaiveDataParallel, mean_over_ranks,
-                                      overlap_fraction)
+from ..parallel.data_parallel import DistributedDataParallel, NaiveDataParallel, mean_over_ranks
 from .base import ConfigError, Lockstep, NoOptions, Options, TrainConfig, option, positive, register
+from .single import Replica
 
 __all__ = ["Buckets", "Compression", "DDPOptions", "NaiveDDP", "DDP", "DataParallel",
            "check_batch_split", "check_compression"]
@@ -54,8 +54,8 @@ def check_compression(cfg: TrainConfig) -> None:
     """Raise :class:`ConfigError`, naming the fix, for a bad ``compress`` / ``error_feedback``."""
     try:
         compressor = parse_compressor(cfg.options.compress)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    except ValueError as exc:  # "compress='zip'" in the CLI's words
+        raise ConfigError(str(exc).replace("compress=", "--compress ", 1)) from None
     if compressor is None and not cfg.options.error_feedback:
         raise ConfigError("--no-error-feedback only applies to compressed gradients; add "
                           "--compress SPEC (e.g. --compress topk:0.01) or leave it out")
@@ -65,7 +65,7 @@ class DataParallel(Lockstep):
     """A replica per rank, each on its slice of the global batch; the mean loss over the ranks."""
 
     precisions = ("fp32", "bf16-mixed", "fp16-mixed")
-    checkpoint_refusal = None  # identical replicas: the base's defaults (rank 0 writes the replica)
+    checkpointer = Replica(reshards=True)  # identical replicas: rank 0 writes the replica
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:
@@ -91,7 +91,6 @@ class DataParallel(Lockstep):
         """Build the replica, its wrapper and the optimizer (ZeRO: the sharded ones)."""
         self.model = self.build_model()
         self.wrapper = self.wrap(self.model)
-        self.meter = ActivationMeter(self.model)
         self.optimizer = self.make_optimizer(self.model.parameters())
 
     def train_step(self, x, y) -> float:
@@ -105,8 +104,6 @@ class NaiveDDP(DataParallel):
     help = "data parallel: one all-reduce per gradient after backward"
     options = NoOptions
     seams = ("sync_gradients", "mixed_precision_step", "recompute_block")
-    checkpoint_refusal = None
-    reshardable = True
 
     def wrap(self, model):
         return NaiveDataParallel(model, self.comm, sync=self.seams.sync_gradients)
@@ -123,8 +120,6 @@ class DDP(DataParallel):
     options = DDPOptions
     seams = ("ring_all_reduce", "bucket_hooks", "topk_error_feedback", "mixed_precision_step",
              "recompute_block")
-    checkpoint_refusal = None
-    reshardable = True
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:

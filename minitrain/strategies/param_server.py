@@ -12,7 +12,6 @@ import torch
 import torch.nn as nn
 
 from ..data import shard
-from ..memory import ActivationMeter
 from ..parallel.compression import as_error_feedback, parse_compressor
 from ..parallel.flat import FlatUnit
 from ..parallel.param_server import FINAL, ParameterServer, Worker, partition
@@ -76,9 +75,9 @@ class _ParameterServerStrategy(FreeRunning):
     mode = "sync"
     options = PSOptions
     seams = ("topk_error_feedback",)
-    checkpoint_refusal = ("the parameter server's ranks do not step in lockstep (a server applies "
-                          "whichever worker's gradient comes first), so no step has one consistent "
-                          "state to save; use ddp or zero1-3 for checkpoints")
+    checkpointer = ("the parameter server's ranks do not step in lockstep (a server applies "
+                    "whichever worker's gradient comes first), so no step has one consistent state "
+                    "to save; use ddp or zero1-3 for checkpoints")
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:
@@ -121,7 +120,6 @@ class _ParameterServerStrategy(FreeRunning):
             self.role = Worker(comm, self.model, self.keys, self.server_ranks, ef,
                                delay_s=parse_slow_workers(o.slow_worker).get(self.index, 0.0))
             self.optimizer = None
-            self.meter = ActivationMeter(self.model)
         self.crash = parse_crash_worker(o.crash_worker)  # fault injection for tests and the lesson
 
     def run(self, data, on_step=None):

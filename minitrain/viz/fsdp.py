@@ -9,7 +9,7 @@ unit's gather runs under the current unit's compute.
 
 from __future__ import annotations
 
-from ..parallel.fsdp_timeline import hidden_fraction
+from ..analysis import hidden_fraction
 
 __all__ = ["unit_timeline_rows", "plot_fsdp_timeline"]
 

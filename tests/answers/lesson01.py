@@ -140,4 +140,10 @@ ANSWERS = {
 }
 
 #: right answers other than the notebook's that must pass too (correct but slow: the report says so)
-ALSO_RIGHT = {"ring_all_reduce": [ring_slow_but_right]}
+def ring_in_place_returns_nothing(tensor, comm):
+    """Sums in place and returns nothing ("in place is fine"): the check's guard returns the tensor
+    for it inside DDP, whose seam's shape is (tensor, comm) -> the sum."""
+    ring(tensor, comm)
+
+
+ALSO_RIGHT = {"ring_all_reduce": [ring_in_place_returns_nothing, ring_slow_but_right]}  # report(): the last

@@ -1,0 +1,213 @@
+"""What guards a learner's function: wrappers the checkers put around it, so that the techniques in
+:mod:`minitrain.parallel` call every function in a seam the same way, the package's or the learner's.
+
+A seam has one shape (``ring_all_reduce(tensor, comm) -> the sum``, ``zero3_hook(unit, comm,
+moment)``, ...).  A learner's function may be looser than that shape — a ring that sums in place and
+returns nothing, a top-k that returns lists — or may do what would crash a rank or silently corrupt a
+run — a collective into ZeRO-3's freed buffer, a bucket's all-reduce never waited for.  The wrappers
+here make the first fit the shape and turn the second into an error that says what happened, before
+the function goes into its seam (:func:`plug`, used by :func:`~minitrain.exercises.inside.inside` and
+:func:`~minitrain.exercises.inside.your_minitrain`).  The spies the checkers watch a learner's
+function through (a communicator that notes every all-reduce, a work handle that notes its wait) are
+here too.  Each wrapper is a small class, so that it travels to the ranks with the learner's function.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..comm import Comm
+
+__all__ = ["ReturnsTheTensor", "TopkAsTensors", "GuardedUnit", "GuardedZero3Hook", "WatchedWork",
+           "WatchingComm", "GuardedGradReady", "GuardedEndOfBackward", "plug"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Fitting a looser function to its seam's shape
+# --------------------------------------------------------------------------------------------------
+
+
+class ReturnsTheTensor:
+    """A ring ``fn(tensor, comm)`` that sums in place may return nothing (lesson 01 allows it): the
+    seam's shape is ``(tensor, comm) -> the sum``, so the tensor is returned for it."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, tensor: torch.Tensor, comm) -> torch.Tensor:
+        out = self.fn(tensor, comm)
+        return tensor if out is None else out
+
+
+class TopkAsTensors:
+    """A top-k ``fn(grad, residual, k)`` may return its ``(indices, values, new_residual)`` as lists
+    or arrays (lesson 03's check reads them so): the seam's shape is three tensors."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, grad: torch.Tensor, residual: torch.Tensor, k: int):
+        indices, values, new_residual = self.fn(grad, residual, k)
+        return torch.as_tensor(indices), torch.as_tensor(values), torch.as_tensor(new_residual)
+
+
+# --------------------------------------------------------------------------------------------------
+# ZeRO-3's hook: no collective into a freed buffer
+# --------------------------------------------------------------------------------------------------
+
+
+class GuardedUnit:
+    """A ZeRO-3 unit as a learner's hook sees it: the package's
+    :class:`~minitrain.parallel.fsdp_unit.Unit`, except that ``full`` cannot be replaced (the
+    module's parameters are views of it) and, while it is freed, reading it raises — a collective
+    into a tensor without memory would crash the rank."""
+
+    def __init__(self, unit):
+        object.__setattr__(self, "_unit", unit)
+
+    @property
+    def full(self) -> torch.Tensor:
+        if not self._unit.gathered:
+            raise RuntimeError(f"unit.full of {self._unit.name!r} has no memory now (it is freed): "
+                               "unit.allocate() gives it memory (its contents undefined)")
+        return self._unit.full
+
+    def __getattr__(self, name: str):
+        return getattr(self._unit, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "full":
+            raise AttributeError("unit.full cannot be replaced: the module's parameters are views of "
+                                 "it; fill it instead")
+        setattr(self._unit, name, value)
+
+    def __repr__(self) -> str:
+        return repr(self._unit)
+
+
+class GuardedZero3Hook:
+    """A learner's ``hook(unit, comm, moment)``, given a :class:`GuardedUnit`."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, unit, comm, moment: str):
+        return self.fn(GuardedUnit(unit), comm, moment)
+
+
+# --------------------------------------------------------------------------------------------------
+# DDP's hooks: watched all-reduces, and "did you wait?"
+# --------------------------------------------------------------------------------------------------
+
+
+class WatchedWork:
+    """A work handle that notes when it is first waited for (``waited_at``; ``on_wait(time)`` is
+    told too).  ``end`` is the wrapped handle's, where it has one."""
+
+    def __init__(self, work, on_wait=None):
+        self.work, self.on_wait = work, on_wait
+        self.waited_at: float | None = None
+
+    def wait(self):
+        if self.waited_at is None:
+            self.waited_at = time.perf_counter()
+            if self.on_wait is not None:
+                self.on_wait(self.waited_at)
+        return self.work.wait()
+
+    @property
+    def waited(self) -> bool:
+        return self.waited_at is not None
+
+    @property
+    def end(self):
+        return getattr(self.work, "end", None)
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+class WatchingComm(Comm):
+    """A communicator whose all-reduces are noted in ``launches``: when, of which bucket
+    (``identify(tensor) -> (bucket index or None, gradients in it so far)``), how many elements,
+    blocking or not, and when it was waited for (``"waited"``)."""
+
+    def __init__(self, launches: list, identify, group=None):
+        super().__init__(group)
+        self.launches, self.identify = launches, identify
+
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, async_op=False, tag=""):
+        slot, got = self.identify(tensor)
+        launch = dict(time=time.perf_counter(), slot=slot, got=got, numel=tensor.numel(),
+                      async_op=async_op, waited=None, work=None)
+        self.launches.append(launch)
+        work = super().all_reduce(tensor, op=op, async_op=async_op, tag=tag)
+        if not async_op:
+            launch["waited"] = launch["time"]
+            return work
+        launch["work"] = work
+        return WatchedWork(work, on_wait=lambda t: launch.__setitem__("waited", t))
+
+
+class GuardedGradReady:
+    """A learner's ``grad_ready(bucket, i, grad, comm)``; the handle it leaves in ``bucket.work`` is
+    watched (:class:`WatchedWork`), for :class:`GuardedEndOfBackward`."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, bucket, i, grad, comm):
+        out = self.fn(bucket, i, grad, comm)
+        if bucket.work is not None and not isinstance(bucket.work, WatchedWork):
+            bucket.work = WatchedWork(bucket.work)
+        return out
+
+
+class GuardedEndOfBackward:
+    """A learner's ``end_of_backward(buckets)``; once it returns, every bucket's all-reduce must
+    have been launched and (where its handle was watched) waited for, or the optimizer would read a
+    buffer that is not the mean."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, buckets):
+        out = self.fn(buckets)
+        for b in buckets:
+            if b.work is None:
+                raise RuntimeError(
+                    f"bucket {b.index}'s all-reduce was never launched (bucket.work is None at "
+                    "the end of backward): start it once the bucket's last gradient is in")
+            if isinstance(b.work, WatchedWork) and not b.work.waited:
+                raise RuntimeError(
+                    f"bucket {b.index}'s all-reduce was launched but not waited for by the end "
+                    "of backward: its sum may not have arrived when the optimizer reads it")
+        return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Into the seam
+# --------------------------------------------------------------------------------------------------
+
+
+def _bucket_hooks(pair):
+    grad_ready, end_of_backward = pair
+    return GuardedGradReady(grad_ready), GuardedEndOfBackward(end_of_backward)
+
+
+#: seam -> how a learner's function is wrapped before it goes in (the others go in as they are)
+GUARDS = {
+    "ring_all_reduce": ReturnsTheTensor,
+    "topk_error_feedback": TopkAsTensors,
+    "zero3_hook": GuardedZero3Hook,
+    "bucket_hooks": _bucket_hooks,
+}
+
+
+def plug(seam: str, fn):
+    """The learner's ``fn``, guarded as seam ``seam`` needs, ready for ``train(cfg, seams=...)``."""
+    guard = GUARDS.get(seam)
+    return fn if guard is None else guard(fn)

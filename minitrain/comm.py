@@ -219,15 +219,46 @@ def _untraced_call(tracer: "Tracer", name: str, fn):
 @contextmanager
 def recording(tracer: "Tracer"):
     """Record what :mod:`minitrain.projection` needs to re-time a run, cheaply, while the block runs:
-    each optimizer step's start and end (``tracer.marks``), and the collectives that strategies call
-    on ``torch.distributed`` directly, untraced (metrics, a pipeline's barrier: they synchronise
-    the ranks), as events with ``traced=False`` in ``tracer.untraced`` — apart from
-    ``tracer.events``, the training traffic.  Every Comm call is recorded as always, with its issue
-    order, asynchronous issue and wait.  Restores everything on exit."""
+    each forward's, backward's and optimizer step's start and end (``tracer.marks``: a forward is
+    the outermost module call outside backward; a backward, ``torch.autograd.backward``; a
+    recomputation inside it belongs to it), and the collectives that strategies call on
+    ``torch.distributed`` directly, untraced (metrics, a pipeline's barrier: they synchronise the
+    ranks), as events with ``traced=False`` in ``tracer.untraced`` — apart from ``tracer.events``,
+    the training traffic.  Every Comm call is recorded as always, with its issue order,
+    asynchronous issue and wait.  Restores everything on exit."""
+    import torch.autograd
+    from torch.nn.modules.module import (register_module_forward_hook,
+                                         register_module_forward_pre_hook)
     from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                        register_optimizer_step_pre_hook)
 
     depth = [0]
+    modules, in_backward = [0], [False]
+
+    def enter(*_):
+        if not in_backward[0]:
+            if modules[0] == 0:
+                tracer.mark("forward")
+            modules[0] += 1
+
+    def leave(*_):
+        if not in_backward[0] and modules[0] > 0:
+            modules[0] -= 1
+            if modules[0] == 0:
+                tracer.mark("forward_end")
+
+    autograd_backward = torch.autograd.backward
+
+    def backward(*args, **kwargs):
+        if in_backward[0]:
+            return autograd_backward(*args, **kwargs)
+        in_backward[0] = True
+        tracer.mark("backward")
+        try:
+            return autograd_backward(*args, **kwargs)
+        finally:
+            tracer.mark("backward_end")
+            in_backward[0] = False
 
     def before(*_):
         if depth[0] == 0:
@@ -240,14 +271,17 @@ def recording(tracer: "Tracer"):
             tracer.mark("optimizer_end")
 
     saved = {name: getattr(dist, name) for name in _UNTRACED if hasattr(dist, name)}
-    handles = [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
+    handles = [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after),
+               register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
     was, tracer.recording = tracer.recording, True
     for name, fn in saved.items():
         setattr(dist, name, _untraced_call(tracer, name, fn))
+    torch.autograd.backward = backward
     try:
         yield tracer
     finally:
         tracer.recording = was
+        torch.autograd.backward = autograd_backward
         for name, fn in saved.items():
             setattr(dist, name, fn)
         for h in handles:

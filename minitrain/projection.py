@@ -311,8 +311,8 @@ class Scaler:
 
 @dataclass
 class Op:
-    """One entry of a rank's program: ``compute`` (``seconds`` measured, ``phase`` "model" or
-    "optimizer"), ``issue`` (post communication ``key``; ``seconds``: the call's own time) or
+    """One entry of a rank's program: ``compute`` (``seconds`` measured, ``phase`` "forward",
+    "model" (backward, recomputation, anything else of the step) or "optimizer"), ``issue`` (post communication ``key``; ``seconds``: the call's own time) or
     ``wait`` (block until ``key`` is done; ``seconds``: how long it blocked when measured)."""
 
     kind: str
@@ -339,23 +339,23 @@ class Instance:
 
 
 def _windows(marks: list) -> list[tuple]:
-    """[(step, start, end, [(optimizer start, end), ...])] from a rank's marks."""
-    out, start, opt, opts = [], None, None, []
+    """[(step, start, end, {"optimizer": [(start, end), ...], "forward": [...]})] from a rank's
+    marks (the intervals of its optimizer steps and of its forwards)."""
+    out, start, open_, spans = [], None, {}, {"optimizer": [], "forward": []}
     for t, kind, value in marks:
         if kind == "step":
-            start, opts = (value, t), []
+            start, spans = (value, t), {"optimizer": [], "forward": []}
         elif kind == "step_end" and start is not None:
-            out.append((start[0], start[1], t, opts))
+            out.append((start[0], start[1], t, spans))
             start = None
-        elif kind == "optimizer":
-            opt = t
-        elif kind == "optimizer_end" and opt is not None:
-            opts.append((opt, t))
-            opt = None
+        elif kind in spans:
+            open_[kind] = t
+        elif kind.endswith("_end") and kind[:-4] in spans and open_.get(kind[:-4]) is not None:
+            spans[kind[:-4]].append((open_.pop(kind[:-4]), t))
     return out
 
 
-def _program(rank: int, events: list[dict], t0: float, t1: float, optimizer: list) -> tuple:
+def _program(rank: int, events: list[dict], t0: float, t1: float, spans) -> tuple:
     """One rank's program for the step [t0, t1], and its communications as {key: (event, role)}."""
     evs = sorted((e for e in events if t0 <= e["start"] <= t1), key=lambda e: e["id"])
     counters: dict = defaultdict(int)
@@ -384,12 +384,17 @@ def _program(rank: int, events: list[dict], t0: float, t1: float, optimizer: lis
     ops: list[Op] = []
     cur = t0
 
+    if not isinstance(spans, dict):  # a plain list: the optimizer's intervals
+        spans = {"optimizer": spans, "forward": []}
+    optimizer, forward = spans["optimizer"], spans["forward"]
+
     def compute(a: float, b: float) -> None:
-        cuts = sorted({a, b, *[x for iv in optimizer for x in iv if a < x < b]})
+        cuts = sorted({a, b, *[x for iv in optimizer + forward for x in iv if a < x < b]})
         for x, y in zip(cuts, cuts[1:]):
             if y > x:
                 mid = (x + y) / 2
-                phase = "optimizer" if any(s <= mid <= e for s, e in optimizer) else "model"
+                phase = ("optimizer" if any(s <= mid <= e for s, e in optimizer) else
+                         "forward" if any(s <= mid <= e for s, e in forward) else "model")
                 ops.append(Op("compute", y - x, phase=phase, measured=(x - t0, y - t0)))
 
     for t, _, kind, key, e in points:
@@ -901,8 +906,9 @@ def _drop_unmatched(programs: dict, instances: dict) -> None:
 
 
 def _model_compute(programs, work, spec: ClusterSpec, precision, ranks_on_node, nodes):
-    """compute(rank, op) pricing each span from the rank's FLOPs (model spans) and its optimizer
-    bytes (optimizer spans), shared out by measured durations."""
+    """compute(rank, op) pricing each span from the rank's FLOPs — its forwards' FLOPs over its
+    forward spans, the rest (backward, recomputation) over the others — and its optimizer bytes
+    over its optimizer spans, each shared out by measured durations."""
     measured = {r: defaultdict(float) for r in programs}
     for r, prog in programs.items():
         for op in prog:
@@ -914,10 +920,13 @@ def _model_compute(programs, work, spec: ClusterSpec, precision, ranks_on_node, 
         mem = spec.device.memory_bw * (1.0 if spec.accelerator else
                                        min(1.0, (spec.device.cores or 1) / ranks_on_node[nodes[r]]))
         opt = work[r].opt_params * ADAM_BYTES / mem
-        model = work[r].flops / rate
+        forward = work[r].model_flops / 3 / rate  # backward is twice the forward
+        rest = work[r].flops / rate - forward       # backward, recomputation, weight gradients
+        if not measured[r]["forward"]:
+            forward, rest = 0.0, rest + forward
         if not measured[r]["optimizer"]:
-            model += opt
-        totals[r] = {"model": model, "optimizer": opt}
+            rest += opt
+        totals[r] = {"forward": forward, "model": rest, "optimizer": opt}
 
     def price(rank, op):
         m = measured[rank][op.phase]

@@ -71,7 +71,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from .costmodel import predict
+from .costmodel import collective_seconds, compute_seconds
 from .memory import GB, activation_bytes_per_layer, model_state_bytes
 
 __all__ = ["ModelSpec", "Workload", "Hardware", "Layout", "Candidate", "Recommendation", "SCENARIOS",
@@ -352,8 +352,10 @@ def _memory(model: ModelSpec, hw: Hardware, job: Workload, layout: Layout, m: in
 
 def _collective_time(nbytes: float, n: int, bw: float, alpha: float, fraction: float = 1.0) -> float:
     """Ring time of one collective on n ranks: all-reduce (fraction 1), or reduce-scatter /
-    all-gather (fraction 0.5) — :func:`minitrain.costmodel.predict` with β = 1/bandwidth."""
-    return float(predict([nbytes], n, alpha, 1 / bw)[0]) * fraction if n > 1 else 0.0
+    all-gather (fraction 0.5) — :func:`minitrain.costmodel.collective_seconds` with β =
+    1/bandwidth, the α-β the projection (:mod:`minitrain.projection`) prices with too."""
+    op = "all_reduce" if fraction == 1.0 else "reduce_scatter"
+    return collective_seconds(op, nbytes, n, alpha, 1 / bw) if n > 1 else 0.0
 
 
 def _comm_and_time(model: ModelSpec, hw: Hardware, job: Workload, layout: Layout, m: int) -> tuple:
@@ -363,7 +365,8 @@ def _comm_and_time(model: ModelSpec, hw: Hardware, job: Workload, layout: Layout
             else (hw.intra_node_gbps * 1e9, hw.latency_intra_s) for k in spans}
     dp, pp, tp = layout.dp, layout.pp, layout.tp
     tokens_mb = job.seq_len * job.micro_batch
-    compute_mb = 6 * model.active_params / (tp * pp) * tokens_mb / (hw.device_tflops * 1e12)
+    compute_mb = compute_seconds(6 * model.active_params / (tp * pp) * tokens_mb,
+                                 hw.device_tflops * 1e12)
     if layout.recompute:
         compute_mb *= 4 / 3  # one more forward
     compute = compute_mb * m

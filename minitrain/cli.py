@@ -25,7 +25,7 @@ from .launch import Cluster, LaunchError, RankError, init_from_env, launched_by_
 from .model import PRESETS
 from .strategies import ConfigError, TrainConfig, get_strategy, strategy_names
 from .strategies.base import flag, option_fields
-from .train import check_config, run_rank
+from .train import add_projection, check_config, check_projection_config, run_rank
 
 __all__ = ["main", "build_parser", "config_from_args"]
 
@@ -99,12 +99,23 @@ def build_parser() -> argparse.ArgumentParser:
                 t.add_argument(flag(name), type=int, default=None,
                                help=f"override the preset's {name}")
     t.add_argument("--json", action="store_true", help="JSON lines on stdout")
+    proj = t.add_argument_group("projection (issue 25): the run re-timed on a real cluster")
+    proj.add_argument("--project", metavar="CLUSTER", default=None,
+                      help="re-time this run on CLUSTER and add summary.projection "
+                           "(see 'minitrain clusters'; e.g. dgx-h100, ib-h100x4, eth-25g, local) "
+                           "(default: none)")
+    proj.add_argument("--as-model", metavar="SIZE", default=None, dest="as_model",
+                      help="with --project: the same layout for a bigger model of the family "
+                           "(gpt2, 1.3b, 2.7b, 7b, 13b) (default: the run's own)")
     opts = t.add_argument_group("strategy options (each refused by the strategies that do not "
                                 "take it)")
     for name, (f, hint, users) in _strategy_options().items():
         _add_field(opts, name, hint, f.default, f.metadata, suppress=True,
                    used_by=", ".join(users))
     sub.add_parser("strategies", help="list the strategies")
+    cl = sub.add_parser("clusters", help="list the clusters a run can be projected on, with their "
+                                         "numbers and sources")
+    cl.add_argument("--json", action="store_true", help="the numbers as JSON")
     sub.add_parser("grade", add_help=False,
                    help="check a folder of submitted lesson notebooks and write a gradebook CSV "
                         "('minitrain grade --help')")
@@ -124,7 +135,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     fields = {f.name for f in dataclasses.fields(TrainConfig)} - _SPECIAL
-    base = fields | set(_SHAPE) | {"json", "command", "model"}
+    base = fields | set(_SHAPE) | {"json", "command", "model", "project", "as_model"}
     values = {k: v for k, v in vars(args).items() if k not in base}  # the options given
     world = args.world_size
     if launched_by_torchrun():
@@ -221,6 +232,9 @@ def format_summary(result: dict) -> str:
                      f"micro-batches, {pipe['chunks']} chunk(s); bubble measured "
                      f"{pipe['bubble_measured']:.1%}, ideal table {pipe['bubble_ideal']:.1%}, "
                      f"(p-1)/(v*m+p-1) = {pipe['bubble_formula']:.1%}")
+    if s.get("projection"):
+        from .projection import format_projection
+        lines.append(format_projection(s["projection"]))
     for rank, (comm, mem) in enumerate(zip(s["comm"], s["memory"])):
         b = mem["bytes"]
         sent = comm.get("total", {}).get("sent_bytes", 0)
@@ -231,14 +245,36 @@ def format_summary(result: dict) -> str:
     return "\n".join(lines)
 
 
+def format_clusters(rows: list[dict]) -> str:
+    """``minitrain clusters``: each preset's numbers, then where they come from."""
+    out = []
+    for r in rows:
+        if "devices" not in r:
+            out.append(f"{r['cluster']:10s} {r['title']}")
+            continue
+        inter = (f"; between nodes {r['inter_busbw_gbps']:,.1f} GB/s per device, α "
+                 f"{r['inter_alpha_us']:.1f} µs" if "inter_busbw_gbps" in r else "")
+        out.append(f"{r['cluster']:10s} {r['title']}\n"
+                   f"{'':10s} {r['device']}: {r['peak_tflops']:,.0f} TFLOP/s peak (bf16), "
+                   f"{r['sustained_fraction']:.1%} sustained, {r['memory_gb']:g} GB at "
+                   f"{r['memory_bw_gbps']:,.0f} GB/s; in a node {r['intra_busbw_gbps']:,.1f} GB/s "
+                   f"bus bandwidth, α {r['intra_alpha_us']:.1f} µs{inter}")
+        for src in r["sources"]:
+            out.append(f"{'':10s}   source: {src}")
+    return "\n".join(out)
+
+
 def _train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     check_config(cfg)  # everything that can be refused is refused here, before any process starts
+    check_projection_config(cfg, args.project, args.as_model)
+    record = args.project is not None
+    calibrate = record and args.project.lower() in ("local", "binder")
     report = _Reporter(args.json, cfg.steps)
     if launched_by_torchrun():
         init_from_env(cfg.backend, cfg.timeout)
         try:
-            result = run_rank(cfg, report)
+            result = run_rank(cfg, report, record_events=record, calibrate=calibrate)
             # every rank leaves together: a rank that tears its connections down while a peer
             # still finishes the last collective made that peer abort at exit (gloo, 2 nodes)
             dist.barrier()
@@ -248,7 +284,9 @@ def _train(args: argparse.Namespace) -> int:
             return 0
     else:
         with Cluster(cfg.world_size, cfg.backend, timeout=cfg.timeout, prefix=False) as cluster:
-            result = cluster.run(run_rank, cfg, report)[0]
+            result = cluster.run(run_rank, cfg, report, record_events=record,
+                                 calibrate=calibrate)[0]
+    add_projection(result, args.project, args.as_model)
     if args.json:
         print(dumps({"summary": result["summary"]}), flush=True)
     else:
@@ -263,6 +301,11 @@ def main(argv: list[str] | None = None) -> int:
         return grade(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "clusters":
+        from .clusters import describe
+        rows = describe()
+        print(dumps(rows) if args.json else format_clusters(rows))
+        return 0
     if args.command == "strategies":
         from .strategies import get_strategy as get
         for name in strategy_names():

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["GPTConfig", "GPT", "Block", "PRESETS", "loss_fn", "MoE", "route", "expert_capacity",
-           "aux_loss_share", "recompute_block"]
+           "aux_loss_share", "recompute_block", "block_flops", "head_flops", "training_flops"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,58 @@ class GPTConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def block_params(self) -> int:
+        """Parameters of one transformer block (its share of :meth:`num_params`)."""
+        d, ff = self.d_model, self.ff
+        mlp = (d * ff + ff) + (ff * d + d)
+        if self.n_expert:
+            mlp = self.n_expert * mlp + d * self.n_expert
+        return 2 * d + 3 * d * d + (d * d + d) + 2 * d + mlp
+
+    def embed_params(self) -> int:
+        return self.vocab_size * self.d_model + self.seq_len * self.d_model
+
+    def head_params(self) -> int:
+        return 2 * self.d_model + (0 if self.tie_weights else self.vocab_size * self.d_model)
+
+
+# --------------------------------------------------------------------------------------------------
+# FLOPs from the shapes (the projection of issue 25 and the chooser's compute term)
+# --------------------------------------------------------------------------------------------------
+
+
+def block_flops(cfg: GPTConfig, keys: int | None = None, tp: int = 1) -> float:
+    """Forward FLOPs of one block for one token: its matrix products (2 FLOPs per multiply-add)
+    — Q/K/V and output projections 2·4d², the MLP 2·2·d·ff (a mixture of experts: the router
+    2·d·E and top_k experts) — and attention's QKᵀ and AV, 2·2·keys·d (keys: the positions a token
+    attends to, the sequence length; counted in full, not halved for the causal mask, as
+    Narayanan et al., 2021, and PaLM's MFU do).  ``tp``: the share of one tensor-parallel rank
+    (heads and MLP columns split; the router is not)."""
+    d, keys = cfg.d_model, cfg.seq_len if keys is None else keys
+    attention = 2 * 4 * d * d + 2 * 2 * keys * d
+    if cfg.n_expert:
+        mlp = cfg.top_k * 2 * 2 * d * cfg.ff
+        return (attention + mlp) / tp + 2 * d * cfg.n_expert
+    return (attention + 2 * 2 * d * cfg.ff) / tp
+
+
+def head_flops(cfg: GPTConfig, tp: int = 1) -> float:
+    """Forward FLOPs of the output layer for one token, 2·d·V (vocabulary-parallel: / tp)."""
+    return 2 * cfg.d_model * cfg.vocab_size / tp
+
+
+def training_flops(cfg: GPTConfig, tokens: float, blocks: int | None = None, head: bool = True,
+                   keys: int | None = None, tp: int = 1, recompute: bool = False) -> float:
+    """FLOPs of forward and backward (backward = 2 × forward) of ``tokens`` tokens through
+    ``blocks`` blocks (default all) and the head, plus one more forward of the blocks with
+    ``recompute`` (activation checkpointing).  For the whole model and sequence length s this is
+    72·L·h²·(1 + s/6h + V/12Lh) per token with 4h-wide MLPs (Narayanan et al., 2021, eq. 3; ×96/72
+    on the blocks with recomputation)."""
+    blocks = cfg.n_layer if blocks is None else blocks
+    forward = blocks * block_flops(cfg, keys, tp) + (head_flops(cfg, tp) if head else 0.0)
+    again = blocks * block_flops(cfg, keys, tp) if recompute else 0.0
+    return tokens * (3 * forward + again)
 
 
 #: Named sizes used by the lessons and the CLI (``--model``).

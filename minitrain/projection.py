@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from .clusters import ClusterSpec, get_cluster, parse
 from .memory import GB, model_state_bytes

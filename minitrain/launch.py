@@ -27,6 +27,7 @@ import weakref
 from multiprocessing.connection import wait
 
 import cloudpickle
+import torch
 import torch.distributed as dist
 
 from . import shipping
@@ -41,6 +42,7 @@ __all__ = ["descendants", "threads_per_rank", "Cluster", "launch", "init_from_en
            "LaunchError", "HEARTBEAT_S", "REPORT_AFTER_S", "STUCK_S", "TORCHRUN_VARS"]
 
 
+_OLD_STORE = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 6)
 #: seconds the other ranks get to report after the first failure, before the group is stopped
 GRACE_S = 0.3
 #: forked ranks join their group in well under a second; one that has not after this long is stuck
@@ -195,11 +197,9 @@ class Cluster:
         self._listen_fd = sock.detach()
         store = dict(is_master=True, wait_for_workers=False, master_listen_fd=self._listen_fd,
                      timeout=datetime.timedelta(seconds=self.timeout))
-        try:
-            self._store = dist.TCPStore(self.host, port, self.world_size + 1, **store)
-        except NotImplementedError:  # torch < 2.6: only the older store takes a listening socket
-            self._store = dist.TCPStore(self.host, port, self.world_size + 1, use_libuv=False,
-                                        **store)
+        if _OLD_STORE:  # torch < 2.6: only the older store takes a listening socket
+            store["use_libuv"] = False
+        self._store = dist.TCPStore(self.host, port, self.world_size + 1, **store)
         self._task = 0
         others = [c._listen_fd for c in _LIVE if c is not self and c._listen_fd is not None]
         opts = dict(host=self.host, port=port, backend=self.backend,

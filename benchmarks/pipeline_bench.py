@@ -75,20 +75,12 @@ class StageModule(nn.Module):
 class TorchPipeline:
     """This rank's stage of a torch.distributed.pipelining run, with a recorded action timeline."""
 
-    def __init__(self, cfg: GPTConfig, schedule: str, microbatches: int, batch: int):
-        import inspect
-
+    def __init__(self, cfg: GPTConfig, schedule: str, microbatches: int):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         self.rank, self.stages = dist.get_rank(), dist.get_world_size()
         self.module = StageModule(GPT(cfg, seed=0), self.rank, self.stages)
-        shapes = {}
-        if inspect.signature(PipelineStage).parameters["input_args"].default is inspect.Parameter.empty:
-            mb = batch // microbatches  # torch < 2.6 does not infer the shapes: one micro-batch
-            shapes["input_args"] = (torch.zeros(mb, cfg.seq_len, dtype=torch.long) if self.rank == 0
-                                    else torch.zeros(mb, cfg.seq_len, cfg.d_model),)
-        self.stage = PipelineStage(self.module, self.rank, self.stages, torch.device("cpu"),
-                                   **shapes)
+        self.stage = PipelineStage(self.module, self.rank, self.stages, torch.device("cpu"))
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
         self.schedule = kind(self.stage, n_microbatches=microbatches, loss_fn=loss_fn)
         self.optimizer = torch.optim.Adam(self.module.parameters(), lr=LR)
@@ -160,7 +152,7 @@ class OursPipeline:
 
 def build(kind: str, cfg: GPTConfig, schedule: str, microbatches: int, batch: int):
     if kind == "torch":
-        return TorchPipeline(cfg, schedule, microbatches, batch)
+        return TorchPipeline(cfg, schedule, microbatches)
     return OursPipeline(cfg, schedule, microbatches, batch)
 
 

@@ -34,8 +34,9 @@ class ReplayError(RuntimeError):
 @dataclass
 class Op:
     """One entry of a rank's program: ``compute`` (``seconds`` measured, ``phase`` "forward",
-    "model" (backward, recomputation, anything else of the step) or "optimizer"), ``issue`` (post communication ``key``; ``seconds``: the call's own time) or
-    ``wait`` (block until ``key`` is done; ``seconds``: how long it blocked when measured)."""
+    "model" (backward, recomputation, anything else of the step) or "optimizer"), ``issue`` (post
+    communication ``key``; ``seconds``: the call's own time) or ``wait`` (block until ``key`` is
+    done; ``seconds``: how long it blocked when measured)."""
 
     kind: str
     seconds: float = 0.0
@@ -218,7 +219,8 @@ def breakdown(rep: dict, pipeline: bool = False) -> dict:
 
 
 def timelines(rep: dict) -> list[list[dict]]:
-    """Per rank, in the tracer's form (seconds from the step's start): its communications
+    """Per rank of ``rep`` (a :func:`replay`'s result with the ``instances`` it replayed), in the
+    tracer's form (seconds from the step's start): its communications
     (``op``, ``bytes``, ``start``, ``end``, ``group``, ``tag``) and its compute spans (``op``
     "compute", ``phase``), and the measured interval each segment replays (``measured``)."""
     out = []

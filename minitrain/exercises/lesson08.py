@@ -1,5 +1,6 @@
 """Lesson 08: the process groups of a 3D mesh; the step-time model of a layout, and a layout picked
-with it for a real job (checked against the chooser's pricing: one cost model with the projection)."""
+with it for a real job (checked against the chooser's pricing: one cost model with the
+projection)."""
 
 from __future__ import annotations
 
@@ -187,7 +188,8 @@ def _step_time_problem(fn, job: tuple, layout) -> str | None:
     want = evaluate(model, hw, work, layout).time
     m = work.global_batch // (layout.dp * work.micro_batch)
     where = f"on {words}, layout {layout} (m = {m} micro-batches per replica)"
-    call = f"{getattr(fn, '__name__', 'step_time')}(model, hw, job, Layout{(layout.dp, layout.pp, layout.tp)})"
+    degrees = (layout.dp, layout.pp, layout.tp)
+    call = f"{getattr(fn, '__name__', 'step_time')}(model, hw, job, Layout{degrees})"
     try:
         got = fn(model, hw, work, layout)
     except Exception as exc:  # noqa: BLE001 - the learner's code may raise anything
@@ -209,7 +211,7 @@ def _step_time_problem(fn, job: tuple, layout) -> str | None:
     return None
 
 
-def _as_layout(got, hw):
+def _as_layout(got):
     """The learner's pick as a Layout, or the sentence saying why it is not one."""
     from ..chooser import Layout
 
@@ -228,9 +230,8 @@ def _as_layout(got, hw):
     return Layout(dp, pp, tp, zero=1 if dp > 1 else 0)
 
 
-def _pick_problem(pick, key: str, job: tuple) -> str | None:
-    from ..chooser import choose, evaluate
-    from ..memory import GB
+def _pick_problem(pick, job: tuple) -> str | None:
+    from ..chooser import USABLE, choose, evaluate
 
     words, model, hw, work = job
     call = f"{getattr(pick, '__name__', 'pick_layout')}(model, hw, job) for {words}"
@@ -240,7 +241,7 @@ def _pick_problem(pick, key: str, job: tuple) -> str | None:
         return raised(call, exc, pick)
     if got is None:
         return f"{call} returned None: return the Layout you pick"
-    layout = _as_layout(got, hw)
+    layout = _as_layout(got)
     if isinstance(layout, str):
         return f"{call} {layout}"
     used = layout.dp * layout.pp * layout.tp
@@ -253,7 +254,7 @@ def _pick_problem(pick, key: str, job: tuple) -> str | None:
         if cand.rejected.startswith("out of memory"):
             extra = (f" — a layout must fit before it is priced: keep those whose "
                      f"memory_per_device(model, hw, job, layout) is at most USABLE · "
-                     f"{hw.device_memory_gb:g} GB = {0.9 * hw.device_memory_gb:g} GB")
+                     f"{hw.device_memory_gb:g} GB = {USABLE * hw.device_memory_gb:g} GB")
         return f"{call} picked {layout}, which cannot run: {cand.rejected}{extra}"
     rec = choose(model, hw, work)
     fastest = min((c for c in rec.candidates if c.feasible), key=lambda c: c.time["total"])
@@ -290,7 +291,7 @@ def _check_pick_layout(fns) -> str | None:
             if found:
                 return found
         for key in ("70b", "eth"):
-            found = _pick_problem(pick, key, jobs[key])
+            found = _pick_problem(pick, jobs[key])
             if found:
                 return found
     except Exception as exc:  # noqa: BLE001 - whatever the learner returned, never raise

@@ -41,10 +41,12 @@ CLUSTERS = ("dgx-h100", "dgx-a100", "ib-h100", "ib-a100", "eth-25g")
 #: model sizes: "own" is the run's own model
 SIZES = ("own", "gpt2", "1.3b", "2.7b", "7b", "13b")
 #: the step's parts, as :func:`minitrain.projection.project` names them, and how they are drawn
-PARTS = (("compute_s", "compute", "#4c72b0"), ("exposed_comm_s", "exposed communication", "#dd8452"),
+PARTS = (("compute_s", "compute", "#4c72b0"),
+         ("exposed_comm_s", "exposed communication", "#dd8452"),
          ("bubble_s", "bubble", "#c9c9c9"), ("idle_s", "idle", "#eeeeee"))
 PHASE_COLORS = {"forward": "#4c72b0", "model": "#c44e52", "optimizer": "#55a868"}
-PHASE_NAMES = {"forward": "forward", "model": "backward and the rest", "optimizer": "optimizer step"}
+PHASE_NAMES = {"forward": "forward", "model": "backward and the rest",
+               "optimizer": "optimizer step"}
 GROUP_COLORS = ("#dd8452", "#8172b3", "#937860", "#da8bc3", "#ccb974", "#64b5cd")
 UNTRACED = "#bbbbbb"
 
@@ -75,7 +77,8 @@ def _why_not(result: dict, cluster: str, model) -> str | None:
                 "switched on, then give it to the widget.")
     summary = result["summary"]
     if summary["strategy"] in NOT_REPLAYED:
-        return f"A {summary['strategy']} run cannot be projected: {NOT_REPLAYED[summary['strategy']]}."
+        strategy = summary["strategy"]
+        return f"A {strategy} run cannot be projected: {NOT_REPLAYED[strategy]}."
     try:
         check_projection(cluster, None if model == "own" else model,
                          strategy=summary["strategy"], world_size=summary["world_size"],

@@ -1,4 +1,5 @@
-"""Lesson 08: the groups of a 3D mesh; the step-time model of a layout and a layout picked with it."""
+"""Lesson 08: the groups of a 3D mesh; the step-time model of a layout, and a layout picked with
+it."""
 
 import math
 
@@ -46,7 +47,7 @@ def axis_swapped(dp, pp, tp, axis):
     return mesh_groups(dp, pp, tp, {"dp": "tp", "tp": "dp"}.get(axis, axis))
 
 
-# -- pick_layout = (step_time(model, hw, job, layout), pick_layout(model, hw, job)) ---------------------
+# -- pick_layout = (step_time(model, hw, job, layout), pick_layout(model, hw, job)) -------------
 
 
 def step_time(model, hw, job, layout):
@@ -82,7 +83,8 @@ def _layouts(model, hw, job, fits=True):
             if job.global_batch % (dp * job.micro_batch):
                 continue
             layout = Layout(dp, pp, tp, zero=1 if dp > 1 else 0)
-            if not fits or memory_per_device(model, hw, job, layout) <= USABLE * hw.device_memory_gb * 1e9:
+            usable = USABLE * hw.device_memory_gb * 1e9
+            if not fits or memory_per_device(model, hw, job, layout) <= usable:
                 yield layout
 
 

@@ -144,3 +144,17 @@ def test_the_widget_re_projects_the_recorded_run_at_every_change(runs, monkeypat
 def test_a_widget_says_why_instead_of_drawing(runs):
     w = ProjectionWidget({"summary": runs["ddp"]["summary"]})
     assert "kept no events" in w.text.value and w.image.layout.display == "none"
+
+
+def test_a_calibrated_run_is_also_offered_on_this_machine(runs):
+    """A run trained with project="local" carries this machine's calibration: the widget offers
+    this machine and Binder beside the presets, and replays the run's own compute there."""
+    run = runs["tensor"]
+    calibration = {"ranks": 2, "cores": 2, "alpha": 2e-5, "beta": 1e-9, "flop_rate": 5e9,
+                   "memory_rate": 5e9}
+    calibrated = {**run, "summary": {**run["summary"], "calibration": calibration}}
+    w = ProjectionWidget(calibrated, "local", "own")
+    assert {"local", "binder"} <= set(w.cluster.options)
+    p = w.view["projection"]
+    assert p["cluster"] == "local" and p["compute_mode"] == "measured"
+    assert "per device at most" in w.text.value and "of 80 GB" not in w.text.value

@@ -8,7 +8,8 @@ The layers, lowest first — each may import from itself and below:
 2. ranks and collectives: ``launch`` (the parent), ``worker`` (a rank), ``watch``, ``diagnostics``,
    ``torchrun``, ``comm``
 3. techniques: ``parallel`` (one technique per file; imports nothing from the harness)
-4. what runs and layouts mean: ``analysis``, ``costmodel``, ``chooser``, ``clusters``, ``projection``
+4. what runs and layouts mean: ``analysis``, ``costmodel``, ``chooser``, ``clusters``, and the
+   projection: ``replay``, ``recorded``, ``scaling``, ``projection``
 5. the harness: ``strategies``
 6. the loop and its files: ``train``, ``checkpoint``, ``checkpoint_checks``
 7. for learners: ``viz`` (widgets), ``exercises`` (checkers, guards, the lab)
@@ -28,7 +29,8 @@ LAYERS = [
     ("shipping", "data", "model", "memory", "precision", "benchmarking"),
     ("launch", "worker", "watch", "diagnostics", "torchrun", "comm"),
     ("parallel",),
-    ("analysis", "costmodel", "chooser", "clusters", "projection"),
+    ("analysis", "costmodel", "chooser", "clusters", "replay", "recorded", "scaling",
+     "projection"),
     ("strategies",),
     ("train", "checkpoint", "checkpoint_checks"),
     ("viz", "exercises"),

@@ -49,12 +49,32 @@ def _first_line(fn, func: str) -> int | None:
     return None
 
 
+def _op_words(op: str) -> str:
+    """A waiting rank's operation in words: ``wait`` (an asynchronous handle's ``wait()``, which has
+    no frame of its own) says so."""
+    if op == "wait":
+        return "a handle's wait() (the collective or message it waits for never completed)"
+    return op or "a call"
+
+
+def where_line(frames, fn) -> str:
+    """Where a rank was, always naming a line: the learner's (`` (line L of your fn: code)``), else
+    the innermost frame outside torch, said to be outside the learner's code."""
+    from ..diagnostics import user_frame
+
+    mine = learner_line(frames, fn) if fn is not None else ""
+    if mine:
+        return mine
+    fr = user_frame(frames)
+    return f" (at {fr}, after your code had returned)" if fr is not None else ""
+
+
 def state_line(state, fn, was: bool = False) -> str:
     """A rank's :class:`~minitrain.diagnostics.RankState` in the learner's terms: ``rank 0 waited
     in all_reduce (line 3 of your mean_loss: dist.all_reduce(loss))``, ``rank 1 returned``."""
-    mine = learner_line(state.frames, fn) if fn is not None else ""
-    if state.state == "waiting" and mine:
-        return f"rank {state.rank} {'waited' if was else 'waits'} in {state.op or 'a call'}{mine}"
+    if state.state == "waiting":
+        return (f"rank {state.rank} {'waited' if was else 'waits'} in {_op_words(state.op)}"
+                f"{where_line(state.frames, fn)}")
     return state.line(was)
 
 
@@ -68,9 +88,10 @@ def rank_trouble(exc: BaseException, fn, where: str) -> str:
                 ". Every rank must make the same collective calls in the same order, and a send "
                 "needs the matching recv on its peer")
     if isinstance(exc, CollectiveTimeout):
-        what = f"its {exc.op}" if exc.op else "a collective"
+        what = (_op_words(exc.op) if exc.op == "wait" else f"its {exc.op}") if exc.op \
+            else "a collective"
         return (f"{where}: rank {exc.rank} waited {exc.timeout_s:g} s for {what} to complete and "
-                f"no peer answered{learner_line(exc.frames, fn)} — a send needs the matching recv "
+                f"no peer answered{where_line(exc.frames, fn)} — a send needs the matching recv "
                 "on the peer (if every rank sends first, all wait), and every rank must call each "
                 "collective")
     return f"{where}: {rank_error(exc, fn)}"

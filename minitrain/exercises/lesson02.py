@@ -102,7 +102,7 @@ def _hooks_rank(fn):
 
     grad_ready, end_of_backward = fn
     launches, delivered, ends = [], {}, {}
-    holder = {}
+    holder, reorder, held, arrived = {}, [False], {}, {}
 
     def identify(tensor):
         for s in holder["ddp"].slots if "ddp" in holder else []:
@@ -112,6 +112,16 @@ def _hooks_rank(fn):
         return None, 0
 
     def my_grad_ready(bucket, i, grad, comm):
+        if reorder[0] and len(bucket.views) > 1:  # hold the bucket's gradients, then hand them
+            held.setdefault(bucket.index, []).append((i, grad.clone()))  # over last view first
+            if len(held[bucket.index]) < len(bucket.views):
+                return None
+            for j, g in held.pop(bucket.index)[::-1]:
+                arrived.setdefault(bucket.index, []).append(j)
+                delivered.setdefault(bucket.index, set()).add(j)
+                grad_ready(bucket, j, g, comm)
+            return None
+        arrived.setdefault(bucket.index, []).append(i)
         delivered.setdefault(bucket.index, set()).add(i)
         return grad_ready(bucket, i, grad, comm)
 
@@ -131,8 +141,10 @@ def _hooks_rank(fn):
     ddp = DistributedDataParallel(model, comm, bucket_cap_mb=_BUCKET_MB,
                                   bucket_hooks=(my_grad_ready, my_end_of_backward))
     holder["ddp"] = ddp
-    for where in (f"rank {r}", f"rank {r}, in the second backward"):
-        launches.clear(), delivered.clear(), ends.clear()
+    for where in (f"rank {r}", f"rank {r}, in the second backward",
+                  f"rank {r}, in a backward whose gradients arrived in another order"):
+        reorder[0] = "order" in where
+        launches.clear(), delivered.clear(), ends.clear(), held.clear(), arrived.clear()
         model.zero_grad(set_to_none=True)
         error = None
         try:
@@ -143,7 +155,7 @@ def _hooks_rank(fn):
             for launch in launches:  # leave no all-reduce in flight for the next check
                 if launch["work"] is not None:
                     launch["work"].wait()
-        found = (_hooks_problem(fn, where, ddp.slots, launches, delivered, ends, error)
+        found = (_hooks_problem(fn, where, ddp.slots, launches, delivered, ends, error, arrived)
                  or _hooks_values(model, reference, where, n))
         if found:
             return found
@@ -166,7 +178,7 @@ def _again(where: str) -> str:
             "backward, but state of your own carries over)")
 
 
-def _hooks_problem(fn, where, slots, launches, delivered, ends, error) -> str | None:
+def _hooks_problem(fn, where, slots, launches, delivered, ends, error, arrived=None) -> str | None:
     total = {s.index: len(s.unit.params) for s in slots}
     if error is not None and "start" not in ends and _in_their_code(error, fn):
         return raised(f"{where}: backward with your hooks", error, fn)  # grad_ready failed
@@ -185,9 +197,14 @@ def _hooks_problem(fn, where, slots, launches, delivered, ends, error) -> str | 
     for launch in launches:
         k, got = launch["slot"], launch["got"]
         if got < total[k]:
+            order = (arrived or {}).get(k, [])
+            seen = (f" (its gradients arrived in the order {', '.join(map(str, order))} of its "
+                    "views — backward does not promise the views' order: count the arrivals, do "
+                    "not wait for one particular view)") \
+                if 0 < got <= len(order) and order[got - 1] == total[k] - 1 else ""
             return (f"{where}: bucket {k}'s all-reduce started when only {got} of its {total[k]} "
                     "gradients were in: it sums the buffer as it is, so the missing gradients "
-                    "never reach the other ranks; launch a bucket once its last gradient is in")
+                    f"never reach the other ranks; launch a bucket once its last gradient is in{seen}")
     count = {s.index: sum(launch["slot"] == s.index for launch in launches) for s in slots}
     for k, c in count.items():
         if c > 1:

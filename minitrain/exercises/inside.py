@@ -72,8 +72,11 @@ def where_line(frames, fn) -> str:
 def state_line(state, fn, was: bool = False) -> str:
     """A rank's :class:`~minitrain.diagnostics.RankState` in the learner's terms: ``rank 0 waited
     in all_reduce (line 3 of your mean_loss: dist.all_reduce(loss))``, ``rank 1 returned``."""
+    from ..diagnostics import op_of
+
     if state.state == "waiting":
-        return (f"rank {state.rank} {'waited' if was else 'waits'} in {_op_words(state.op)}"
+        op = op_of(state.frames) or state.op  # the call in its stack before the backend's word
+        return (f"rank {state.rank} {'waited' if was else 'waits'} in {_op_words(op)}"
                 f"{where_line(state.frames, fn)}")
     return state.line(was)
 
@@ -88,12 +91,16 @@ def rank_trouble(exc: BaseException, fn, where: str) -> str:
                 ". Every rank must make the same collective calls in the same order, and a send "
                 "needs the matching recv on its peer")
     if isinstance(exc, CollectiveTimeout):
-        what = (_op_words(exc.op) if exc.op == "wait" else f"its {exc.op}") if exc.op \
-            else "a collective"
-        return (f"{where}: rank {exc.rank} waited {exc.timeout_s:g} s for {what} to complete and "
-                f"no peer answered{where_line(exc.frames, fn)} — a send needs the matching recv "
-                "on the peer (if every rank sends first, all wait), and every rank must call each "
-                "collective")
+        states = "; ".join(state_line(state, fn, was=True) for _, state in
+                           sorted(getattr(exc, "where", {}).items()))
+        if not states:
+            from ..diagnostics import op_of
+
+            op = op_of(exc.frames) or exc.op
+            states = f"rank {exc.rank} waited in {_op_words(op)}{where_line(exc.frames, fn)}"
+        return (f"{where}: nothing moved for {exc.timeout_s:g} s (the collective timeout): "
+                f"{states} — every rank must call each collective, in the same order, and a "
+                "send needs the matching recv on its peer")
     return f"{where}: {rank_error(exc, fn)}"
 
 

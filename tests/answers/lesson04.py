@@ -62,6 +62,26 @@ def zero1_without_stepping(flat_params, flat_grads, shard, optimizer, comm):
     comm.all_gather(flat_params, shard.detach().clone())
 
 
+def zero1_all_reduce_behind_the_tracer(flat_params, flat_grads, shard, optimizer, comm):
+    """All-reduces through torch.distributed directly (the tracer never sees it), then slices."""
+    import torch.distributed as dist
+    size, r = shard.numel(), comm.rank
+    dist.all_reduce(flat_grads, group=comm.group)
+    shard.grad = flat_grads[r * size:(r + 1) * size] / comm.size
+    optimizer.step()
+    comm.all_gather(flat_params, shard.detach().clone())
+
+
+def zero1_reduce_scatter_behind_the_tracer(flat_params, flat_grads, shard, optimizer, comm):
+    """Right values, but the reduce-scatter bypasses comm: its bytes are never counted."""
+    import torch.distributed as dist
+    grad = torch.empty_like(shard)
+    dist.reduce_scatter_tensor(grad, flat_grads, group=comm.group)
+    shard.grad = grad / comm.size
+    optimizer.step()
+    comm.all_gather(flat_params, shard.detach().clone())
+
+
 # --------------------------------------------------------------------------------------------------
 # zero3_hook(unit, comm, moment)
 # --------------------------------------------------------------------------------------------------
@@ -185,14 +205,31 @@ def zero3_only_rank_0_gathers(unit, comm, moment):
         unit.free()
 
 
+def zero3_all_reduce_behind_the_tracer(unit, comm, moment):
+    """After backward: a direct torch.distributed all-reduce of the gradient, then one's slice."""
+    import torch.distributed as dist
+    if moment.startswith("before"):
+        unit.allocate()
+        comm.all_gather(unit.full, unit.shard)
+    else:
+        if moment == "after backward":
+            total = unit.grad.clone()
+            dist.all_reduce(total, group=comm.group)
+            size = unit.grad_shard.numel()
+            unit.grad_shard.copy_(total[comm.rank * size:(comm.rank + 1) * size])
+        unit.free()
+
+
 ANSWERS = {
     "zero1_step": Answers(zero1_step, [
         (zero1_without_dividing, "divide by N"),
         (zero1_own_slice, "with its own gradient only"),
-        (zero1_all_reduce, "a reduce-scatter sends half"),
+        (zero1_all_reduce, "half an all-reduce's 2(N−1)/N"),
         (zero1_without_gather, "own shard is right but element"),
         (zero1_gather_before_step, "ran before the optimizer stepped"),
         (zero1_without_stepping, "flat_params did not change"),
+        (zero1_all_reduce_behind_the_tracer, "directly through torch.distributed (the tracer never saw it)"),
+        (zero1_reduce_scatter_behind_the_tracer, "called torch.distributed's reduce_scatter_tensor directly"),
     ]),
     "zero3_hook": Answers(zero3_hook, [
         (zero3_never_free, "held"),
@@ -204,6 +241,7 @@ ANSWERS = {
         (zero3_reversed_order, "in the wrong order"),
         (zero3_without_reduce_scatter, "holds only rank"),
         (zero3_reduce_after_forward_too, "exist only at 'after backward'"),
-        (zero3_only_rank_0_gathers, "every rank must call each collective"),
+        (zero3_only_rank_0_gathers, "(line 6 of your zero3_only_rank_0_gathers: comm.all_gather(unit.full, unit.shard))"),
+        (zero3_all_reduce_behind_the_tracer, "directly through torch.distributed (the tracer never saw it)"),
     ]),
 }

@@ -242,25 +242,34 @@ class WatchedWork:
 
 
 class WatchingComm(Comm):
-    """A communicator whose all-reduces are noted in ``launches``: when, of which bucket
-    (``identify(tensor) -> (bucket index or None, gradients in it so far)``), how many elements,
-    blocking or not, and when it was waited for (``"waited"``)."""
+    """A communicator whose all-reduces and reduce-scatters are noted in ``launches``: when, of
+    which bucket (``identify(tensor) -> (bucket index or None, gradients in it so far)``; a
+    reduce-scatter's input), how many elements, blocking or not, and when it was waited for
+    (``"waited"``)."""
 
     def __init__(self, launches: list, identify, group=None):
         super().__init__(group)
         self.launches, self.identify = launches, identify
 
-    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, async_op=False, tag=""):
+    def _watch(self, op, tensor, async_op, call):
         slot, got = self.identify(tensor)
         launch = dict(time=time.perf_counter(), slot=slot, got=got, numel=tensor.numel(),
-                      async_op=async_op, waited=None, work=None)
+                      async_op=async_op, waited=None, work=None, op=op)
         self.launches.append(launch)
-        work = super().all_reduce(tensor, op=op, async_op=async_op, tag=tag)
+        work = call()
         if not async_op:
             launch["waited"] = launch["time"]
             return work
         launch["work"] = work
         return WatchedWork(work, on_wait=lambda t: launch.__setitem__("waited", t))
+
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, async_op=False, tag=""):
+        return self._watch("all_reduce", tensor, async_op, lambda: super(WatchingComm, self)
+                           .all_reduce(tensor, op=op, async_op=async_op, tag=tag))
+
+    def reduce_scatter(self, output, input, op=dist.ReduceOp.SUM, async_op=False, tag=""):
+        return self._watch("reduce_scatter", input, async_op, lambda: super(WatchingComm, self)
+                           .reduce_scatter(output, input, op=op, async_op=async_op, tag=tag))
 
 
 class GuardedGradReady:
@@ -278,23 +287,23 @@ class GuardedGradReady:
 
 
 class GuardedEndOfBackward:
-    """A learner's ``end_of_backward(buckets)``; once it returns, every bucket's all-reduce must
-    have been launched and (where its handle was watched) waited for, or the optimizer would read a
-    buffer that is not the mean."""
+    """A learner's ``end_of_backward(buckets)``; once it returns, every bucket's collective (an
+    ``word``: all-reduce for DDP, reduce-scatter for ZeRO-2) must have been launched and (where its
+    handle was watched) waited for, or the optimizer would read a buffer that is not the mean."""
 
-    def __init__(self, fn):
-        self.fn = fn
+    def __init__(self, fn, word: str = "all-reduce"):
+        self.fn, self.word = fn, word
 
     def __call__(self, buckets):
         out = self.fn(buckets)
         for b in buckets:
             if b.work is None:
                 raise RuntimeError(
-                    f"bucket {b.index}'s all-reduce was never launched (bucket.work is None at "
+                    f"bucket {b.index}'s {self.word} was never launched (bucket.work is None at "
                     "the end of backward): start it once the bucket's last gradient is in")
             if isinstance(b.work, WatchedWork) and not b.work.waited:
                 raise RuntimeError(
-                    f"bucket {b.index}'s all-reduce was launched but not waited for by the end "
+                    f"bucket {b.index}'s {self.word} was launched but not waited for by the end "
                     "of backward: its sum may not have arrived when the optimizer reads it")
         return out
 
@@ -331,9 +340,13 @@ class QuietMeanLoss:
 # --------------------------------------------------------------------------------------------------
 
 
-def _bucket_hooks(pair):
+def _bucket_hooks(pair, word: str = "all-reduce"):
     grad_ready, end_of_backward = pair
-    return GuardedGradReady(grad_ready), GuardedEndOfBackward(end_of_backward)
+    return GuardedGradReady(grad_ready), GuardedEndOfBackward(end_of_backward, word)
+
+
+def _shard_hooks(pair):
+    return _bucket_hooks(pair, "reduce-scatter")
 
 
 #: seam -> how a learner's function is wrapped before it goes in (the others go in as they are)
@@ -342,6 +355,7 @@ GUARDS = {
     "topk_error_feedback": TopkAsTensors,
     "zero3_hook": GuardedZero3Hook,
     "bucket_hooks": _bucket_hooks,
+    "zero2_hooks": _shard_hooks,
     "mean_loss": QuietMeanLoss,
 }
 

@@ -17,7 +17,7 @@ from ..parallel.data_parallel import DistributedDataParallel, NaiveDataParallel,
 from .base import ConfigError, Lockstep, NoOptions, Options, TrainConfig, option, positive, register
 from .single import Replica
 
-__all__ = ["Buckets", "Compression", "DDPOptions", "NaiveDDP", "DDP", "DataParallel",
+__all__ = ["Buckets", "Compression", "Timeline", "DDPOptions", "NaiveDDP", "DDP", "DataParallel",
            "check_batch_split", "check_compression"]
 
 
@@ -37,9 +37,14 @@ class Compression(Options):
 
 
 @dataclass(frozen=True)
-class DDPOptions(Buckets, Compression):
-    timeline: bool = option(False, "record each step's backward and bucket all-reduce times "
-                                   "(lesson 02)")
+class Timeline(Options):
+    timeline: bool = option(False, "record each step's backward and each bucket's collective, "
+                                   "launched and completed (lessons 02, 04)")
+
+
+@dataclass(frozen=True)
+class DDPOptions(Buckets, Compression, Timeline):
+    """ddp's: buckets, compression, the timeline."""
 
 
 def check_batch_split(cfg: TrainConfig, parts: int, what: str = "ranks") -> None:

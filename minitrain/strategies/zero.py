@@ -15,12 +15,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from ..analysis import overlap_fraction
 from ..memory import ActivationMeter, ledger, model_state_bytes
 from ..parallel.flat import FlatUnit
 from ..parallel.fsdp import FullyShardedDataParallel
 from ..parallel.zero import HostOffload, ZeroRedundancyOptimizer, shard_optimizer
 from .base import Checkpointer, ConfigError, Options, TrainConfig, option, register
-from .data_parallel import Buckets, DataParallel, check_batch_split
+from .data_parallel import Buckets, DataParallel, Timeline, check_batch_split
 from .portable import shard_optimizer_state, unshard_optimizer
 
 __all__ = ["Offload", "ZeroOptions", "Zero2Options", "Zero1", "Zero2", "Zero3", "ZeroShards",
@@ -39,8 +40,8 @@ class ZeroOptions(Offload):
 
 
 @dataclass(frozen=True)
-class Zero2Options(Buckets, Offload):
-    """zero2's: the gradient buckets too."""
+class Zero2Options(Buckets, Offload, Timeline):
+    """zero2's: the gradient buckets too, and their timeline."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -236,13 +237,26 @@ class Zero2(_ZeroStrategy):
     help = "ZeRO stage 2: gradients too, reduce-scattered in buckets during backward (--offload, --bucket-mb)"
     stage = 2
     options = Zero2Options
+    seams = ("zero2_hooks",)
 
     def shard(self, model):
         opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, self.comm,
                                       shard_gradients=True, offload=self.offload,
                                       bucket_cap_mb=self.cfg.options.bucket_mb,
-                                      master_weights=self.master_weights, lr=self.cfg.lr)
+                                      master_weights=self.master_weights, lr=self.cfg.lr,
+                                      bucket_hooks=self.seams.zero2_hooks,
+                                      record_timeline=self.cfg.options.timeline)
         return model, opt, opt
+
+    def report(self) -> dict:
+        """The stages' report, and with ``timeline`` each step's buckets and the share of their
+        reduce-scatter time hidden behind backward (``overlap``), as ddp's."""
+        out = super().report()
+        out["bucket_bytes"] = [u.nbytes for u in self.optimizer.layouts()]
+        if self.cfg.options.timeline:
+            out["timeline"] = self.optimizer.timeline
+            out["overlap"] = [overlap_fraction(s) for s in self.optimizer.timeline]
+        return out
 
 
 @register

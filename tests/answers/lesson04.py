@@ -220,6 +220,70 @@ def zero3_all_reduce_behind_the_tracer(unit, comm, moment):
         unit.free()
 
 
+# --------------------------------------------------------------------------------------------------
+# zero2_hooks = (grad_ready(bucket, i, grad, comm), end_of_backward(buckets))
+# --------------------------------------------------------------------------------------------------
+
+
+def z2_grad_ready(bucket, i, grad, comm):
+    torch.mul(grad, 1.0 / comm.size, out=bucket.views[i])
+    bucket.ready.add(i)
+    if len(bucket.ready) == len(bucket.views):
+        bucket.work = comm.reduce_scatter(bucket.grad_shard, bucket.buffer, async_op=True)
+
+
+def z2_end_of_backward(buckets):
+    for bucket in buckets:
+        bucket.work.wait()
+
+
+def z2_all_reduce_then_slice(bucket, i, grad, comm):
+    """All-reduces the whole bucket directly through torch.distributed, then (at the end)
+    keeps its slice: right values, twice the bytes, and the tracer never sees them."""
+    import torch.distributed as dist
+    torch.mul(grad, 1.0 / comm.size, out=bucket.views[i])
+    bucket.ready.add(i)
+    if len(bucket.ready) == len(bucket.views):
+        bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
+
+
+def z2_end_taking_the_slice(buckets):
+    for bucket in buckets:
+        bucket.work.wait()
+        size = bucket.grad_shard.numel()
+        rank = __import__("torch.distributed").distributed.get_rank()
+        bucket.grad_shard.copy_(bucket.buffer[rank * size:(rank + 1) * size])
+
+
+def z2_no_divide(bucket, i, grad, comm):
+    bucket.views[i].copy_(grad)
+    bucket.ready.add(i)
+    if len(bucket.ready) == len(bucket.views):
+        bucket.work = comm.reduce_scatter(bucket.grad_shard, bucket.buffer, async_op=True)
+
+
+def z2_fill_only(bucket, i, grad, comm):
+    torch.mul(grad, 1.0 / comm.size, out=bucket.views[i])
+    bucket.comm = comm
+
+
+def z2_launch_at_the_end(buckets):
+    for bucket in buckets:
+        bucket.work = bucket.comm.reduce_scatter(bucket.grad_shard, bucket.buffer, async_op=True)
+    for bucket in buckets:
+        bucket.work.wait()
+
+
+def z2_never_waits(buckets):
+    """Returns at once: the optimizer may read a shard that has not arrived."""
+
+
+def z2_on_the_last_view(bucket, i, grad, comm):
+    torch.mul(grad, 1.0 / comm.size, out=bucket.views[i])
+    if i == len(bucket.views) - 1:
+        bucket.work = comm.reduce_scatter(bucket.grad_shard, bucket.buffer, async_op=True)
+
+
 ANSWERS = {
     "zero1_step": Answers(zero1_step, [
         (zero1_without_dividing, "divide by N"),
@@ -230,6 +294,13 @@ ANSWERS = {
         (zero1_without_stepping, "flat_params did not change"),
         (zero1_all_reduce_behind_the_tracer, "directly through torch.distributed (the tracer never saw it)"),
         (zero1_reduce_scatter_behind_the_tracer, "called torch.distributed's reduce_scatter_tensor directly"),
+    ]),
+    "zero2_hooks": Answers((z2_grad_ready, z2_end_of_backward), [
+        ((z2_all_reduce_then_slice, z2_end_taking_the_slice), "each bucket needs one reduce-scatter, not an all-reduce"),
+        ((z2_no_divide, z2_end_of_backward), "N = 2 times the mean"),
+        ((z2_fill_only, z2_launch_at_the_end), "nothing overlapped: all 7 reduce-scatters started after backward ended"),
+        ((z2_grad_ready, z2_never_waits), "reduce-scatter was launched but never waited for"),
+        ((z2_on_the_last_view, z2_end_of_backward), "do not wait for one particular view"),
     ]),
     "zero3_hook": Answers(zero3_hook, [
         (zero3_never_free, "held"),

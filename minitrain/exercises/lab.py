@@ -55,19 +55,27 @@ def _on_handle(state) -> bool:
     return state.op == "wait" or (fr is not None and ".wait(" in (fr.code or ""))
 
 
+def _all_waiting(exc, n: int, test) -> bool:
+    """No rank returned, at least ``n - 1`` were seen waiting (the one whose timeout fired first
+    may be reported failed), and every waiting rank passes ``test``."""
+    states = list(getattr(exc, "where", {}).values())
+    waiting = [s for s in states if s.state == "waiting"]
+    return (len(waiting) >= max(n - 1, 1) and not any(s.state == "returned" for s in states)
+            and all(test(s) for s in waiting))
+
+
 def all_wait_in(exc, op: str, n: int) -> bool:
-    """True when the launcher saw all ``n`` ranks blocked in ``op`` itself (e.g. every rank in a
+    """True when the launcher saw the ranks blocked in ``op`` itself (e.g. every rank in a
     blocking send; a rank waiting on an isend's handle is not)."""
-    states = getattr(exc, "where", {}).values()
-    return sum(1 for s in states if s.state == "waiting" and s.op == op
-               and not _on_handle(s)) == n
+    from ..diagnostics import op_of
+
+    return _all_waiting(exc, n, lambda s: (op_of(s.frames) or s.op) == op and not _on_handle(s))
 
 
 def all_wait_on_handles(exc, n: int) -> bool:
-    """True when all ``n`` ranks wait in a handle's ``wait()`` (asynchronous sends and receives
-    that never complete)."""
-    states = getattr(exc, "where", {}).values()
-    return sum(1 for s in states if s.state == "waiting" and _on_handle(s)) == n
+    """True when the ranks wait in a handle's ``wait()`` (asynchronous sends and receives that
+    never complete)."""
+    return _all_waiting(exc, n, _on_handle)
 
 
 HANDLES_ADVICE = ("Every rank waits on the handle of an asynchronous send or receive that never "

@@ -388,7 +388,7 @@ def _skipped_inside(fn) -> str | None:
     from .lesson01 import ddp_config
 
     cfg = ddp_config()
-    cfg = TrainConfig(strategy="ddp", world_size=3, steps=3, batch_size=6, model=cfg.model)
+    cfg = TrainConfig(strategy="ddp", world_size=3, steps=4, batch_size=6, model=cfg.model)
     return inside("lab_skipped_collective", fn, cfg, seam="mean_loss")
 
 

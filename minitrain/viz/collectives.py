@@ -54,10 +54,11 @@ def _fmt(values) -> str:
 #: the algorithm the tracer's byte counts assume for each op (:func:`minitrain.comm.ring_sent_bytes`)
 MODEL = {
     "send/recv": "point to point: the sender sends the tensor once",
-    "broadcast": "a chain from the root around the ring: every rank but the last forwards the "
-                 "whole tensor (a pipelined chain; the bytes are the same for a tree)",
+    "broadcast": "a chain from the root around the ring (root → root+1 → …): every rank but "
+                 "the last forwards the whole tensor; gloo's own algorithm may differ (a tree sends "
+                 "the same total from fewer ranks)",
     "reduce": "a chain around the ring ending at the root: every rank but the root sends the "
-              "whole tensor (its partial sum) on",
+              "whole tensor (its partial sum) on; gloo's own algorithm may differ",
     "all_reduce": "a ring: reduce-scatter then all-gather, 2(N−1)/N of the tensor per rank",
     "reduce_scatter": "a ring: (N−1)/N of the input per rank",
     "all_gather": "a ring: (N−1)/N of the output per rank",
@@ -77,7 +78,7 @@ def before_after_html(op: str, results, root: int = 0) -> str:
         + (f"<td style='color:#999'><code>{_fmt(a)}</code> *</td>" if undefined(r, root) else
            f"<td><code>{_fmt(a)}</code></td>")
         + f"<td>{sent:g}</td></tr>" for r, (b, a, sent) in enumerate(results))
-    notes = [f"bytes sent: the cost model's {MODEL.get(op, 'algorithm')}"]
+    notes = [f"bytes sent, as the cost model counts them — {MODEL.get(op, 'its algorithm')}"]
     if any(undefined(r, root) for r in range(len(results))):
         notes.append(f"* not defined by {op}: only the root (rank {root}) receives the sum; gloo "
                      "leaves whatever its own algorithm left there (partial sums), another backend "

@@ -147,7 +147,7 @@ def _alone(fn) -> str | None:
 
 
 #: the run inside DDP: 3 ranks (an odd ring), buckets small enough that there are several
-_DDP_RUN = dict(world_size=3, steps=3, batch_size=6, options={"bucket_mb": 0.005})
+_DDP_RUN = dict(world_size=3, steps=4, batch_size=6, options={"bucket_mb": 0.005})
 
 
 def ddp_config():

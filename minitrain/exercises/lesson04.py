@@ -37,7 +37,7 @@ def _cfg(strategy: str, n: int):
     from ..model import GPTConfig
     from ..strategies import TrainConfig
 
-    cfg = TrainConfig(steps=3, batch_size=12, model=GPTConfig(**_MODEL))
+    cfg = TrainConfig(steps=4, batch_size=12, model=GPTConfig(**_MODEL))
     return cfg.with_(strategy=strategy, world_size=n)
 
 

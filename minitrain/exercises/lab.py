@@ -384,11 +384,11 @@ def _skipped_on(fn, n: int) -> str | None:
 def _skipped_inside(fn) -> str | None:
     """The fix in its place: strategy 'ddp' reports each step's loss as the mean over the ranks
     with it (its ``mean_loss`` seam), on 3 ranks."""
+    from ..model import GPTConfig
     from ..strategies import TrainConfig
-    from .lesson01 import ddp_config
 
-    cfg = ddp_config()
-    cfg = TrainConfig(strategy="ddp", world_size=3, steps=4, batch_size=6, model=cfg.model)
+    model = GPTConfig(n_layer=1, n_head=2, d_model=16, seq_len=10)  # a small GPT: seconds
+    cfg = TrainConfig(strategy="ddp", world_size=3, steps=4, batch_size=6, model=model)
     return inside("lab_skipped_collective", fn, cfg, seam="mean_loss")
 
 

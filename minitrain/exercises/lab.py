@@ -289,6 +289,15 @@ def _ops(calls: list) -> str:
     return ", ".join(out) if out else "no torch.distributed call"
 
 
+def _unwaited(calls: list) -> str:
+    """`` — it started {op} asynchronously and never waited for its handle``, when it did."""
+    c = next((c for c in calls if c["waited"] is False and c["op"] != "send"), None)
+    if c is None:
+        return ""
+    return (f" — it started {c['function']} with async_op=True and never waited for its handle, so "
+            "what it returned may be read before the sum arrived: call .wait() on it first")
+
+
 def _close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-5 * max(abs(b), 1e-12)
 
@@ -310,6 +319,8 @@ def _loss_story(v: float, losses: list, rank: int) -> str:
     for k in range(2, 9):
         if k != n and _close(v * k, total):
             return f"{v:g} = the sum {total:g} divided by {k}"
+        if _close(v * k, losses[rank]):
+            return f"{v:g} = its own loss {losses[rank]:g} divided by {k}"
     for q, other in enumerate(losses):
         if q != rank and _close(v, other):
             return f"rank {q}'s loss {v:g}"
@@ -359,6 +370,8 @@ def _skipped_on(fn, n: int) -> str | None:
     said += f" where the mean of the {n} losses is {mean:g}"
     if right:
         said += f" ({_ranks(right)} returned it)"
+    if _unwaited(calls[r]):
+        return said + _unwaited(calls[r])
     made = [c["op"] for c in calls[r]]
     if "all_reduce" not in made and "reduce" in made:
         dst = next(c["peer"] for c in calls[r] if c["op"] == "reduce")
@@ -572,6 +585,8 @@ def _check_group(fn) -> str | None:
         made = calls[rank]
         if not made:
             return said + ": it made no torch.distributed call — all-reduce over groups[rank // 2]"
+        if _unwaited(made):
+            return said + _unwaited(made)
         outside = [c for c in made if not c["member"]]
         if outside:
             c = outside[0]

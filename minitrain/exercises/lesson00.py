@@ -124,7 +124,9 @@ def _check_zero_bytes(fn) -> str | None:
             shown = shown if len(shown) <= 60 else shown[:57] + "..."
             return (f"{call} returned {type(out).__name__} {shown}: return the number of bytes, "
                     "one number (an int or a float)")
-        if not math.isfinite(got) or abs(got - want) > 1e-6 * want:
+        if not math.isfinite(got):
+            return f"{call} = {got}: return a finite number of bytes"
+        if abs(got - want) > 1e-6 * want:
             return (f"{call} = {got:,.0f} bytes, expected {want:,.0f}: "
                     f"{_diagnose(got, want, psi, n, stage, _stages(fn, psi, n))}")
     return None

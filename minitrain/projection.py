@@ -54,8 +54,8 @@ from .scaling import (MODEL_SIZES, NOT_REPLAYED, RankWork, Scaler, itemsize, lay
 
 __all__ = ["MODEL_SIZES", "target_model", "check_projection", "project", "replay", "Op",
            "Instance", "ReplayError", "rank_work", "RankWork", "Scaler", "format_projection",
-           "breakdown", "warp", "ddp_timeline", "pipeline_timeline", "NOT_REPLAYED", "fit_run",
-           "message_times"]
+           "breakdown", "warp", "ddp_timeline", "pipeline_timeline", "fsdp_timeline", "NOT_REPLAYED",
+           "fit_run", "message_times"]
 
 #: Adam's update reads the weight, the gradient and two moments and writes three: 7 fp32 words
 ADAM_BYTES = 28
@@ -248,6 +248,36 @@ def ddp_timeline(result: dict, projection: dict) -> list[dict]:
         out.append({"timeline": [{"backward_start": warp(projection, rank, step["backward_start"]),
                                   "backward_end": warp(projection, rank, step["backward_end"]),
                                   "buckets": buckets}]})
+    return out
+
+
+def fsdp_timeline(result: dict, projection: dict) -> list[list[dict]]:
+    """ZeRO-3's report timeline (``zero3 --timeline``: each unit's gather, compute, free and
+    reduce-scatter, per rank) of the projected step, re-timed: the form
+    :func:`minitrain.viz.fsdp.plot_fsdp_timeline` draws.  A unit's k-th gather (reduce-scatter)
+    runs from when the replay issued its k-th ``params-unitK`` all-gather (``grad-unitK``
+    reduce-scatter) to when that completed; compute spans and frees are warped (:func:`warp`)."""
+    out = []
+    start_step = result["summary"].get("start_step", 0)
+    for rank, rep in enumerate(result["summary"]["report"]):
+        events = rep["timeline"][projection["step"] - start_step]
+        comm: dict = defaultdict(list)
+        for e in projection["timeline"][rank]:
+            if e["op"] != "compute":
+                comm[e["tag"]].append(e)
+        used: dict = defaultdict(int)
+        rows = []
+        for e in sorted(events, key=lambda e: e["start"]):
+            tag = {"gather": f"params-unit{e['unit']}",
+                   "reduce_scatter": f"grad-unit{e['unit']}"}.get(e["kind"])
+            if tag is not None and used[tag] < len(comm[tag]):
+                c = comm[tag][used[tag]]
+                used[tag] += 1
+                rows.append({**e, "start": c["issued"], "end": c["end"]})
+            else:
+                rows.append({**e, "start": warp(projection, rank, e["start"]),
+                             "end": warp(projection, rank, e["end"])})
+        out.append(rows)
     return out
 
 

@@ -94,10 +94,37 @@ def test_bucket_hooks_that_never_launch_or_never_wait_are_named():
     assert all(b.work.waited for b in buckets)
 
 
+def test_zero2_hooks_are_guarded_as_reduce_scatters_and_mean_loss_is_quiet(capsys):
+    grad_ready, end = plug("zero2_hooks", (lambda b, i, g, c: None, lambda buckets: None))
+    buckets = _buckets()
+    with pytest.raises(RuntimeError, match="reduce-scatter was never launched"):
+        end(buckets)
+    mean = plug("mean_loss", lambda loss: print("noise") or loss / 2)
+    assert mean(torch.tensor([3.0])) == 1.5 and capsys.readouterr().out == ""
+    with pytest.raises(TypeError, match="returned None"):
+        plug("mean_loss", lambda loss: None)(torch.tensor([1.0]))
+
+
+def test_dist_calls_sees_what_goes_past_the_tracer(clusters):
+    def on_rank():
+        import torch.distributed as dist
+        from minitrain.comm import Comm
+        from minitrain.exercises.guards import bypassed, dist_calls
+        comm = Comm()
+        with dist_calls() as calls:
+            comm.all_reduce(torch.ones(3))
+            dist.all_reduce(torch.ones(5))
+        direct = bypassed(calls)
+        return [(c.op, c.numel, c.direct) for c in calls], [(c.op, c.numel) for c in direct]
+    seen, direct = clusters(2).run(on_rank)[0]
+    assert seen == [("all_reduce", 3, False), ("all_reduce", 5, True)] and direct == [("all_reduce", 5)]
+
+
 def test_the_other_seams_go_in_as_they_are():
     def fn(*args):
         return args
 
-    assert set(GUARDS) == {"ring_all_reduce", "topk_error_feedback", "zero3_hook", "bucket_hooks"}
+    assert set(GUARDS) == {"ring_all_reduce", "topk_error_feedback", "zero3_hook", "bucket_hooks",
+                           "zero2_hooks", "mean_loss"}
     for seam in ("zero1_step", "stage_step", "mesh_groups", "sync_gradients", "one_f_one_b"):
         assert plug(seam, fn) is fn

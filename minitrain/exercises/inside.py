@@ -49,12 +49,35 @@ def _first_line(fn, func: str) -> int | None:
     return None
 
 
+def _op_words(op: str) -> str:
+    """A waiting rank's operation in words: ``wait`` (an asynchronous handle's ``wait()``, which has
+    no frame of its own) says so."""
+    if op == "wait":
+        return "a handle's wait() (the collective or message it waits for never completed)"
+    return op or "a call"
+
+
+def where_line(frames, fn) -> str:
+    """Where a rank was, always naming a line: the learner's (`` (line L of your fn: code)``), else
+    the innermost frame outside torch, said to be outside the learner's code."""
+    from ..diagnostics import user_frame
+
+    mine = learner_line(frames, fn) if fn is not None else ""
+    if mine:
+        return mine
+    fr = user_frame(frames)
+    return f" (at {fr}, after your code had returned)" if fr is not None else ""
+
+
 def state_line(state, fn, was: bool = False) -> str:
     """A rank's :class:`~minitrain.diagnostics.RankState` in the learner's terms: ``rank 0 waited
     in all_reduce (line 3 of your mean_loss: dist.all_reduce(loss))``, ``rank 1 returned``."""
-    mine = learner_line(state.frames, fn) if fn is not None else ""
-    if state.state == "waiting" and mine:
-        return f"rank {state.rank} {'waited' if was else 'waits'} in {state.op or 'a call'}{mine}"
+    from ..diagnostics import op_of
+
+    if state.state == "waiting":
+        op = op_of(state.frames) or state.op  # the call in its stack before the backend's word
+        return (f"rank {state.rank} {'waited' if was else 'waits'} in {_op_words(op)}"
+                f"{where_line(state.frames, fn)}")
     return state.line(was)
 
 
@@ -68,11 +91,16 @@ def rank_trouble(exc: BaseException, fn, where: str) -> str:
                 ". Every rank must make the same collective calls in the same order, and a send "
                 "needs the matching recv on its peer")
     if isinstance(exc, CollectiveTimeout):
-        what = f"its {exc.op}" if exc.op else "a collective"
-        return (f"{where}: rank {exc.rank} waited {exc.timeout_s:g} s for {what} to complete and "
-                f"no peer answered{learner_line(exc.frames, fn)} — a send needs the matching recv "
-                "on the peer (if every rank sends first, all wait), and every rank must call each "
-                "collective")
+        states = "; ".join(state_line(state, fn, was=True) for _, state in
+                           sorted(getattr(exc, "where", {}).items()))
+        if not states:
+            from ..diagnostics import op_of
+
+            op = op_of(exc.frames) or exc.op
+            states = f"rank {exc.rank} waited in {_op_words(op)}{where_line(exc.frames, fn)}"
+        return (f"{where}: nothing moved for {exc.timeout_s:g} s (the collective timeout): "
+                f"{states} — every rank must call each collective, in the same order, and a "
+                "send needs the matching recv on its peer")
     return f"{where}: {rank_error(exc, fn)}"
 
 
@@ -95,20 +123,45 @@ def rank_error(exc: BaseException, fn) -> str:
 
 @dataclass
 class Row:
-    """One measured quantity beside the lesson's formula for it."""
+    """One measured quantity beside the lesson's formula for it — or, with ``compare``, beside
+    another measurement (``formula`` then names it: no ratio, and a difference is claimed only when
+    the two spreads, ``measured_range`` and ``expected_range`` (min, max over repeats), do not
+    overlap)."""
     what: str
     measured: float
     formula: str = ""
     expected: float | None = None
     unit: str = "B"
+    measured_range: tuple | None = None
+    expected_range: tuple | None = None
+    compare: bool = False
 
     def line(self) -> str:
         got = _fmt(self.measured, self.unit)
         if self.expected is None:
             return f"  {self.what:<38s} {got:>12s}"
+        if self.compare:
+            return (f"  {self.what:<38s} {got:>12s}{_range(self.measured_range, self.unit)}   "
+                    f"{self.formula}: {_fmt(self.expected, self.unit)}"
+                    f"{_range(self.expected_range, self.unit)} — {self.verdict()}")
         ratio = self.measured / self.expected if self.expected else float("nan")
         return (f"  {self.what:<38s} {got:>12s}   formula {self.formula} = "
                 f"{_fmt(self.expected, self.unit)} (measured/formula {ratio:.2f})")
+
+    def verdict(self) -> str:
+        """Whether two measurements differ beyond their spreads (medians of repeats)."""
+        a, b = self.measured_range, self.expected_range
+        if a is None or b is None:
+            return "one run each: no difference can be claimed"
+        if a[1] < b[0]:
+            return "lower, beyond both spreads"
+        if a[0] > b[1]:
+            return "higher, beyond both spreads"
+        return "the spreads overlap: no difference shown"
+
+
+def _range(r, unit: str) -> str:
+    return f" (range {_fmt(r[0], unit)}–{_fmt(r[1], unit)})" if r else ""
 
 
 def _fmt(x: float, unit: str) -> str:
@@ -144,17 +197,35 @@ class Run:
                f"  {self.reference_name:<12s}{' '.join(f'{v:.5f}' for v in self.reference)}"
                f"   (largest relative difference {worst:.1e})"]
         out += [row.line() for row in self.rows]
-        mine, own = self.summary["step_time_s"], self.package["step_time_s"]
-        pace = ("about as fast as" if 0.8 <= mine / own <= 1.25 else
-                f"{mine / own:.1f}× the time of" if mine > own else f"{own / mine:.1f}× faster than")
-        out.append(f"  step time: yours {mine * 1e3:.1f} ms, the package's {own * 1e3:.1f} ms — "
-                   f"yours is {pace} the package's")
+        out.append(step_time_line(self.summary, self.package))
         return out
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
 
     _repr_pretty_ = lambda self, p, cycle: p.text(str(self))  # noqa: E731
+
+
+def step_time_line(mine: dict, own: dict) -> str:
+    """Two runs' step times, each with its spread over the steps after the first (the first warms
+    up), and a difference claimed only beyond both spreads."""
+    def times(summary):
+        ts = summary.get("step_times_s") or [summary["step_time_s"]]
+        return ts[1:] if len(ts) > 2 else ts
+
+    a, b = times(mine), times(own)
+    ma, mb = sorted(a)[len(a) // 2], sorted(b)[len(b) // 2]
+    if len(a) < 3 or len(b) < 3:
+        pace = "one or two steps each: no difference can be claimed"
+    elif max(a) < min(b):
+        pace = f"yours is faster, beyond both spreads ({mb / ma:.1f}×)"
+    elif min(a) > max(b):
+        pace = f"yours is slower, beyond both spreads ({ma / mb:.1f}×)"
+    else:
+        pace = "the spreads overlap: no difference shown"
+    return (f"  step time (median, range over {len(a)} steps): yours {ma * 1e3:.1f} ms "
+            f"({min(a) * 1e3:.1f}–{max(a) * 1e3:.1f}), the package's {mb * 1e3:.1f} ms "
+            f"({min(b) * 1e3:.1f}–{max(b) * 1e3:.1f}) — {pace}")
 
 
 #: exercise name -> the last Run of a passing check (what :func:`report` shows)

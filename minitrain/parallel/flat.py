@@ -157,6 +157,7 @@ class Slot:
     work: object = None
     launched_at: float | None = None
     out: object = None
+    grad_shard: torch.Tensor | None = None  # ZeRO-2's hooks: this rank's shard of the bucket's sum
 
     @property
     def full(self) -> bool:
@@ -207,6 +208,13 @@ class GradientReducer:
             only the units still gathered for a backward.
         after_flush: called (no argument) at the end of backward, after the last waits.
         dtype: the buffers' dtype (default: the unit's parameters').
+        hooks: ``(grad_ready(slot, i, grad, comm), end_of_backward(slots))`` (ZeRO-2's exercise,
+            lesson 04): they put the gradients in and launch the collectives instead of
+            ``launch`` (``comm``: ``hook_comm(slot)``); each slot also gets ``grad_shard``, an
+            empty tensor of the unit's shard size.  A unit none of whose gradients came is fed
+            zeros through ``grad_ready`` at the end of backward.  ``finish`` then runs as usual.
+        record_timeline: keep, per backward, when it started and ended and when each unit's
+            collective was launched and completed (``timeline``: DDP's timeline form).
 
     ``begin()`` starts a backward early (ZeRO-3 calls it before a unit's first gradient).
     """
@@ -214,13 +222,19 @@ class GradientReducer:
     def __init__(self, units: list[FlatUnit], world_size: int, launch, finish, *,
                  ordered: bool = True, max_in_flight: int | None = None,
                  flush_untouched=lambda slot: True, after_flush=None,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, hooks=None, hook_comm=None,
+                 record_timeline: bool = False):
         self.slots = [Slot(k, u) for k, u in enumerate(units)]
         self.world_size = world_size
         self.launch, self.finish = launch, finish
         self.ordered, self.max_in_flight = ordered, max_in_flight
         self.flush_untouched, self.after_flush = flush_untouched, after_flush
         self.dtype = dtype
+        self.hooks, self.hook_comm = hooks, hook_comm
+        self.record_timeline = record_timeline
+        self.timeline: list[dict] = []
+        self._step: dict = {}
+        self._arrived: dict = {}  # slot index -> the gradients handed to the hooks this backward
         self.in_backward = False
         self._next = 0
         for s in self.slots:
@@ -233,6 +247,8 @@ class GradientReducer:
             return
         self.in_backward = True
         self._next = 0
+        self._step = dict(backward_start=time.perf_counter(), buckets=[])
+        self._arrived = {s.index: set() for s in self.slots}
         for s in self.slots:
             s.ready.clear()
             s.work, s.launched_at, s.out = None, None, None
@@ -242,12 +258,19 @@ class GradientReducer:
         p0 = s.unit.params[0]
         s.buffer = torch.zeros(s.unit.total, dtype=self.dtype or p0.dtype, device=p0.device)
         s.views = s.unit.views(s.buffer)
+        if self.hooks is not None:
+            s.grad_shard = torch.empty(s.unit.shard_size, dtype=s.buffer.dtype, device=p0.device)
 
     @torch.no_grad()
     def _grad_ready(self, s: Slot, i: int, p: torch.Tensor) -> None:
         self.begin()
         if s.buffer is None:
             self._allocate(s)
+        if self.hooks is not None:
+            self._arrived[s.index].add(i)
+            self.hooks[0](s, i, p.grad, self.hook_comm(s))
+            p.grad = None
+            return
         full = copy_into_bucket(s, i, p.grad, self.world_size)
         p.grad = None
         if full:
@@ -274,14 +297,51 @@ class GradientReducer:
 
     def _finish(self, s: Slot) -> None:
         s.work.wait()
+        self._note(s)
         self.finish(s)
         s.work, s.out = None, None
         s.ready.clear()
-        s.buffer, s.views = None, []
+        s.buffer, s.views, s.grad_shard = None, [], None
+
+    def _note(self, s: Slot) -> None:
+        """The timeline's bar of slot ``s`` (its collective done): launched, completed."""
+        if self.record_timeline and s.launched_at is not None:
+            end = getattr(s.work, "end", None) or time.perf_counter()
+            self._step["buckets"].append(dict(index=s.index, bytes=s.unit.nbytes,
+                                              start=s.launched_at, end=end))
 
     @torch.no_grad()
     def _end_backward(self) -> None:
         self.in_backward = False
+        self._step["backward_end"] = time.perf_counter()
+        if self.hooks is not None:
+            self._end_with_hooks()
+        else:
+            self._end_launching()
+        if self.record_timeline:
+            self.timeline.append(self._step)
+        if self.after_flush is not None:
+            self.after_flush()
+
+    def _end_with_hooks(self) -> None:
+        """The hooks' end of backward: units left unfilled are fed zeros, ``end_of_backward`` waits,
+        then each unit is finished."""
+        for s in self.slots:
+            if s.buffer is None:
+                self._allocate(s)
+            for i, p in enumerate(s.unit.params):
+                if i not in self._arrived.setdefault(s.index, set()):
+                    self._arrived[s.index].add(i)
+                    self.hooks[0](s, i, torch.zeros_like(p, dtype=s.buffer.dtype),
+                                  self.hook_comm(s))
+        self.hooks[1](self.slots)
+        for s in self.slots:
+            if s.work is None:
+                raise RuntimeError(f"bucket {s.index}'s collective was never launched (bucket.work "
+                                   "is None at the end of backward)")
+            self._finish(s)
+
+    def _end_launching(self) -> None:
         if self.ordered:
             self._launch_ready()
         for s in self.slots[self._next if self.ordered else 0:]:
@@ -290,5 +350,3 @@ class GradientReducer:
         for s in self.slots:
             if s.work is not None:
                 self._finish(s)
-        if self.after_flush is not None:
-            self.after_flush()

@@ -205,10 +205,15 @@ class Seams:
 
     ring_all_reduce: typing.Callable | None = None         # (tensor, comm) -> tensor: lesson 01
     sync_gradients: typing.Callable | None = None          # (model, comm): lesson 02, naive DP
+    mean_loss: typing.Callable | None = None               # (loss) -> the mean over the ranks,
+    #                                                         every rank: lesson 01b's lab fix
     bucket_hooks: tuple | None = None                      # DDP's (grad_ready, end_of_backward): 02
     topk_error_feedback: typing.Callable | None = None     # lesson 03
     zero1_step: typing.Callable | None = None              # (flat_params, flat_grads (this rank's
     #                                                         own), shard, optimizer, comm): 04
+    zero2_hooks: tuple | None = None                       # ZeRO-2's (grad_ready,
+    #                                                         end_of_backward): each bucket
+    #                                                         reduce-scattered when full: 04
     zero3_hook: typing.Callable | None = None              # (unit, comm, moment): ZeRO-3's gather
     #                                                         before / free after a unit's compute,
     #                                                         reduce-scatter after backward: 04

@@ -17,7 +17,7 @@ from ..parallel.data_parallel import DistributedDataParallel, NaiveDataParallel,
 from .base import ConfigError, Lockstep, NoOptions, Options, TrainConfig, option, positive, register
 from .single import Replica
 
-__all__ = ["Buckets", "Compression", "DDPOptions", "NaiveDDP", "DDP", "DataParallel",
+__all__ = ["Buckets", "Compression", "Timeline", "DDPOptions", "NaiveDDP", "DDP", "DataParallel",
            "check_batch_split", "check_compression"]
 
 
@@ -37,9 +37,14 @@ class Compression(Options):
 
 
 @dataclass(frozen=True)
-class DDPOptions(Buckets, Compression):
-    timeline: bool = option(False, "record each step's backward and bucket all-reduce times "
-                                   "(lesson 02)")
+class Timeline(Options):
+    timeline: bool = option(False, "record each step's backward and each bucket's collective, "
+                                   "launched and completed (lessons 02, 04)")
+
+
+@dataclass(frozen=True)
+class DDPOptions(Buckets, Compression, Timeline):
+    """ddp's: buckets, compression, the timeline."""
 
 
 def check_batch_split(cfg: TrainConfig, parts: int, what: str = "ranks") -> None:
@@ -95,6 +100,8 @@ class DataParallel(Lockstep):
 
     def train_step(self, x, y) -> float:
         loss = self.optimizer_step(self.wrapper, *self.local(x, y), self.after_backward)
+        if getattr(self.seams, "mean_loss", None) is not None:  # lesson 01b's fix, every rank
+            return float(self.seams.mean_loss(loss.detach().clone()))
         return mean_over_ranks(loss, self.comm)
 
 
@@ -103,7 +110,7 @@ class NaiveDDP(DataParallel):
     name = "ddp-naive"
     help = "data parallel: one all-reduce per gradient after backward"
     options = NoOptions
-    seams = ("sync_gradients", "mixed_precision_step", "recompute_block")
+    seams = ("sync_gradients", "mixed_precision_step", "recompute_block", "mean_loss")
 
     def wrap(self, model):
         return NaiveDataParallel(model, self.comm, sync=self.seams.sync_gradients)
@@ -119,7 +126,7 @@ class DDP(DataParallel):
             "(--bucket-mb, --compress)")
     options = DDPOptions
     seams = ("ring_all_reduce", "bucket_hooks", "topk_error_feedback", "mixed_precision_step",
-             "recompute_block")
+             "recompute_block", "mean_loss")
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:

@@ -33,6 +33,8 @@ class PSOptions(Compression):
                                          "ahead (SSP; 0 = synchronous) (default: no bound)",
                                    check=_non_negative)
     delay_comp: float = option(0.0, "ps-async: DC-ASGD's lambda (0: off)", check=_non_negative)
+    staleness_lr: bool = option(False, "ps-async: divide a gradient's learning rate by its "
+                                       "staleness (staleness-aware async SGD)")
     slow_worker: str | None = option(None, "WORKER:SECONDS[,...] sleep added to those workers' "
                                            "steps (default: none)", metavar="W:S")
     crash_worker: str | None = option(None, "WORKER:STEP: that worker exits at that step (fault "
@@ -88,9 +90,13 @@ class _ParameterServerStrategy(FreeRunning):
                               f"{o.servers} of --world-size {cfg.world_size} leaves {workers} "
                               f"workers; use --world-size {o.servers + 1} or fewer --servers")
         check_batch_split(cfg, workers, "workers")
-        if cls.mode == "sync" and (o.staleness is not None or o.delay_comp):
-            raise ConfigError("--staleness and --delay-comp apply to ps-async; use "
+        if cls.mode == "sync" and (o.staleness is not None or o.delay_comp or o.staleness_lr):
+            raise ConfigError("--staleness, --delay-comp and --staleness-lr apply to ps-async; use "
                               "--strategy ps-async (--staleness 0 behaves as ps-sync)")
+        if o.staleness_lr and o.staleness is not None:
+            raise ConfigError("--staleness-lr scales each gradient applied on arrival; with "
+                              "--staleness (SSP) a clock's gradients are averaged in one step: "
+                              "leave out one of the two")
         for w in parse_slow_workers(o.slow_worker):
             if not 0 <= w < workers:
                 raise ConfigError(f"--slow-worker {w}: workers are numbered 0..{workers - 1}")
@@ -112,7 +118,7 @@ class _ParameterServerStrategy(FreeRunning):
             mode = self.mode if o.staleness is None else "ssp"
             self.role = ParameterServer(comm, [params[k] for k in self.keys[comm.rank]],
                                         self.worker_ranks, cfg.lr, mode, o.staleness,
-                                        o.delay_comp, compressor)
+                                        o.delay_comp, compressor, o.staleness_lr)
             self.model, self.optimizer = nn.ParameterList(self.role.params), self.role.optimizer
         else:
             self.index = comm.rank - self.n_servers
@@ -194,5 +200,6 @@ class PSSync(_ParameterServerStrategy):
 @register
 class PSAsync(_ParameterServerStrategy):
     name = "ps-async"
-    help = "parameter server, asynchronous (--staleness s: bounded, SSP; --delay-comp: DC-ASGD)"
+    help = ("parameter server, asynchronous (--staleness s: bounded, SSP; --delay-comp: DC-ASGD; "
+            "--staleness-lr: the step divided by the staleness)")
     mode = "async"

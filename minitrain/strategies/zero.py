@@ -15,15 +15,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from ..analysis import hidden_fraction, overlap_fraction
 from ..memory import ActivationMeter, ledger, model_state_bytes
 from ..parallel.flat import FlatUnit
 from ..parallel.fsdp import FullyShardedDataParallel
 from ..parallel.zero import HostOffload, ZeroRedundancyOptimizer, shard_optimizer
 from .base import Checkpointer, ConfigError, Options, TrainConfig, option, register
-from .data_parallel import Buckets, DataParallel, check_batch_split
+from .data_parallel import Buckets, DataParallel, Timeline, check_batch_split
 from .portable import shard_optimizer_state, unshard_optimizer
 
-__all__ = ["Offload", "ZeroOptions", "Zero2Options", "Zero1", "Zero2", "Zero3", "ZeroShards",
+__all__ = ["Offload", "ZeroOptions", "Zero2Options", "Zero3Options", "Zero1", "Zero2", "Zero3", "ZeroShards",
            "shard_state", "unshard_state"]
 
 
@@ -35,12 +36,17 @@ class Offload(Options):
 
 @dataclass(frozen=True)
 class ZeroOptions(Offload):
-    """zero1's and zero3's (a record of its own: zero2's, which adds bucket_mb, is not one)."""
+    """zero1's (a record of its own: zero2's, which adds bucket_mb, is not one)."""
 
 
 @dataclass(frozen=True)
-class Zero2Options(Buckets, Offload):
-    """zero2's: the gradient buckets too."""
+class Zero3Options(Offload, Timeline):
+    """zero3's: offload, and the timeline of each unit's gather, compute, free, reduce-scatter."""
+
+
+@dataclass(frozen=True)
+class Zero2Options(Buckets, Offload, Timeline):
+    """zero2's: the gradient buckets too, and their timeline."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -236,13 +242,26 @@ class Zero2(_ZeroStrategy):
     help = "ZeRO stage 2: gradients too, reduce-scattered in buckets during backward (--offload, --bucket-mb)"
     stage = 2
     options = Zero2Options
+    seams = ("zero2_hooks",)
 
     def shard(self, model):
         opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, self.comm,
                                       shard_gradients=True, offload=self.offload,
                                       bucket_cap_mb=self.cfg.options.bucket_mb,
-                                      master_weights=self.master_weights, lr=self.cfg.lr)
+                                      master_weights=self.master_weights, lr=self.cfg.lr,
+                                      bucket_hooks=self.seams.zero2_hooks,
+                                      record_timeline=self.cfg.options.timeline)
         return model, opt, opt
+
+    def report(self) -> dict:
+        """The stages' report, and with ``timeline`` each step's buckets and the share of their
+        reduce-scatter time hidden behind backward (``overlap``), as ddp's."""
+        out = super().report()
+        out["bucket_bytes"] = [u.nbytes for u in self.optimizer.layouts()]
+        if self.cfg.options.timeline:
+            out["timeline"] = self.optimizer.timeline
+            out["overlap"] = [overlap_fraction(s) for s in self.optimizer.timeline]
+        return out
 
 
 @register
@@ -250,17 +269,38 @@ class Zero3(_ZeroStrategy):
     name = "zero3"
     help = "ZeRO stage 3 (FSDP): parameters too, gathered per block for forward and backward (--offload)"
     stage = 3
+    options = Zero3Options
     seams = ("zero3_hook",)
     recomputes = False  # recomputation would re-enter the gather hooks; not supported yet
 
     def shard(self, model):
-        fsdp = FullyShardedDataParallel(model, self.comm, hook=self.seams.zero3_hook)
+        self.steps_timeline: list[list[dict]] = []
+        fsdp = FullyShardedDataParallel(model, self.comm, hook=self.seams.zero3_hook,
+                                        record_timeline=self.cfg.options.timeline)
         opt = shard_optimizer(fsdp.sharded_parameters(), torch.optim.Adam,
                               fsdp.master_shards(self.master_weights), self.offload, lr=self.cfg.lr)
         return fsdp, opt, _Zero3Memory(fsdp, opt if self.offload else None)
 
     def shards(self):
         return [(u.layout, u.shard) for u in self.wrapper.units if u.shard is not None]
+
+    def train_step(self, x, y) -> float:
+        """The step; with ``timeline``, its gather/compute/free/reduce-scatter events kept apart."""
+        mark = len(self.wrapper.timeline) if self.wrapper.timeline is not None else 0
+        loss = super().train_step(x, y)
+        if self.wrapper.timeline is not None:
+            self.steps_timeline.append(self.wrapper.timeline[mark:])
+            del self.wrapper.timeline[:]
+        return loss
+
+    def report(self) -> dict:
+        """The stages' report; with ``timeline`` each step's unit events and the share of the
+        all-gather time hidden behind compute (``hidden``: :func:`~minitrain.analysis.hidden_fraction`)."""
+        out = super().report()
+        if self.cfg.options.timeline:
+            out["timeline"] = self.steps_timeline
+            out["hidden"] = [hidden_fraction(t) for t in self.steps_timeline]
+        return out
 
     def shard_optimizer(self):
         return self.optimizer

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from .launch import Cluster, LaunchError, RankError, init_from_env, launched_by_torchrun
 from .model import PRESETS
 from .strategies import ConfigError, TrainConfig, get_strategy, strategy_names
-from .strategies.base import flag, option_fields
+from .strategies.base import closest, did_you_mean, flag, option_fields
 from .train import add_projection, check_config, check_projection_config, run_rank
 
 __all__ = ["main", "build_parser", "config_from_args"]
@@ -45,8 +45,10 @@ def _add_field(group, name: str, hint, default, meta: dict, *, suppress: bool = 
                used_by: str = "") -> None:
     """One flag for one dataclass field: its help, its type, its default shown."""
     kind = _arg_type(hint)
-    shown = f" (default: {meta.get('shown') or ('none' if default is None else default)})"
-    help = meta.get("help", "") + (f" [{used_by}]" if used_by else "") + shown
+    text = meta.get("help", "")
+    shown = "" if "(default" in text else \
+        f" (default: {meta.get('shown') or ('none' if default is None else default)})"
+    help = text + shown + (f" [{used_by}]" if used_by else "")
     kw = dict(help=help.replace("%", "%%"), dest=name)
     if suppress:
         kw["default"] = argparse.SUPPRESS
@@ -80,9 +82,37 @@ def _strategy_options() -> dict:
     return out
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a "did you mean" for a mistyped choice (a sub-command, --model, --schedule...)
+    and for a mistyped flag (:meth:`refuse_unknown`)."""
+
+    def _check_value(self, action, value):
+        choices = action.choices
+        if choices is not None and value not in choices:
+            names = [str(c) for c in choices]
+            raise argparse.ArgumentError(
+                action, f"invalid choice: {value!r}{did_you_mean(value, names)}; choose from "
+                        f"{', '.join(names)}")
+        return super()._check_value(action, value)
+
+    def refuse_unknown(self, extras: list[str], command: str | None = None) -> None:
+        """Exit naming the arguments no flag took, and the flag each mistyped one most likely meant."""
+        parser = self.commands.get(command, self)
+        flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+        hints = []
+        for arg in extras:
+            name = arg.split("=", 1)[0]
+            if name.startswith("-") and (close := closest(name, flags)):
+                hints.append(f"{name}: did you mean {close}?")
+        where = f"minitrain {command}" if command else "minitrain"
+        parser.error(f"unrecognized arguments: {' '.join(extras)}"
+                     + "".join(f"; {h}" for h in hints) + f" (see '{where} --help')")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="minitrain", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="minitrain", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    parser.commands = sub.choices  # name -> its parser
     t = sub.add_parser("train", help="train the tiny GPT with a strategy",
                        description="Train the tiny GPT with one strategy; see 'minitrain strategies'.")
     groups = {None: t, "checkpoints": t.add_argument_group("checkpoints (lesson 08)")}
@@ -300,7 +330,9 @@ def main(argv: list[str] | None = None) -> int:
         from .grade import main as grade
         return grade(argv[1:])
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        parser.refuse_unknown(extras, args.command)
     if args.command == "clusters":
         from .clusters import describe
         rows = describe()

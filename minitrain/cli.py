@@ -265,12 +265,27 @@ def format_summary(result: dict) -> str:
     if s.get("projection"):
         from .projection import format_projection
         lines.append(format_projection(s["projection"]))
+    offloaded = any(v for mem in s["memory"] for v in (mem.get("host") or {}).values())
+    if offloaded:
+        lines.append("offload (ZeRO-Offload): the optimizer states, fp32 master weights and the "
+                     "optimizer step are in host memory; per rank, the device's bytes, then the host's")
     for rank, (comm, mem) in enumerate(zip(s["comm"], s["memory"])):
         b = mem["bytes"]
         sent = comm.get("total", {}).get("sent_bytes", 0)
-        lines.append(f"rank {rank}: params {_kb(b['parameters'])}, grads {_kb(b['gradients'])}, "
+        host = mem.get("host") or {}
+        if offloaded and host:
+            d = {**b, **(mem.get("device") or {})}
+            where = (f"device: params {_kb(d['parameters'])}, grads {_kb(d['gradients'])}, "
+                     f"optimizer {_kb(d['optimizer_states'])}, activations peak "
+                     f"{_kb(d['activations_peak'])}; host: "
+                     + (f"params {_kb(host['parameters'])}, " if host.get("parameters") else "")
+                     + f"grads {_kb(host.get('gradients', 0))}, optimizer "
+                     f"{_kb(host.get('optimizer_states', 0))}")
+        else:
+            where = (f"params {_kb(b['parameters'])}, grads {_kb(b['gradients'])}, "
                      f"optimizer {_kb(b['optimizer_states'])}, activations peak "
-                     f"{_kb(b['activations_peak'])}; sent {_kb(sent)} in "
+                     f"{_kb(b['activations_peak'])}")
+        lines.append(f"rank {rank}: {where}; sent {_kb(sent)} in "
                      f"{comm.get('total', {}).get('calls', 0)} calls")
     return "\n".join(lines)
 

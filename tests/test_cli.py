@@ -70,6 +70,19 @@ def test_readable_output_without_json():
     assert "3/3" in out.stderr  # the progress bar
 
 
+def test_the_readable_summary_says_what_offload_put_on_the_host():
+    out = run_cli("train", "--strategy", "zero1", "--world-size", "2", "--offload", "--steps", "2",
+                  "--model", "nano")
+    assert out.returncode == 0, out.stderr
+    assert "optimizer step are in host memory" in out.stdout
+    rank0 = next(line for line in out.stdout.splitlines() if line.startswith("rank 0:"))
+    device, host = rank0.split("; host: ")
+    assert "optimizer 0.0 KiB" in device and "optimizer 0.0 KiB" not in host, rank0
+    plain = run_cli("train", "--strategy", "zero1", "--world-size", "2", "--steps", "2",
+                    "--model", "nano")
+    assert "host" not in plain.stdout
+
+
 @pytest.mark.parametrize("args, message", [
     (["--strategy", "nope"], "unknown strategy 'nope'; choose one of: " + ", ".join(sorted(strategy_names()))),
     (["--world-size", "2"], "strategy 'single' runs on one rank"),

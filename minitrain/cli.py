@@ -199,8 +199,8 @@ class _Reporter:
             from tqdm.auto import tqdm
             self.bar = tqdm(total=self.steps, initial=step, desc="train", unit="step",
                             file=sys.stderr)
+        self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)  # drawn once, by update, with its step
         self.bar.update(1)
-        self.bar.set_postfix(loss=f"{loss:.4f}")
         if step + 1 == self.steps:
             self.bar.close()
 

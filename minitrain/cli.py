@@ -110,7 +110,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="minitrain", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="minitrain", description="Train the tiny GPT with any strategy on N ranks "
+                     "('minitrain train --help'), list the strategies and the clusters a run can be "
+                     "projected on, grade a class's notebooks, consolidate a checkpoint.")
     sub = parser.add_subparsers(dest="command", required=True)
     parser.commands = sub.choices  # name -> its parser
     t = sub.add_parser("train", help="train the tiny GPT with a strategy",
@@ -340,6 +342,15 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `minitrain strategies | head`: the reader left, nothing is wrong
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes stdout at exit
+        return 0
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["grade"]:
         from .grade import main as grade

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from .launch import Cluster, LaunchError, RankError, init_from_env, launched_by_torchrun
 from .model import PRESETS
 from .strategies import ConfigError, TrainConfig, get_strategy, strategy_names
-from .strategies.base import flag, option_fields
+from .strategies.base import closest, did_you_mean, flag, option_fields
 from .train import add_projection, check_config, check_projection_config, run_rank
 
 __all__ = ["main", "build_parser", "config_from_args"]
@@ -45,8 +45,10 @@ def _add_field(group, name: str, hint, default, meta: dict, *, suppress: bool = 
                used_by: str = "") -> None:
     """One flag for one dataclass field: its help, its type, its default shown."""
     kind = _arg_type(hint)
-    shown = f" (default: {meta.get('shown') or ('none' if default is None else default)})"
-    help = meta.get("help", "") + (f" [{used_by}]" if used_by else "") + shown
+    text = meta.get("help", "")
+    shown = "" if "(default" in text else \
+        f" (default: {meta.get('shown') or ('none' if default is None else default)})"
+    help = text + shown + (f" [{used_by}]" if used_by else "")
     kw = dict(help=help.replace("%", "%%"), dest=name)
     if suppress:
         kw["default"] = argparse.SUPPRESS
@@ -80,9 +82,39 @@ def _strategy_options() -> dict:
     return out
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a "did you mean" for a mistyped choice (a sub-command, --model, --schedule...)
+    and for a mistyped flag (:meth:`refuse_unknown`)."""
+
+    def _check_value(self, action, value):
+        choices = action.choices
+        if choices is not None and value not in choices:
+            names = [str(c) for c in choices]
+            raise argparse.ArgumentError(
+                action, f"invalid choice: {value!r}{did_you_mean(value, names)}; choose from "
+                        f"{', '.join(names)}")
+        return super()._check_value(action, value)
+
+    def refuse_unknown(self, extras: list[str], command: str | None = None) -> None:
+        """Exit naming the arguments no flag took, and the flag each mistyped one most likely meant."""
+        parser = self.commands.get(command, self)
+        flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+        hints = []
+        for arg in extras:
+            name = arg.split("=", 1)[0]
+            if name.startswith("-") and (close := closest(name, flags)):
+                hints.append(f"{name}: did you mean {close}?")
+        where = f"minitrain {command}" if command else "minitrain"
+        parser.error(f"unrecognized arguments: {' '.join(extras)}"
+                     + "".join(f"; {h}" for h in hints) + f" (see '{where} --help')")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="minitrain", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="minitrain", description="Train the tiny GPT with any strategy on N ranks "
+                     "('minitrain train --help'), list the strategies and the clusters a run can be "
+                     "projected on, grade a class's notebooks, consolidate a checkpoint.")
     sub = parser.add_subparsers(dest="command", required=True)
+    parser.commands = sub.choices  # name -> its parser
     t = sub.add_parser("train", help="train the tiny GPT with a strategy",
                        description="Train the tiny GPT with one strategy; see 'minitrain strategies'.")
     groups = {None: t, "checkpoints": t.add_argument_group("checkpoints (lesson 08)")}
@@ -169,8 +201,8 @@ class _Reporter:
             from tqdm.auto import tqdm
             self.bar = tqdm(total=self.steps, initial=step, desc="train", unit="step",
                             file=sys.stderr)
+        self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)  # drawn once, by update, with its step
         self.bar.update(1)
-        self.bar.set_postfix(loss=f"{loss:.4f}")
         if step + 1 == self.steps:
             self.bar.close()
 
@@ -235,12 +267,27 @@ def format_summary(result: dict) -> str:
     if s.get("projection"):
         from .projection import format_projection
         lines.append(format_projection(s["projection"]))
+    offloaded = any(v for mem in s["memory"] for v in (mem.get("host") or {}).values())
+    if offloaded:
+        lines.append("offload (ZeRO-Offload): the optimizer states, fp32 master weights and the "
+                     "optimizer step are in host memory; per rank, the device's bytes, then the host's")
     for rank, (comm, mem) in enumerate(zip(s["comm"], s["memory"])):
         b = mem["bytes"]
         sent = comm.get("total", {}).get("sent_bytes", 0)
-        lines.append(f"rank {rank}: params {_kb(b['parameters'])}, grads {_kb(b['gradients'])}, "
+        host = mem.get("host") or {}
+        if offloaded and host:
+            d = {**b, **(mem.get("device") or {})}
+            where = (f"device: params {_kb(d['parameters'])}, grads {_kb(d['gradients'])}, "
+                     f"optimizer {_kb(d['optimizer_states'])}, activations peak "
+                     f"{_kb(d['activations_peak'])}; host: "
+                     + (f"params {_kb(host['parameters'])}, " if host.get("parameters") else "")
+                     + f"grads {_kb(host.get('gradients', 0))}, optimizer "
+                     f"{_kb(host.get('optimizer_states', 0))}")
+        else:
+            where = (f"params {_kb(b['parameters'])}, grads {_kb(b['gradients'])}, "
                      f"optimizer {_kb(b['optimizer_states'])}, activations peak "
-                     f"{_kb(b['activations_peak'])}; sent {_kb(sent)} in "
+                     f"{_kb(b['activations_peak'])}")
+        lines.append(f"rank {rank}: {where}; sent {_kb(sent)} in "
                      f"{comm.get('total', {}).get('calls', 0)} calls")
     return "\n".join(lines)
 
@@ -295,12 +342,23 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `minitrain strategies | head`: the reader left, nothing is wrong
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes stdout at exit
+        return 0
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["grade"]:
         from .grade import main as grade
         return grade(argv[1:])
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        parser.refuse_unknown(extras, args.command)
     if args.command == "clusters":
         from .clusters import describe
         rows = describe()

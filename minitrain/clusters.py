@@ -33,6 +33,7 @@ Where the numbers come from (never tuned to make a lesson look good):
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
@@ -255,7 +256,9 @@ def parse(spec: str) -> tuple[str, int | None]:
     m = _SPEC.match(str(spec).strip().lower())
     name, nodes = (m.group(1), m.group(2)) if m else (str(spec), None)
     if name not in PRESETS and name not in CALIBRATED:
-        raise ValueError(f"unknown cluster {spec!r}; choose one of: {', '.join(cluster_names())} "
+        close = difflib.get_close_matches(name, cluster_names(), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown cluster {spec!r}{hint}; choose one of: {', '.join(cluster_names())} "
                          "(a preset may take xN for N nodes, e.g. ib-h100x4)")
     if nodes is not None:
         if name in CALIBRATED:

@@ -26,6 +26,7 @@ from .launch import Cluster
 from .memory import rss_bytes
 from .strategies import (ConfigError, FreeRunning, Seams, Strategy, TrainConfig, check_strategy,
                          get_strategy)
+from .strategies.base import did_you_mean
 
 __all__ = ["run_rank", "train", "check_config", "fit", "Diverged", "add_projection",
            "check_projection_config"]
@@ -207,7 +208,10 @@ def train(cfg: TrainConfig | None = None, *, cluster: Cluster | None = None, on_
 def check_projection_config(cfg: TrainConfig, project: str | None, as_model=None) -> None:
     """Refuse, before any process starts, a projection that cannot be made (an unknown cluster or
     model size, a free-running strategy, a layout the bigger model cannot take)."""
-    from .projection import check_projection
+    from .projection import MODEL_SIZES, check_projection
+    if project is not None and isinstance(as_model, str) and as_model.lower() not in MODEL_SIZES:
+        raise ConfigError(f"unknown model size {as_model!r}{did_you_mean(as_model, MODEL_SIZES)}; "
+                          f"choose one of: {', '.join(MODEL_SIZES)}")
     try:
         check_projection(project, as_model, strategy=cfg.strategy, world_size=cfg.world_size,
                          options=_options_dict(cfg), model=cfg.model, batch_size=cfg.batch_size)

@@ -18,13 +18,16 @@ How an exercise works (lessons 00–09, and the debugging lab 01b in :mod:`.lab`
 * what protects a run from a learner's function (a ring that returns nothing, a collective into a
   freed buffer, an all-reduce never waited for) wraps the function before it goes into its seam
   (:mod:`.guards`): the techniques call every function in a seam alike;
-* ``pytest --nbval-lax`` compares that cell's output with the stored pass verdict: a blank or wrong
-  exercise fails there, a correct one passes.
+* ``pytest --nbval-lax`` compares that cell's output with the pass verdict: a blank or wrong
+  exercise fails there, a correct one passes.  The verdict is never stored in a notebook (a learner
+  would read the answer before running anything): the check cell stores only "not checked yet"
+  (:func:`.core.pending`), and minitrain's pytest plugin (:mod:`minitrain_nbval`, loaded by pytest
+  wherever minitrain is installed) gives nbval :func:`.core.verdict` as the expected output.
 
 One source of truth: the teacher's notebooks in ``solutions/`` hold the answers between
 ``# BEGIN SOLUTION`` and ``# END SOLUTION`` lines.  ``python -m minitrain.exercises build`` writes
 ``lessons/`` from them, replacing each answer by a placeholder, stripping outputs (no widget state,
-no images) and storing the pass verdict as the check cells' expected output.  ``--check`` only
+no images) and storing "not checked yet" as the check cells' output.  ``--check`` only
 verifies that ``lessons/`` is up to date (a test runs it).
 """
 
@@ -35,9 +38,9 @@ from .inside import (Row, Run, inside, predicted, rank_trouble, report, sent_per
                      your_minitrain)
 from .kept import keep, mine, mine_dir
 from .core import (BEGIN, CHECK_MARK, CHECKS, END, PLACEHOLDER, blank, check, exercise, problem,
-                   raised, ranks, release, verdict)
+                   pending, raised, ranks, release, verdict)
 
-__all__ = ["check", "problem", "verdict", "CHECKS", "build_exercise", "normalise", "main",
+__all__ = ["check", "problem", "verdict", "pending", "CHECKS", "build_exercise", "normalise", "main",
            "exercise", "ranks", "release", "blank", "raised", "PLACEHOLDER", "CHECK_MARK",
            "BEGIN", "END", "inside", "report", "Row", "Run", "keep", "mine", "mine_dir",
            "your_minitrain", "predicted", "rank_trouble", "sent_per_rank"]

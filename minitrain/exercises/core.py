@@ -100,8 +100,16 @@ def on_clusters(rank_fn, fn, sizes=(2, 3, 4), *args) -> str | None:
 
 
 def verdict(name: str) -> str:
-    """The fixed line a correct solution prints (stored as the check cell's expected output)."""
+    """The fixed line a correct solution prints.  Never stored in a notebook (it would tell the
+    learner the answer before they run anything): under nbval, :mod:`minitrain_nbval` makes it the
+    check cell's expected output."""
     return f"✓ {name}: correct — {CHECKS[name][1]}"
+
+
+def pending(name: str) -> str:
+    """The line a check cell shows before it is run (what ``lessons/`` stores): no verdict, no part
+    of the answer."""
+    return f"{name}: not checked yet (run this cell to check your answer)"
 
 
 def check(name: str, fn) -> None:

@@ -10,6 +10,7 @@ times, beside the formulas the lesson derives.  ``report(name)`` shows it.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from . import guards
@@ -369,7 +370,8 @@ class Prediction:
             return f" ({x / self.measured:.2f}× the measurement)" if self.measured else ""
         out = [f"{self.what}:"]
         if self.prediction is None:
-            out.append("  your prediction   (none: write it in the cell above, then run both again)")
+            out.append("  your prediction   (none yet: write your prediction first, in the cell "
+                       "above, then run both cells again)")
         else:
             out.append(f"  your prediction   {_fmt(self.prediction, self.unit):>14s}"
                        f"{ratio(self.prediction)}")
@@ -389,8 +391,12 @@ class Prediction:
 def predicted(what: str, prediction, formula: str, expected: float, measured: float,
               unit: str = "B", gap: str = "") -> Prediction:
     """Show a prediction cell's guess beside the formula and the measurement (``unit``: ``"B"``
-    bytes, ``"%"`` a fraction, ``"s"`` seconds, anything else is appended to the number)."""
-    if prediction is not None and not isinstance(prediction, (int, float)):
+    bytes, ``"%"`` a fraction, ``"s"`` seconds, anything else is appended to the number).  A blank
+    prediction (None, or the cell's ``...`` left in place) is shown as "write your prediction first"."""
+    if prediction is Ellipsis:
+        prediction = None
+    if prediction is not None and (isinstance(prediction, bool)
+                                   or not isinstance(prediction, numbers.Real)):
         raise TypeError(f"write your prediction as a number (got {type(prediction).__name__} "
                         f"{prediction!r})")
     return Prediction(what, None if prediction is None else float(prediction), formula,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import difflib
 import functools
 import importlib
 import math
@@ -43,11 +44,30 @@ from ..precision import PRECISIONS, DynamicLossScaler, MixedPrecisionOptimizer, 
 
 __all__ = ["ConfigError", "TrainConfig", "Options", "NoOptions", "Replicas", "option", "positive",
            "at_least", "Seams", "Strategy", "Lockstep", "FreeRunning", "Checkpointer", "register",
-           "get_strategy", "strategy_names", "check_common", "check_strategy", "option_fields"]
+           "get_strategy", "strategy_names", "check_common", "check_strategy", "option_fields",
+           "closest", "did_you_mean"]
 
 
 class ConfigError(ValueError):
     """A configuration that cannot run; raised before any process starts, with the fix in it."""
+
+
+def closest(given, choices) -> str | None:
+    """The choice a mistyped ``given`` most likely meant (``difflib``; else the same word in another
+    case, or the one choice it begins), or None."""
+    choices = [str(c) for c in choices]
+    close = difflib.get_close_matches(str(given), choices, n=1, cutoff=0.6)
+    if not close:  # "ZERO3", "pipe"
+        low = str(given).lower()
+        close = [c for c in choices if c.lower() == low] or \
+                ([c for c in choices if c.lower().startswith(low)] if len(low) >= 2 else [])
+    return close[0] if close else None
+
+
+def did_you_mean(given, choices) -> str:
+    """``" (did you mean 'zero3'?)"`` for a mistyped ``given``, else ``""``."""
+    close = closest(given, choices)
+    return f" (did you mean {close!r}?)" if close else ""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -102,7 +122,7 @@ class Options:
             choices = f.metadata.get("choices")
             if choices is not None and value is not None and value not in choices:
                 raise ConfigError(f"{flag(f.name)} must be one of {', '.join(map(str, choices))}, "
-                                  f"got {value!r}")
+                                  f"got {value!r}{did_you_mean(value, choices)}")
             check = f.metadata.get("check")
             problem = check(value) if check is not None else None
             if problem:
@@ -167,7 +187,8 @@ class TrainConfig:
     timeout: float = _cli("seconds a collective may wait before the run fails", 120.0)
     options: typing.Any = field(default_factory=dict)
     precision: str = _cli("fp32, bf16-mixed or fp16-mixed: 16-bit weights and gradients, fp32 master "
-                          "weights and Adam states (lesson 07)", "fp32")
+                          "weights and Adam states (lesson 07)", "fp32", choices=tuple(PRECISIONS),
+                          metavar="PRECISION")
     checkpoint_activations: bool = _cli("recompute each transformer block's activations in "
                                         "backward (lesson 07)", False)
     loss_scale: float | None = _cli("initial dynamic loss scale (default: 65536 with fp16-mixed, "
@@ -280,7 +301,8 @@ def get_strategy(name: str) -> type["Strategy"]:
     """The class registered as ``name``; a :class:`ConfigError` listing the choices otherwise."""
     cls = _find(name)
     if cls is None:
-        raise ConfigError(f"unknown strategy {name!r}; choose one of: {', '.join(strategy_names())}")
+        raise ConfigError(f"unknown strategy {name!r}{did_you_mean(name, strategy_names())}; "
+                          f"choose one of: {', '.join(strategy_names())}")
     return cls
 
 
@@ -324,7 +346,8 @@ def check_strategy(cfg: TrainConfig, seams=None) -> type["Strategy"]:
 
 def _check_precision(cls: type["Strategy"], cfg: TrainConfig) -> None:
     if cfg.precision not in PRECISIONS:
-        raise ConfigError(f"unknown --precision {cfg.precision!r}; choose one of: "
+        raise ConfigError(f"unknown --precision {cfg.precision!r}"
+                          f"{did_you_mean(cfg.precision, PRECISIONS)}; choose one of: "
                           f"{', '.join(PRECISIONS)}")
     if cfg.precision not in cls.precisions:
         able = [n for n in strategy_names() if cfg.precision in _REGISTRY[n].precisions]

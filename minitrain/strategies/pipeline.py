@@ -30,7 +30,8 @@ __all__ = ["ScheduleOptions", "PipelineOptions", "Pipeline", "Stages", "schedule
 class ScheduleOptions(Options):
     """How a pipeline runs its micro-batches (strategies pipeline and 3d)."""
 
-    schedule: str = option("1f1b", f"pipeline schedule: {', '.join(SCHEDULES)}")
+    schedule: str = option("1f1b", f"pipeline schedule: {', '.join(SCHEDULES)}",
+                           choices=tuple(SCHEDULES), metavar="SCHEDULE")
     microbatches: int | None = option(None, "micro-batches per (replica's) batch (default: the "
                                       "pipeline stages; naive: 1)", check=at_least(1))
     chunks: int | None = option(None, "model chunks per rank, for interleaved (default: 2 for "

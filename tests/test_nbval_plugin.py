@@ -75,4 +75,4 @@ def test_the_teachers_command_fails_a_blank_check_and_passes_a_solved_one(tmp_pa
             assert check is not None, f"{name}: its check cell passed"
             assert "✗ zero_bytes_per_device: " in check, (name, check)  # the checker's reason
     assert "not written yet" in cases["00_blank::Cell 1"]
-    assert "16Ψ/N at every stage" in cases["00_wrong::Cell 1"]
+    assert "the same 1,875,000,000 bytes at every stage" in cases["00_wrong::Cell 1"]

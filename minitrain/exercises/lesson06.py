@@ -32,6 +32,35 @@ def _close(a, b) -> bool:
         a, b, rtol=1e-5, atol=1e-5)
 
 
+#: what each gradient of a column-parallel layer is, in words
+_GRADIENT_OF = {"weight": "dL/dA_r = dL/dY_rᵀ·X, summed over every token",
+                "bias": "dL/db_r = dL/dY_r summed over every token (no communication: b_r is "
+                        "this rank's own)"}
+
+
+def _gradient_differs(name: str, got, ref, n: int, rows: slice) -> str:
+    """What was observed of a wrong weight or bias gradient, beside what it should be."""
+    want = f"rows {rows.start}:{rows.stop} of the full layer's {name} gradient"
+    if got is None:
+        return f"backward returned no {name} gradient (None) where {want} is due: {_GRADIENT_OF[name]}"
+    if tuple(got.shape) != tuple(ref.shape):
+        return (f"the {name} gradient has shape {tuple(got.shape)}, expected {tuple(ref.shape)} "
+                f"({want}): {_GRADIENT_OF[name]}")
+    scale = (got * ref).sum() / (ref * ref).sum() if ref.abs().sum() > 0 else torch.tensor(0.0)
+    if torch.allclose(got, scale * ref, rtol=1e-4, atol=1e-5) and abs(scale.item() - 1) > 1e-3:
+        k = scale.item()
+        times = (f"1/{round(1 / k)} of" if k > 0 and abs(1 / k - round(1 / k)) < 1e-3 and k < 1
+                 else f"{k:.3g}×")
+        why = (f" — divided by N = {n}, as if it were averaged over the ranks: each rank's "
+               f"{name} is its own, nothing to average" if abs(k * n - 1) < 1e-3 else
+               f" — multiplied by N = {n}, as if summed over the ranks: each rank's {name} is its "
+               "own" if abs(k - n) < 1e-3 else "")
+        return f"the {name} gradient is {times} {want}{why}: {_GRADIENT_OF[name]}"
+    worst = (got - ref).abs().max().item()
+    return (f"the {name} gradient differs from {want} by up to {worst:.3g} (norm "
+            f"{got.norm().item():.3g} against {ref.norm().item():.3g}): {_GRADIENT_OF[name]}")
+
+
 def _column_parallel_rank(fn):
     """On each rank: the learner's column-parallel Function on this rank's output columns of a full
     nn.Linear, forward and backward, against the full layer."""
@@ -70,8 +99,7 @@ def _column_parallel_rank(fn):
     for name, got, ref in (("weight", weight.grad, full.weight.grad[rows]),
                            ("bias", bias.grad, full.bias.grad[rows])):
         if not _close(got, ref):
-            return (f"rank {r}: the {name} gradient differs from the full layer's rows "
-                    f"{r * _PER}:{(r + 1) * _PER} (dL/dA_r = dL/dY_rᵀ·X, summed over every token)")
+            return f"rank {r}: " + _gradient_differs(name, got, ref, n, rows)
     if mine.grad is None:
         return f"rank {r}: backward returned no gradient for x"
     own = upstream[..., rows] @ weight.detach()

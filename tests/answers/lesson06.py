@@ -56,6 +56,16 @@ class ColumnAveraged(ColumnParallel):  # the all-reduce's sum divided by N, as f
         return grad_x, _tokens(grad_out).T @ _tokens(x), _tokens(grad_out).sum(0), None
 
 
+class ColumnBiasAveraged(ColumnParallel):  # the bias gradient averaged over the ranks, as in DP
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out @ weight
+        ctx.comm.all_reduce(grad_x)
+        grad_bias = _tokens(grad_out).sum(0) / ctx.comm.size if ctx.has_bias else None
+        return grad_x, _tokens(grad_out).T @ _tokens(x), grad_bias, None
+
+
 class ColumnAllReduceForward(ColumnParallel):  # sums the ranks' (different) columns in forward
     @staticmethod
     def forward(ctx, x, weight, bias, comm):
@@ -154,6 +164,8 @@ ANSWERS = {
         (ColumnAveraged, "the mean of the ranks' parts"),
         (ColumnAllReduceForward, "forward communicated (all_reduce)"),
         (ColumnWeightGradOfOneSample, "the weight gradient differs"),
+        (ColumnBiasAveraged, "the bias gradient is 1/2 of rows 0:4 of the full layer's bias "
+                             "gradient — divided by N = 2"),
         (ColumnNone, "forward returned NoneType"),
         (ColumnBiasAlways, "with bias=None"),
     ]),

@@ -90,11 +90,15 @@ def on_clusters(rank_fn, fn, sizes=(2, 3, 4), *args) -> str | None:
     for n in sizes:
         try:
             problems = [p for p in ranks(n).run(rank_fn, fn, *args, timeout=60) if p]
-        except RankError as exc:
-            return f"with {n} ranks: {str(exc).splitlines()[0]}"
+        except RankError as exc:  # what each rank did, from the error's fields (not its text)
+            from .inside import rank_trouble
+            return rank_trouble(exc, fn, f"with {n} ranks")
         except TimeoutError:
             return f"with {n} ranks it did not finish within 60 s (a rank waiting for a message?)"
-        if problems:
+        if problems:  # a rank may have left the group mid-message: the next check starts afresh
+            stale = _RANKS.pop((n, 5), None)
+            if stale is not None:
+                stale.close()
             return f"with {n} ranks, {problems[0]}"
     return None
 

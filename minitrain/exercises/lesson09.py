@@ -5,6 +5,7 @@ seam (``context``'s ``online_softmax_merge``, ``expert``'s ``all_to_all_dispatch
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -14,13 +15,18 @@ from .inside import Row, inside
 _MODEL = dict(n_layer=1, n_head=2, d_model=16, seq_len=10)  # small: the check runs in seconds
 
 
-def _parts(causal: bool):
-    """Full attention of 6 queries over 8 keys (float64), and the two partial results over keys
-    0-3 and 4-7 (with the causal mask some rows see none of the second part: lse = -inf)."""
+def _parts(causal: bool, large: bool = False):
+    """Full attention of 6 queries over 8 keys, and the two partial results over keys 0-3 and 4-7
+    (with the causal mask some rows see none of the second part: lse = -inf).  float64; ``large``:
+    float32 with scores up to about 100 (lse ~ 100: exp(lse) overflows float32)."""
     from ..parallel.context import block_attention
 
     g = torch.Generator().manual_seed(9)
+    dtype = torch.float32 if large else torch.float64
     q, k, v = (torch.randn(2, t, 4, generator=g, dtype=torch.float64) for t in (6, 8, 8))
+    if large:
+        q = q * 50.0
+    q, k, v = (z.to(dtype) for z in (q, k, v))
     pos_q = torch.arange(6) if causal else torch.full((6,), 99)
     pos_k = torch.arange(8)
     q, k, v = (z.requires_grad_() for z in (q, k, v))
@@ -30,11 +36,40 @@ def _parts(causal: bool):
     return (q, k, v), full, a, b
 
 
+_CASES = [(False, False, "without a mask"),
+          (True, False, "with the causal mask (rows 0-3 see none of part b: lse_b = -inf)"),
+          (False, True, "in float32 with large scores (lse up to about {top:.0f})")]
+
+
+def _not_finite(case: str, out, lse, la, lb) -> str | None:
+    """Where the merge gave inf or NaN from finite parts: which rows, and what their lse were."""
+    bad = ~torch.isfinite(out).all(-1) | ~torch.isfinite(lse)
+    if not bad.any():
+        return None
+    what = "NaN" if (torch.isnan(out).any() or torch.isnan(lse).any()) else "inf"
+    rows = int(bad.sum())
+    masked = torch.isinf(la[bad]).any() or torch.isinf(lb[bad]).any()
+    if masked:
+        return (f"{case} the result has {what} in {rows} rows, the rows where one part's lse is "
+                "-inf (it saw none of that part's keys): exp(lse_x − lse) must give weight 0 there "
+                "(subtract the merged lse, which is finite, not the part's own)")
+    top = float(torch.maximum(la[bad], lb[bad]).max().detach())
+    if top > 80:
+        return (f"{case} the result has {what} in {rows} rows, where the parts' lse reach "
+                f"{top:.0f}: exp({top:.0f}) overflows {str(la.dtype).replace('torch.', '')} "
+                f"(its largest number is {torch.finfo(la.dtype).max:.1e}, about e^"
+                f"{math.log(torch.finfo(la.dtype).max):.1f}) — never exponentiate an lse itself: "
+                "exp(lse_x − lse) ≤ 1, and torch.logaddexp(lse_a, lse_b) for the merged lse")
+    return (f"{case} the result has {what} in {rows} rows whose parts are finite (lse between "
+            f"{float(torch.minimum(la[bad], lb[bad]).min().detach()):.3g} and {top:.3g}): out = "
+            "exp(lse_a − lse)·out_a + exp(lse_b − lse)·out_b with lse = logaddexp(lse_a, lse_b)")
+
+
 def _merge_alone(fn) -> str | None:
-    for causal in (False, True):
-        leaves, (want, want_lse), (oa, la), (ob, lb) = _parts(causal)
-        case = "with the causal mask (rows 0-3 see none of part b: lse_b = -inf)" if causal else \
-            "without a mask"
+    for causal, large, case in _CASES:
+        leaves, (want, want_lse), (oa, la), (ob, lb) = _parts(causal, large)
+        case = case.format(top=float(torch.maximum(la, lb).max().detach()))
+        tol = dict(rtol=1e-4, atol=1e-4) if large else dict(rtol=1e-7, atol=1e-9)
         try:
             got = fn(oa, la, ob, lb)
         except Exception as exc:  # noqa: BLE001 - the learner's code may raise anything
@@ -45,27 +80,35 @@ def _merge_alone(fn) -> str | None:
         if tuple(out.shape) != tuple(want.shape) or tuple(lse.shape) != tuple(want_lse.shape):
             return (f"returned shapes {tuple(out.shape)} and {tuple(lse.shape)}, expected "
                     f"{tuple(want.shape)} and {tuple(want_lse.shape)} (out_a's and lse_a's)")
-        if torch.isnan(out).any() or torch.isnan(lse).any():
-            return (f"{case} the result has NaN: where one part's lse is -inf, exp(lse_x - lse) must "
-                    "give weight 0 (subtract the merged lse, which is finite, not the part's own)")
-        if not torch.allclose(lse, want_lse, atol=1e-9):
-            if torch.allclose(lse, torch.maximum(la, lb), atol=1e-9):
+        bad = _not_finite(case, out, lse, la, lb)
+        if bad:
+            return bad
+        if not torch.allclose(lse.to(want_lse.dtype), want_lse, **tol):
+            if torch.allclose(lse.to(want_lse.dtype), torch.maximum(la, lb), **tol):
                 return ("lse is the max of lse_a and lse_b: the merged log-sum-exp is "
                         "log(exp(lse_a) + exp(lse_b)) — torch.logaddexp(lse_a, lse_b)")
             return (f"{case} lse differs from the log-sum-exp of all the scores: "
                     "lse = log(exp(lse_a) + exp(lse_b))")
-        if not torch.allclose(out, want, atol=1e-9):
-            if torch.allclose(out, oa + ob, atol=1e-9):
+        out = out.to(want.dtype)
+        if not torch.allclose(out, want, **tol):
+            if torch.allclose(out, oa + ob, **tol):
                 return ("out = out_a + out_b: each part is normalised over its own keys only; weight "
                         "each by its share of the total, exp(lse_a - lse) and exp(lse_b - lse)")
-            if torch.allclose(out, (oa + ob) / 2, atol=1e-9):
+            if torch.allclose(out, (oa + ob) / 2, **tol):
                 return ("out is the plain average of the parts: weight each by its share of the "
                         "softmax mass, exp(lse_x - lse), not 1/2")
             return (f"{case} out differs from attention over all 8 keys: out = exp(lse_a - lse)·out_a"
                     " + exp(lse_b - lse)·out_b")
+        if large:
+            continue  # the float64 cases check the gradient
         upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(3),
                                dtype=out.dtype)
-        grads = torch.autograd.grad((out * upstream).sum(), leaves, allow_unused=True)
+        try:
+            grads = torch.autograd.grad((out * upstream).sum(), leaves, allow_unused=True)
+        except RuntimeError as exc:
+            return (f"{case} the forward is right but backward fails ({str(exc).splitlines()[0]}): "
+                    "keep the merge differentiable (torch operations on the inputs, no .detach(), "
+                    ".item() or in-place changes of them)")
         wants = torch.autograd.grad((want * upstream).sum(), leaves)
         for name, g, w in zip("qkv", grads, wants):
             if g is None or not torch.allclose(g, w, atol=1e-8):
@@ -128,6 +171,9 @@ def _dispatch_rank(fn):
     try:
         got = fn(output, x.clone(), list(outs), list(ins), comm)
     except Exception as exc:  # noqa: BLE001
+        from ..worker import _is_timeout
+        if _is_timeout(exc):  # a message that never came: the launcher says who waited where
+            raise
         msg = raised(f"rank {r}: your dispatch", exc, fn)
         if "split" in str(exc) or "size" in str(exc).lower():
             msg += (" — split input by input_splits (rows you send to each rank) and output by "
@@ -144,7 +190,7 @@ def _dispatch_rank(fn):
             if not torch.equal(a, b):
                 if p == r:
                     return (f"rank {r}: its own rows are wrong: copy input's block for rank {r} into "
-                            "output's block for rank {r} (no message to yourself)")
+                            f"output's block for rank {r} (no message to yourself)")
                 if got[offsets[p]:offsets[p] + outs[p]].eq(-1).all():
                     return (f"rank {r}: nothing arrived in the rows from rank {p}: receive into the "
                             f"slice output[sum(output_splits[:{p}]) : … + output_splits[{p}]] itself "

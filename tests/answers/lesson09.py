@@ -11,6 +11,12 @@ def merge(out_a, lse_a, out_b, lse_b):
             + torch.exp(lse_b - lse).unsqueeze(-1) * out_b), lse
 
 
+def naive_exp_merge(out_a, lse_a, out_b, lse_b):  # exp(lse) itself: inf in float32 at lse ~ 100
+    sa, sb = torch.exp(lse_a), torch.exp(lse_b)
+    s = sa + sb
+    return (sa.unsqueeze(-1) * out_a + sb.unsqueeze(-1) * out_b) / s.unsqueeze(-1), torch.log(s)
+
+
 def no_rescale(out_a, lse_a, out_b, lse_b):
     return out_a + out_b, torch.logaddexp(lse_a, lse_b)
 
@@ -52,6 +58,29 @@ def the_library_call(output, input, output_splits, input_splits, comm):
     return output
 
 
+def blocking_sends(output, input, output_splits, input_splits, comm):  # every rank sends first
+    r = comm.rank
+    ins, outs = input.split(input_splits), output.split(output_splits)
+    for p in range(comm.size):
+        if p != r:
+            comm.send(ins[p].contiguous(), p)
+            comm.recv(outs[p], p)
+    outs[r].copy_(ins[r])
+    return output
+
+
+def own_block_forgotten(output, input, output_splits, input_splits, comm):
+    r, works = comm.rank, []
+    ins, outs = input.split(input_splits), output.split(output_splits)
+    for p in range(comm.size):
+        if p != r:
+            works.append(comm.isend(ins[p].contiguous(), p))
+            works.append(comm.irecv(outs[p], p))
+    for w in works:
+        w.wait()
+    return output  # its own rows never copied
+
+
 def returns_nothing(output, input, output_splits, input_splits, comm):
     dispatch(output, input, output_splits, input_splits, comm)
 
@@ -62,10 +91,14 @@ ANSWERS = {
         (lse_as_max, "logaddexp"),
         (exp_without_subtracting, "NaN"),
         (only_the_output, "(out, lse)"),
+        (naive_exp_merge, "overflows float32"),
     ]),
     "all_to_all_dispatch": Answers(dispatch, [
         (splits_swapped, "not the other way round"),
         (the_library_call, "not dist.all_to_all_single"),
         (returns_nothing, "return output"),
+        (blocking_sends, "your blocking_sends: comm.send(ins[p].contiguous(), p))"),
+        (own_block_forgotten, "its own rows are wrong: copy input's block for rank 0 into output's "
+                              "block for rank 0"),
     ]),
 }

@@ -4,6 +4,7 @@ loss-scale update — the first two checked alone, then inside the real strategy
 
 from __future__ import annotations
 
+import math
 import traceback
 
 import torch
@@ -391,9 +392,12 @@ def _check_recompute_block(fn) -> str | None:
 # --------------------------------------------------------------------------------------------------
 
 
-@exercise('loss_scale_update',
-          "halves on overflow and skips the step, doubles after a run of good steps")
-def _check_loss_scale_update(fn) -> str | None:
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) or (
+        torch.is_tensor(x) and x.numel() == 1)
+
+
+def _rule_alone(fn) -> str | None:
     """The learner's rule, step by step, against DynamicLossScaler on an overflow pattern."""
     from ..precision import DynamicLossScaler
 
@@ -402,21 +406,73 @@ def _check_loss_scale_update(fn) -> str | None:
     pattern = [True, True, False, False, False, False, True, False, False, False, False]
     for step, found_inf in enumerate(pattern):
         ref.update(found_inf)
+        call = f"step {step}: {getattr(fn, '__name__', 'your rule')}({scale:g}, {good}, {found_inf}, 3)"
         try:
             out = fn(scale, good, found_inf, 3)
         except Exception as exc:  # noqa: BLE001 - the learner's code may raise anything
-            return raised(f"step {step}: {fn.__name__}(...)", exc, fn)
+            return raised(call, exc, fn)
         if not isinstance(out, tuple) or len(out) != 3:
-            return "return a tuple (new_scale, new_good_steps, take_step)"
-        scale, good, take = out
+            got = f"a tuple of {len(out)}" if isinstance(out, tuple) else repr(out)[:60]
+            return f"{call} returned {got}: return a tuple (new_scale, new_good_steps, take_step)"
+        new_scale, new_good, take = out
+        if not _number(new_scale) or not _number(new_good):
+            return (f"{call} returned {out!r}: new_scale and new_good_steps must be numbers "
+                    "(take_step True or False)")
+        new_scale, new_good = float(new_scale), int(new_good)
         if bool(take) == found_inf:
-            return (f"step {step}: found_inf={found_inf} but take_step={take}: skip the optimizer "
+            return (f"{call}: found_inf={found_inf} but take_step={take}: skip the optimizer "
                     "step exactly when a gradient overflowed")
-        if scale != ref.scale:
-            return (f"step {step} (found_inf={found_inf}): scale {scale:g}, expected {ref.scale:g} "
+        if new_scale != ref.scale:
+            return (f"{call}: scale {new_scale:g}, expected {ref.scale:g} "
                     "(halve on overflow; double after growth_interval good steps in a row)")
-        if good != ref.good_steps:
-            return (f"step {step}: good_steps {good}, expected {ref.good_steps} (reset it to 0 on "
+        if new_good != ref.good_steps:
+            return (f"{call}: good_steps {new_good}, expected {ref.good_steps} (reset it to 0 on "
                     "overflow and whenever the scale grows)")
+        scale, good = new_scale, new_good
     return None
 
+
+#: the real fp16 run the rule drives: from a scale that overflows, growing every 3 good steps
+_FP16_START, _FP16_GROWTH, _FP16_STEPS = 2.0 ** 24, 3, 12
+
+
+def _fp16_cfg():
+    from ..model import GPTConfig
+    from ..strategies import TrainConfig
+    return TrainConfig(strategy="single", world_size=1, steps=_FP16_STEPS, batch_size=8,
+                       precision="fp16-mixed", loss_scale=_FP16_START,
+                       loss_scale_growth=_FP16_GROWTH, model=GPTConfig(**_MODEL))
+
+
+def _scales(summary: dict, cfg, package) -> list:
+    """The scale the run used at each step (and the steps skipped) beside the package's rule's."""
+    mine, ref = summary["loss_scaler"], package["loss_scaler"]
+    log2 = lambda h: "·".join(f"{math.log2(s):g}" for s, _ in h["history"])  # noqa: E731
+    return [Row("steps skipped (overflow)", mine["skipped_steps"], "the package's rule",
+                ref["skipped_steps"], unit=" steps"),
+            Row("scale at the end", mine["scale"], "the package's rule", ref["scale"], unit=""),
+            Row(f"scale per step, log2: {log2(mine)}", len(mine["history"]), unit=" steps")]
+
+
+@exercise('loss_scale_update',
+          "halves on overflow and skips the step, doubles after a run of good steps, and drives a "
+          "real fp16-mixed run (from 2^24, growing every 3 good steps) as the package's rule does")
+def _check_loss_scale_update(fn) -> str | None:
+    """Alone against DynamicLossScaler, then driving the loss scale of a real fp16-mixed run."""
+    found = _rule_alone(fn)
+    if found:
+        return found
+    cfg = _fp16_cfg()
+    found = inside("loss_scale_update", fn, cfg, reference="package", measure=_scales)
+    if found:
+        return found
+    run = RUNS["loss_scale_update"]
+    mine, ref = run.summary["loss_scaler"]["history"], run.package["loss_scaler"]["history"]
+    for step, ((s, skipped), (t, ref_skipped)) in enumerate(zip(mine, ref)):
+        if s != t or skipped != ref_skipped:
+            RUNS.pop("loss_scale_update")
+            return (f"inside strategy 'single' (fp16-mixed from 2^{math.log2(_FP16_START):g}, "
+                    f"growing every {_FP16_GROWTH} good steps) step {step} ran with scale {s:g}"
+                    f"{' and was skipped' if skipped else ''} where the package's rule gives "
+                    f"{t:g}{' (skipped)' if ref_skipped else ''}")
+    return None

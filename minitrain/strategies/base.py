@@ -218,6 +218,9 @@ class Seams:
     stage_step: typing.Callable | None = None              # a pipeline stage's send/recv step: 05
     column_parallel_linear: typing.Callable | None = None  # lesson 06
     row_parallel_linear: typing.Callable | None = None     # lesson 06
+    vocab_parallel_cross_entropy: typing.Callable | None = None  # autograd Function: apply(logits,
+    #                                                         target, vocab_start, vocab_size, comm)
+    #                                                         -> loss per position: lesson 06
     loss_scale_update: typing.Callable | None = None       # lesson 07
     mixed_precision_step: typing.Callable | None = None    # (params, masters, optimizer,
     #                                                         loss_scale) -> took_step: lesson 07

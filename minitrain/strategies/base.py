@@ -230,6 +230,8 @@ class Seams:
     online_softmax_merge: typing.Callable | None = None    # (out_a, lse_a, out_b, lse_b): lesson 09
     all_to_all_dispatch: typing.Callable | None = None     # (output, input, out_splits, in_splits,
     #                                                         comm): MoE token dispatch, lesson 09
+    moe_router: typing.Callable | None = None              # (logits (G, S, E), k, capacity) ->
+    #                                                         (experts, gates, keep, aux_loss): 09
 
     @classmethod
     def of(cls, seams) -> "Seams":

@@ -218,3 +218,147 @@ def _check_all_to_all_dispatch(fn) -> str | None:
     return (on_clusters(_dispatch_rank, fn, sizes=(2, 3))
             or inside("all_to_all_dispatch", fn, _tiny_cfg("expert", 2, moe=True),
                       measure=_all_to_all_bytes))
+
+
+# --------------------------------------------------------------------------------------------------
+# The MoE router: top-k, capacity per group, the load-balancing loss
+# --------------------------------------------------------------------------------------------------
+
+#: (groups G, tokens per group S, experts E, top k, capacity) the router is tried on alone
+_ROUTER_CASES = [(3, 8, 4, 2, 4), (2, 6, 3, 1, 2), (2, 5, 4, 2, None), (1, 12, 4, 2, 5)]
+
+
+def _router_logits(G: int, S: int, E: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(G, S, E, generator=g) * 1.5).requires_grad_()
+
+
+def _keep_differs(keep, want_keep, experts, capacity, k: int) -> str:
+    """Which assignments the learner's keep got wrong, in words: too many or too few in an
+    expert's queue, or the wrong ones kept."""
+    G, S, _ = experts.shape
+    for g in range(G):
+        for e in sorted(set(experts[g].flatten().tolist())):
+            mine = int((keep[g] & (experts[g] == e)).sum())
+            routed = int((experts[g] == e).sum())
+            due = routed if capacity is None else min(routed, capacity)
+            if mine > due:
+                return (f"group {g}: expert {e} kept {mine} of its {routed} assignments where its "
+                        f"capacity is {capacity}: an expert takes at most `capacity` assignments "
+                        "of each group")
+            if mine < due:
+                what = "capacity is None: keep every assignment" if capacity is None else (
+                    f"its capacity is {capacity}: keep as many as fit")
+                return (f"group {g}: expert {e} kept only {mine} of its {routed} assignments "
+                        f"where {what}")
+    for g in range(G):
+        wrong = (keep[g] != want_keep[g]).nonzero().tolist()
+        if wrong:
+            dropped = [(t, c) for t, c in wrong if not keep[g, t, c]]
+            kept = [(t, c) for t, c in wrong if keep[g, t, c]]
+            if dropped and kept:
+                (t, c), (u, d) = dropped[0], kept[0]
+                nth = ("first", "second", "third", "fourth")
+                order = lambda c: nth[c] if c < len(nth) else f"#{c + 1}"  # noqa: E731
+                return (f"group {g}: expert {int(experts[g, t, c])} dropped token {t}'s "
+                        f"{order(c)} choice and kept token {u}'s {order(d)} choice: an "
+                        "expert's queue takes every token's first choice, in token order, before "
+                        "any second choice (GShard), and keeps the first `capacity` of that queue")
+            return f"group {g}: keep differs at (token, choice) {wrong[0]}"
+    return "keep differs"
+
+
+def _router_alone(fn) -> str | None:
+    from ..model import moe_router
+
+    name = getattr(fn, "__name__", "your router")
+    for seed, (G, S, E, k, cap) in enumerate(_ROUTER_CASES):
+        call = f"{name}(logits {G}×{S}×{E}, k={k}, capacity={cap})"
+        logits, ref_logits = _router_logits(G, S, E, seed), _router_logits(G, S, E, seed)
+        want = moe_router(ref_logits, k, cap)
+        try:
+            got = fn(logits, k, cap)
+        except Exception as exc:  # noqa: BLE001 - the learner's code may raise anything
+            return raised(call, exc, fn)
+        if not isinstance(got, tuple) or len(got) != 4:
+            what = f"a tuple of {len(got)}" if isinstance(got, tuple) else type(got).__name__
+            return f"{call} returned {what}: return (experts, gates, keep, aux_loss)"
+        experts, gates, keep, aux = got
+        for label, t, shape in (("experts", experts, (G, S, k)), ("gates", gates, (G, S, k)),
+                                ("keep", keep, (G, S, k)), ("aux_loss", aux, ())):
+            if not torch.is_tensor(t):
+                return f"{call}: {label} is {type(t).__name__}, expected a tensor of shape {shape}"
+            if tuple(t.shape) != shape:
+                return f"{call}: {label} has shape {tuple(t.shape)}, expected {shape}"
+        if not torch.equal(experts.long(), want[0]):
+            g, t = (experts.long() != want[0]).any(-1).nonzero()[0].tolist()
+            probs = torch.softmax(ref_logits.detach()[g, t], -1)
+            return (f"{call}: group {g} token {t} went to experts {experts[g, t].tolist()}, its "
+                    f"top {k} are {want[0][g, t].tolist()} (probabilities "
+                    f"{[round(p, 3) for p in probs.tolist()]}): the k most probable, best first")
+        if not torch.allclose(gates.detach().float(), want[1].detach(), atol=1e-5):
+            sums = gates.detach().float().sum(-1)
+            if not torch.allclose(sums, torch.ones_like(sums), atol=1e-4):
+                g, t = (sums - 1).abs().argmax().item() // S, (sums - 1).abs().argmax().item() % S
+                return (f"{call}: the gates of group {g} token {t} sum to {sums[g, t].item():.4f}: "
+                        "they are the chosen experts' probabilities renormalised to sum to 1 over "
+                        "the token's k experts")
+            worst = (gates.detach().float() - want[1].detach()).abs().max().item()
+            return (f"{call}: the gates differ from the chosen experts' renormalised probabilities "
+                    f"by up to {worst:.3g}")
+        if keep.dtype != torch.bool:
+            return f"{call}: keep is {keep.dtype}, expected a bool tensor (True: the assignment fits)"
+        if not torch.equal(keep, want[2]):
+            return f"{call}: " + _keep_differs(keep, want[2], want[0], cap, k)
+        if not aux.requires_grad:
+            return (f"{call}: aux_loss carries no gradient to the logits: P_e, the mean router "
+                    "probability, comes from the softmax and must stay differentiable (only f_e, "
+                    "the fraction of assignments, is a count)")
+        if not torch.allclose(aux.detach().float(), want[3].detach(), rtol=1e-4, atol=1e-6):
+            probs = torch.softmax(ref_logits.detach().float(), -1)
+            chosen = torch.nn.functional.one_hot(want[0], E)
+            f_all = chosen.sum((0, 1, 2)).float() / (G * S * k)
+            pooled = E * (f_all * probs.mean((0, 1))).sum()
+            hint = (" — that is the loss over all groups pooled together: compute it per group, "
+                    "then average over the groups" if G > 1 and torch.allclose(
+                        aux.detach().float(), pooled, rtol=1e-4) else "")
+            return (f"{call}: aux_loss is {aux.item():.6f}, E·Σ_e f_e·P_e per group averaged over "
+                    f"the groups gives {want[3].item():.6f}{hint} (f_e: the fraction of the group's "
+                    "k·S assignments routed to e, before capacity; P_e: e's mean probability)")
+        g_mine = torch.autograd.grad(aux, logits, allow_unused=True)[0]
+        g_want = torch.autograd.grad(want[3], ref_logits)[0]
+        if g_mine is None or not torch.allclose(g_mine, g_want, rtol=1e-3, atol=1e-6):
+            return (f"{call}: aux_loss has the right value but not the right gradient: f_e is a "
+                    "count (no gradient), P_e the mean of the softmax probabilities (the gradient "
+                    "flows through it)")
+    return None
+
+
+def _routing_rows(summary: dict, cfg, package) -> list:
+    """Assignments dropped and the busiest expert against the mean, yours beside the package's."""
+    import statistics
+
+    def imbalance(rep):
+        return statistics.mean(max(layer) / (sum(layer) / len(layer))
+                               for step in rep["tokens_per_expert"] for layer in step)
+    mine, ref = summary["report"][0], package["report"][0]
+    return [Row("assignments dropped per step", round(sum(mine["dropped"]) / summary["steps"], 2),
+                "the package's router", round(sum(ref["dropped"]) / package["steps"], 2), unit=""),
+            Row("busiest expert / mean", round(imbalance(mine), 3), "the package's router",
+                round(imbalance(ref), 3), unit="×"),
+            Row("all-to-all bytes sent per step", mine["all_to_all_sent_bytes_per_step"],
+                "kept rows · d · 4", mine["all_to_all_bytes_routed"])]
+
+
+def _router_cfg():
+    cfg = _tiny_cfg("expert", 2, moe=True)
+    return cfg.with_(model=dataclasses.replace(cfg.model, capacity_factor=1.0))
+
+
+@exercise("moe_router",
+          "routes each token to its top-k experts with renormalised gates, keeps what fits each "
+          "expert's capacity per group (first choices first) and returns the load-balancing loss "
+          "with its gradient; strategy 'expert' with it (capacity 1.0, tokens dropped) equals one "
+          "process")
+def _check_moe_router(fn) -> str | None:
+    return _router_alone(fn) or inside("moe_router", fn, _router_cfg(), measure=_routing_rows)

@@ -288,7 +288,7 @@ class CEMeanNotPerPosition(VocabParallelCE):
 
 ANSWERS["vocab_parallel_cross_entropy"] = Answers(VocabParallelCE, [
     (CEGathersTheLogits, "forward made all_gather"),
-    (CEPaddingCounted, "the padding column(s)"),
+    (CEPaddingCounted, "padding column(s) (ids 13..13, holding a logit of 10000 here) included"),
     (CEWithoutTheMax, "overflows float32"),
     (CEOwnMax, "matches sums of exponentials each shifted by its own rank's max"),
     (CEGradientWithoutOneHot, "the target's column also gets −1"),

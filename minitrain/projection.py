@@ -339,12 +339,12 @@ class Instance:
 
 
 def _windows(marks: list) -> list[tuple]:
-    """[(step, start, end, {"optimizer": [(start, end), ...], "forward": [...]})] from a rank's
-    marks (the intervals of its optimizer steps and of its forwards)."""
-    out, start, open_, spans = [], None, {}, {"optimizer": [], "forward": []}
+    """[(step, start, end, {"optimizer": [(start, end), ...], "forward": [...], "backward": [...]})]
+    from a rank's marks (the intervals of its optimizer steps, forwards and backwards)."""
+    out, start, open_, spans = [], None, {}, {"optimizer": [], "forward": [], "backward": []}
     for t, kind, value in marks:
         if kind == "step":
-            start, spans = (value, t), {"optimizer": [], "forward": []}
+            start, spans = (value, t), {"optimizer": [], "forward": [], "backward": []}
         elif kind == "step_end" and start is not None:
             out.append((start[0], start[1], t, spans))
             start = None
@@ -671,7 +671,7 @@ def _step_programs(result: dict, step_index: int):
 
 def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | None = None,
             compute: str | None = None, degrees: dict | None = None, steps=None,
-            recompute: bool | None = None) -> dict:
+            recompute: bool | None = None, even: bool = False) -> dict:
     """Re-time ``result`` (from ``train(..., record_events=True)`` or ``project=``) on ``cluster``
     (a preset name, a :class:`~minitrain.clusters.ClusterSpec`; "local"/"binder" need the run's
     calibration) for ``model`` (None: the run's own; "1.3b", "7b"..., or a GPTConfig).
@@ -686,6 +686,11 @@ def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | No
     steps (default: all but the first); the median step is drawn.  ``recompute``: count one more
     forward of the blocks (activation checkpointing) where the run did not recompute (a strategy
     that cannot) — its FLOPs only: the recomputed forward's communication is not in the run's log.
+    ``even``: every forward (and every backward) a rank ran in the step does the same work — a
+    pipeline's equal micro-batches — so each gets the same share of its phase's FLOPs, not a share
+    in proportion to how long it happened to take here (:func:`_even`; for GPipe and 1F1B: a
+    ZB-H1 backward is two passes of different work, an interleaved rank's chunks differ by the
+    embedding or the head).
 
     Returns a dict: ``cluster``, ``model``, ``step_time_s`` (median over the steps), ``compute_s``,
     ``exposed_comm_s``, ``bubble_s``, ``idle_s`` (their mean over ranks: they add up to the step
@@ -735,6 +740,9 @@ def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | No
     replays = []
     built = [_step_programs(result, i) for i in chosen]
     _smooth([b[0] for b in built])
+    if even:
+        for i, (programs, _, _) in zip(chosen, built):
+            _even(result, i, programs)
     for programs, events, window in built:
         instances = {}
         for r, evs in events.items():
@@ -933,6 +941,38 @@ def _model_compute(programs, work, spec: ClusterSpec, precision, ranks_on_node, 
         return totals[rank][op.phase] * _weight(op) / m if m > 0 else 0.0
 
     return price
+
+
+def _even(result: dict, step_index: int, programs: dict) -> None:
+    """Give each forward (and each backward) interval of a rank's step the median weight of its
+    kind's intervals on that rank, split over the interval's compute spans as measured — equal
+    micro-batches do equal work, whatever this machine's noise made them take.  The backward's
+    FLOPs go to the backward intervals only: the bookkeeping between actions (Python here; on a
+    GPU it runs ahead of the kernels) takes none."""
+    def overlap(op, a, b):
+        return max(0.0, min(b, op.measured[1]) - max(a, op.measured[0]))
+
+    for r, prog in programs.items():
+        _, t0, _, spans = _windows(result["events"][r]["marks"])[step_index]
+        kinds = {kind: [(a - t0, b - t0) for a, b in spans.get(kind, [])]
+                 for kind in ("forward", "backward")}
+        phase = {"forward": "forward", "backward": "model"}
+        weights = {id(op): _weight(op) for op in prog if op.kind == "compute"}
+        for kind, intervals in kinds.items():
+            ops = [op for op in prog if op.kind == "compute" and op.phase == phase[kind]]
+            share = {}  # op -> [(interval, its weight inside the interval)]
+            for op in ops:
+                d = op.measured[1] - op.measured[0]
+                share[id(op)] = [(i, weights[id(op)] * overlap(op, a, b) / d) for i, (a, b)
+                                 in enumerate(intervals) if d > 0 and overlap(op, a, b) > 0]
+            totals = [sum(w for op in ops for j, w in share[id(op)] if j == i)
+                      for i in range(len(intervals))]
+            filled = [t for t in totals if t > 0]
+            if len(filled) < 2:
+                continue
+            typical = statistics.median(filled)
+            for op in ops:
+                op.weight = sum(typical * w / totals[i] for i, w in share[id(op)] if totals[i] > 0)
 
 
 def _weight(op: Op) -> float:

@@ -409,7 +409,10 @@ def _pipeline_rows(summary: dict, cfg, package) -> list:
     rows.append(Row("activation peak, rank 0 (ledger)",
                     summary["memory"][0]["bytes"]["activations_peak"],
                     f"{bound[0]} × one micro-batch's {one:,} B", bound[0] * one))
-    rows.append(Row("bubble (measured timeline)", rep["bubble_measured"], "(P−1)/(M+P−1)",
+    import os
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    crowded = f", {P} ranks on {cores} cores" if cores and P > cores else ""
+    rows.append(Row(f"bubble (measured timeline{crowded})", rep["bubble_measured"], "(P−1)/(M+P−1)",
                     rep["bubble_formula"], unit="%"))
     return rows
 

@@ -151,6 +151,7 @@ def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False, seams=N
         "loss_scaler": gathered[0]["loss_scaler"],
         "final_loss": losses[-1],
         "step_time_s": statistics.median(times),
+        "step_times_s": list(times),  # every step's, for a timing's spread
         "start_step": strategy.start_step,  # > 0 when resumed: losses are of steps start_step..
         "resumed_from": strategy.resumed_from,
         "resharded_from": strategy.resharded_from,  # "zero3 on 4 ranks"

@@ -371,12 +371,17 @@ def _activations(summary: dict, cfg, package) -> list:
     peak1 = summary["memory"][0]["bytes"]["activations_peak"]
     t0, t1 = plain["step_time_s"], summary["step_time_s"]
     block = _block_saves(cfg)
+
+    def spread(s):  # the steps after the first: (lowest, highest) in ms
+        times = (s.get("step_times_s") or [s["step_time_s"]])[1:] or [s["step_time_s"]]
+        return f"{min(times) * 1e3:.0f}–{max(times) * 1e3:.0f} ms over {len(times)} steps"
     return [Row("activation peak, no recomputation", peak0),
             Row("activation peak, your recomputation", peak1),
             Row("saved by recomputing", peak0 - peak1, f"L·(A_block − 4sbh), A_block {block:,} B",
                 m.n_layer * (block - 4 * sbh)),
-            Row("step time, your recomputation", t1, "4/3 × plain (one more forward)", 4 / 3 * t0,
-                "s")]
+            Row(f"step time, plain ({spread(plain)})", t0, unit="s"),
+            Row(f"step time, your recomputation ({spread(summary)})", t1,
+                "4/3 × plain (one more forward)", 4 / 3 * t0, "s")]
 
 
 @exercise("recompute_block",

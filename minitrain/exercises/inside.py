@@ -145,16 +145,27 @@ class Run:
                f"   (largest relative difference {worst:.1e})"]
         out += [row.line() for row in self.rows]
         mine, own = self.summary["step_time_s"], self.package["step_time_s"]
-        pace = ("about as fast as" if 0.8 <= mine / own <= 1.25 else
-                f"{mine / own:.1f}× the time of" if mine > own else f"{own / mine:.1f}× faster than")
-        out.append(f"  step time: yours {mine * 1e3:.1f} ms, the package's {own * 1e3:.1f} ms — "
-                   f"yours is {pace} the package's")
+        a, b = _timed(self.summary), _timed(self.package)
+        if max(a) < min(b) or max(b) < min(a):  # apart by more than the steps' spread
+            pace = (f"{mine / own:.1f}× the time of" if mine > own else
+                    f"{own / mine:.1f}× faster than") + " the package's, every step"
+        else:
+            pace = "no different from the package's beyond the steps' spread"
+        out.append(f"  step time: yours {mine * 1e3:.1f} ms ({min(a) * 1e3:.1f}–{max(a) * 1e3:.1f}), the "
+                   f"package's {own * 1e3:.1f} ms ({min(b) * 1e3:.1f}–{max(b) * 1e3:.1f}) over {len(a)} "
+                   f"steps — yours is {pace}")
         return out
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
 
     _repr_pretty_ = lambda self, p, cycle: p.text(str(self))  # noqa: E731
+
+
+def _timed(summary: dict) -> list:
+    """A run's step times after the first (all of them if there is one), for a timing's spread."""
+    times = summary.get("step_times_s") or [summary["step_time_s"]]
+    return times[1:] or times
 
 
 #: exercise name -> the last Run of a passing check (what :func:`report` shows)

@@ -28,8 +28,8 @@ def _full_layer(n: int, in_features: int, out_features: int):
 
 
 def _close(a, b) -> bool:
-    return a is not None and tuple(a.shape) == tuple(b.shape) and torch.allclose(
-        a, b, rtol=1e-5, atol=1e-5)
+    return (torch.is_tensor(a) and tuple(a.shape) == tuple(b.shape) and a.is_floating_point()
+            and torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-5))
 
 
 #: what each gradient of a column-parallel layer is, in words
@@ -375,6 +375,10 @@ def _vocab_ce_rank(fn):
         if numbers > 3:
             return (f"forward all-reduced {numbers:g} numbers per position: the loss needs 3 (the "
                     "max, the target's logit and the sum of exponentials), whatever the vocabulary")
+        if not got.is_floating_point():
+            return (f"rank {r}: forward returned {got.dtype}: the loss is a floating-point number at "
+                    "every position")
+        got = got.float()
         bad = ~torch.isfinite(got)
         if bad.any():
             why = (f" — exp of logits near 95 overflows float32 (its largest number is about "
@@ -392,7 +396,7 @@ def _vocab_ce_rank(fn):
         backward = comm.tracer.events[len(forward):]
         grad_full = torch.nn.functional.pad(ref.grad, (0, per * n - _VOCAB))
         grad = grad_full[..., r * per:(r + 1) * per]
-        g = mine.grad
+        g = mine.grad if mine.grad is None else mine.grad.float()
         if g is None:
             return f"rank {r}: backward returned no gradient for the logits"
         if tuple(g.shape) != tuple(grad.shape):

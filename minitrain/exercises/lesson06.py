@@ -1,8 +1,9 @@
-"""Lesson 06: the column-parallel linear (its f: all-reduce of dL/dX in backward) and the
-row-parallel linear (its g: all-reduce of the partial outputs in forward) — each checked alone on
-2 and 3 ranks against a full ``nn.Linear``, then inside strategy ``tensor`` (their seams
-``column_parallel_linear`` and ``row_parallel_linear``) against one process, with the all-reduce
-bytes the tracer counted beside Megatron's per-layer formula."""
+"""Lesson 06: the column-parallel linear (its f: all-reduce of dL/dX in backward), the
+row-parallel linear (its g: all-reduce of the partial outputs in forward) and the vocabulary-parallel
+cross-entropy (a max and two sums over the vocabulary all-reduced, never the logits) — each checked
+alone on 2 and 3 ranks against the full layer or loss, then inside strategy ``tensor`` (their seams
+``column_parallel_linear``, ``row_parallel_linear`` and ``vocab_parallel_cross_entropy``) against
+one process, with the all-reduces the tracer counted beside Megatron's count."""
 
 from __future__ import annotations
 

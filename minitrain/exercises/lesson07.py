@@ -1,6 +1,7 @@
 """Lesson 07: the fp32-master mixed-precision step, a block recomputed in backward, and the dynamic
-loss-scale update — the first two checked alone, then inside the real strategy through their seams
-(``ddp``'s ``mixed_precision_step`` and ``recompute_block``)."""
+loss-scale update — each checked alone, then inside the real strategy through its seam (``ddp``'s
+``mixed_precision_step`` and ``recompute_block``; the loss-scale rule driving a real fp16-mixed run
+of ``single``, its scale at every step against the package's rule's)."""
 
 from __future__ import annotations
 

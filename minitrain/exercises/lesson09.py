@@ -1,6 +1,7 @@
-"""Lesson 09: merging two partial attention results (the online-softmax rescale) and the MoE
-all-to-all dispatch from send/recv — each checked alone, then inside the real strategy through its
-seam (``context``'s ``online_softmax_merge``, ``expert``'s ``all_to_all_dispatch``)."""
+"""Lesson 09: merging two partial attention results (the online-softmax rescale), the MoE
+all-to-all dispatch from send/recv, and the MoE router (top-k, capacity per group, the
+load-balancing loss) — each checked alone, then inside the real strategy through its seam
+(``context``'s ``online_softmax_merge``, ``expert``'s ``all_to_all_dispatch`` and ``moe_router``)."""
 
 from __future__ import annotations
 

@@ -48,6 +48,7 @@ from .clusters import ClusterSpec, get_cluster, parse
 from .memory import GB
 from .model import GPTConfig
 from .recorded import drop_unmatched, fit_run, message_times, smooth, step_programs, windows
+from .recorded import even as even_out
 from .replay import Instance, Op, ReplayError, breakdown, replay, timelines
 from .scaling import (MODEL_SIZES, NOT_REPLAYED, RankWork, Scaler, itemsize, layout,
                       memory_per_device, rank_work, target_model)
@@ -106,7 +107,7 @@ def check_projection(project: str | None, as_model=None, *, strategy: str = "", 
 
 def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | None = None,
             compute: str | None = None, degrees: dict | None = None, steps=None,
-            recompute: bool | None = None) -> dict:
+            recompute: bool | None = None, even: bool = False) -> dict:
     """Re-time ``result`` (from ``train(..., record_events=True)`` or ``project=``) on ``cluster``
     (a preset name, a :class:`~minitrain.clusters.ClusterSpec`; "local"/"binder" need the run's
     calibration) for ``model`` (None: the run's own; "1.3b", "7b"..., or a GPTConfig).
@@ -121,6 +122,10 @@ def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | No
     steps (default: all but the first); the median step is drawn.  ``recompute``: count one more
     forward of the blocks (activation checkpointing) where the run did not recompute (a strategy
     that cannot) — its FLOPs only: the recomputed forward's communication is not in the run's log.
+    ``even``: every forward (and every backward) a rank ran in the step does the same work — a
+    pipeline's equal micro-batches — so each gets the same share of its phase's FLOPs, not a share
+    in proportion to how long it happened to take here (:func:`minitrain.recorded.even`; for GPipe
+    and 1F1B only).
 
     Returns a dict: ``cluster``, ``model``, ``step_time_s`` (median over the steps), ``compute_s``,
     ``exposed_comm_s``, ``bubble_s``, ``idle_s`` (their mean over ranks: they add up to the step
@@ -170,6 +175,9 @@ def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | No
     replays = []
     built = [step_programs(result, i) for i in chosen]
     smooth([b[0] for b in built])
+    if even:
+        for i, (programs, _, _) in zip(chosen, built):
+            even_out(result, i, programs)
     for programs, events, window in built:
         instances = {}
         for r, evs in events.items():

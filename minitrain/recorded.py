@@ -25,12 +25,12 @@ __all__ = ["windows", "program", "step_programs", "drop_unmatched", "smooth", "m
 
 
 def windows(marks: list) -> list[tuple]:
-    """[(step, start, end, {"optimizer": [(start, end), ...], "forward": [...]})] from a rank's
-    marks (the intervals of its optimizer steps and of its forwards)."""
-    out, start, open_, spans = [], None, {}, {"optimizer": [], "forward": []}
+    """[(step, start, end, {"optimizer": [(start, end), ...], "forward": [...], "backward": [...]})]
+    from a rank's marks (the intervals of its optimizer steps, forwards and backwards)."""
+    out, start, open_, spans = [], None, {}, {"optimizer": [], "forward": [], "backward": []}
     for t, kind, value in marks:
         if kind == "step":
-            start, spans = (value, t), {"optimizer": [], "forward": []}
+            start, spans = (value, t), {"optimizer": [], "forward": [], "backward": []}
         elif kind == "step_end" and start is not None:
             out.append((start[0], start[1], t, spans))
             start = None
@@ -148,6 +148,39 @@ def smooth(all_programs: list[dict]) -> None:
                 for progs in all_programs:
                     for r in ranks:
                         progs[r][i].weight = w
+
+
+def even(result: dict, step_index: int, programs: dict) -> None:
+    """Give each forward (and each backward) interval of a rank's step the median weight of its
+    kind's intervals on that rank, split over the interval's compute spans as measured — equal
+    micro-batches do equal work, whatever this machine's noise made them take.  The backward's
+    FLOPs go to the backward intervals only: the bookkeeping between actions (Python here; on a
+    GPU it runs ahead of the kernels) takes none.  For GPipe and 1F1B (a ZB-H1 backward is two
+    passes of different work; an interleaved rank's chunks differ by the embedding or the head)."""
+    def overlap(op, a, b):
+        return max(0.0, min(b, op.measured[1]) - max(a, op.measured[0]))
+
+    for r, prog in programs.items():
+        _, t0, _, spans = windows(result["events"][r]["marks"])[step_index]
+        kinds = {kind: [(a - t0, b - t0) for a, b in spans.get(kind, [])]
+                 for kind in ("forward", "backward")}
+        phase = {"forward": "forward", "backward": "model"}
+        weights = {id(op): op.share for op in prog if op.kind == "compute"}
+        for kind, intervals in kinds.items():
+            ops = [op for op in prog if op.kind == "compute" and op.phase == phase[kind]]
+            share = {}  # op -> [(interval, its weight inside the interval)]
+            for op in ops:
+                d = op.measured[1] - op.measured[0]
+                share[id(op)] = [(i, weights[id(op)] * overlap(op, a, b) / d) for i, (a, b)
+                                 in enumerate(intervals) if d > 0 and overlap(op, a, b) > 0]
+            totals = [sum(w for op in ops for j, w in share[id(op)] if j == i)
+                      for i in range(len(intervals))]
+            filled = [t for t in totals if t > 0]
+            if len(filled) < 2:
+                continue
+            typical = statistics.median(filled)
+            for op in ops:
+                op.weight = sum(typical * w / totals[i] for i, w in share[id(op)] if totals[i] > 0)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -292,6 +292,19 @@ def test_a_pipeline_projection_reports_its_bubble_and_redraws_its_timeline(clust
     assert 0 < summary["bubble"] < 1
 
 
+def test_even_gives_a_pipelines_equal_micro_batches_equal_time(clusters):
+    """even=True: every forward of a rank gets the same share of its FLOPs (equal micro-batches),
+    so on the cluster the first stage's forwards take the same time; the ranks' compute is kept."""
+    run = train(strategy="pipeline", world_size=2, steps=2, batch_size=8, cluster=clusters(2),
+                options={"schedule": "gpipe", "microbatches": 4}, record_events=True)
+    _, p = pipeline_timeline(run, "dgx-h100", "1.3b")
+    timeline, q = pipeline_timeline(run, "dgx-h100", "1.3b", even=True)
+    forwards = [e["end"] - e["start"] for e in q["timeline"][0]
+                if e["op"] == "compute" and e["phase"] == "forward"]
+    assert len(forwards) == 4 and max(forwards) == pytest.approx(min(forwards), rel=1e-6)
+    assert q["compute_s"] == pytest.approx(p["compute_s"], rel=1e-6)  # the same FLOPs, shared out
+
+
 def test_the_ddp_timeline_is_redrawn_on_the_cluster(clusters):
     run = train(strategy="ddp", world_size=2, steps=3, batch_size=8, cluster=clusters(2),
                 options={"timeline": True, "bucket_mb": 0.2}, record_events=True)

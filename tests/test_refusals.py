@@ -26,6 +26,7 @@ TABLE = [  # (arguments after "train", the flag or name the message must contain
     (["--precision", "fp16-mixed", "--loss-scale", "-1"], "--loss-scale"),
     (["--precision", "fp16-mixed", "--loss-scale", "nan"], "--loss-scale"),
     (["--loss-scale", "1024"], "--loss-scale"),
+    (["--precision", "fp16-mixed", "--loss-scale-growth", "0"], "--loss-scale-growth"),
     (["--strategy", "nope"], "strategy"),
     (["--model", "huge"], "--model"),
     (["--n-head", "3"], "n_head"),
@@ -81,7 +82,7 @@ def test_every_checked_flag_has_a_refusal_in_the_table():
                for f, _ in option_fields(get_strategy(name).options)
                if f.metadata.get("check") or f.metadata.get("choices")}
     run_rules = {"--world-size", "--steps", "--batch-size", "--lr", "--timeout", "--precision",
-                 "--loss-scale", "--save-dir", "--save-every", "--resume", "--strategy", "--model"}
+                 "--loss-scale", "--loss-scale-growth", "--save-dir", "--save-every", "--resume", "--strategy", "--model"}
     missing = sorted(f for f in checked | run_rules if f not in rows.split())
     assert not missing, f"flags with a rule but no refusal row: {missing}"
 

@@ -83,18 +83,26 @@ def release() -> None:
         _RANKS.popitem()[1].close()
 
 
-def on_clusters(rank_fn, fn, sizes=(2, 3, 4), *args) -> str | None:
-    """Run ``rank_fn(fn, *args)`` on running clusters of each size; the first problem found, or None."""
+def on_clusters(rank_fn, fn, sizes=(2, 3, 4), *args, trouble=None) -> str | None:
+    """Run ``rank_fn(fn, *args)`` on running clusters of each size; the first problem found, or None.
+    ``trouble(exc, fn, where)`` words a rank's failure from the error's fields (e.g.
+    :func:`.inside.rank_trouble`: every rank's state and the learner's line); by default its first
+    line."""
     from ..launch import RankError
 
     for n in sizes:
         try:
             problems = [p for p in ranks(n).run(rank_fn, fn, *args, timeout=60) if p]
         except RankError as exc:
+            if trouble is not None:
+                return trouble(exc, fn, f"with {n} ranks")
             return f"with {n} ranks: {str(exc).splitlines()[0]}"
         except TimeoutError:
             return f"with {n} ranks it did not finish within 60 s (a rank waiting for a message?)"
-        if problems:
+        if problems:  # a rank may have left the group mid-message: the next check starts afresh
+            stale = _RANKS.pop((n, 5), None)
+            if stale is not None:
+                stale.close()
             return f"with {n} ranks, {problems[0]}"
     return None
 

@@ -11,8 +11,9 @@ import torch
 from .core import exercise, raised, ranks
 
 
-#: (P, M) the 1F1B checker tries: fewer, as many and more micro-batches than stages, an odd P
-_PIPE_CASES = [(2, 1), (2, 4), (3, 2), (3, 3), (3, 5), (4, 4), (4, 7)]
+#: (P, M) the 1F1B checker tries: fewer, as many and more micro-batches than stages, an odd P, and
+#: fewer micro-batches than a rank's P − rank − 1 warm-up forwards (P = 4, M = 2 and 1)
+_PIPE_CASES = [(2, 1), (2, 4), (3, 2), (3, 3), (3, 5), (4, 4), (4, 7), (4, 2), (4, 1)]
 
 
 #: inside strategy 'pipeline' (1F1B with your order): P ranks -> (M, batch)
@@ -43,11 +44,27 @@ def _one_f_one_b_table(fn, P: int, M: int):
             return f"{call} returned {type(row).__name__}: return a list of strings like ['F0', 'B0']"
         actions = []
         for item in row:
-            match = re.fullmatch(r"([FB])(\d+)", item.strip()) if isinstance(item, str) else None
+            match = re.fullmatch(r"([FB])(-?\d+)", item.strip()) if isinstance(item, str) else None
             if match is None:
                 return (f"{call}: {item!r} is not an action; write 'F3' for the forward of "
                         "micro-batch 3 and 'B3' for its backward")
             actions.append(Action(match.group(1), int(match.group(2)), r))
+        outside = sorted({a.microbatch for a in actions if not 0 <= a.microbatch < M})
+        if outside:
+            shown = [f"{a.kind}{a.microbatch}" for a in actions]
+            names = ", ".join(map(str, outside))
+            message = (f"{call} returned {shown}: micro-batch{'es' if len(outside) > 1 else ''} "
+                       f"{names} do{'' if len(outside) > 1 else 'es'} not exist — with M = {M} they "
+                       f"are 0 to {M - 1}")
+            forwards = [a.microbatch for a in actions if a.kind == "F"]
+            first_b = next((i for i, a in enumerate(actions) if a.kind == "B"), len(actions))
+            if first_b > M and P - r - 1 > M:
+                message += (f"; it ran {first_b} forwards before its first backward, where rank "
+                            f"{r}'s warm-up of P − rank − 1 = {P - r - 1} is more than the M = {M} "
+                            "micro-batches there are: warm up with at most M forwards")
+            elif len(forwards) != M:
+                message += f"; it runs {len(forwards)} forwards, one per micro-batch would be {M}"
+            return message
         table.append(actions)
     return table
 
@@ -392,7 +409,10 @@ def _pipeline_rows(summary: dict, cfg, package) -> list:
     rows.append(Row("activation peak, rank 0 (ledger)",
                     summary["memory"][0]["bytes"]["activations_peak"],
                     f"{bound[0]} × one micro-batch's {one:,} B", bound[0] * one))
-    rows.append(Row("bubble (measured timeline)", rep["bubble_measured"], "(P−1)/(M+P−1)",
+    import os
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    crowded = f", {P} ranks on {cores} cores" if cores and P > cores else ""
+    rows.append(Row(f"bubble (measured timeline{crowded})", rep["bubble_measured"], "(P−1)/(M+P−1)",
                     rep["bubble_formula"], unit="%"))
     return rows
 

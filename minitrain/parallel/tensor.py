@@ -414,8 +414,11 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, voc
 
 
 def vocab_parallel_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                        comm: Comm) -> torch.Tensor:
+                        comm: Comm, function=None) -> torch.Tensor:
     """Mean cross-entropy of (t, b, V/N) logits, this rank's slice of the vocabulary, against
-    (b, t) targets."""
-    return vocab_parallel_cross_entropy(logits, targets.t(), logits.shape[-1] * comm.rank,
-                                        vocab_size, comm).mean()
+    (b, t) targets.  ``function``: an autograd Function whose ``apply(logits, target,
+    vocab_start, vocab_size, comm)`` is the per-position loss (default: the package's)."""
+    start = logits.shape[-1] * comm.rank
+    if function is not None:
+        return function.apply(logits, targets.t(), start, vocab_size, comm).mean()
+    return vocab_parallel_cross_entropy(logits, targets.t(), start, vocab_size, comm).mean()

@@ -193,6 +193,8 @@ class TrainConfig:
                                         "backward (lesson 07)", False)
     loss_scale: float | None = _cli("initial dynamic loss scale (default: 65536 with fp16-mixed, "
                                     "off otherwise; 0: off)")
+    loss_scale_growth: int = _cli("good steps in a row after which the dynamic loss scale "
+                                  "doubles (lesson 07)", 2000)
     save_dir: str | None = _cli("save sharded checkpoints under DIR/step-NNNNNN/ (one file per "
                                 "rank, then meta.json) after the last step", group="checkpoints")
     save_every: int | None = _cli("... and every K steps (needs --save-dir)", group="checkpoints")
@@ -242,6 +244,9 @@ class Seams:
     stage_step: typing.Callable | None = None              # a pipeline stage's send/recv step: 05
     column_parallel_linear: typing.Callable | None = None  # lesson 06
     row_parallel_linear: typing.Callable | None = None     # lesson 06
+    vocab_parallel_cross_entropy: typing.Callable | None = None  # autograd Function: apply(logits,
+    #                                                         target, vocab_start, vocab_size, comm)
+    #                                                         -> loss per position: lesson 06
     loss_scale_update: typing.Callable | None = None       # lesson 07
     mixed_precision_step: typing.Callable | None = None    # (params, masters, optimizer,
     #                                                         loss_scale) -> took_step: lesson 07
@@ -251,6 +256,8 @@ class Seams:
     online_softmax_merge: typing.Callable | None = None    # (out_a, lse_a, out_b, lse_b): lesson 09
     all_to_all_dispatch: typing.Callable | None = None     # (output, input, out_splits, in_splits,
     #                                                         comm): MoE token dispatch, lesson 09
+    moe_router: typing.Callable | None = None              # (logits (G, S, E), k, capacity) ->
+    #                                                         (experts, gates, keep, aux_loss): 09
 
     @classmethod
     def of(cls, seams) -> "Seams":
@@ -362,6 +369,9 @@ def _check_precision(cls: type["Strategy"], cfg: TrainConfig) -> None:
         if cfg.loss_scale > 0 and cfg.precision == "fp32":
             raise ConfigError("--loss-scale applies to mixed precision; add --precision "
                               "fp16-mixed (or bf16-mixed)")
+    if cfg.loss_scale_growth < 1:
+        raise ConfigError(f"--loss-scale-growth must be >= 1 (good steps before the scale "
+                          f"doubles), got {cfg.loss_scale_growth}")
     if cfg.checkpoint_activations and not cls.recomputes:
         raise ConfigError(f"strategy {cls.name!r} cannot checkpoint activations; leave out "
                           "--checkpoint-activations")
@@ -483,7 +493,8 @@ class Strategy(abc.ABC):
         scale = self.cfg.loss_scale
         if scale is None and self.cfg.precision == "fp16-mixed":
             scale = 2.0 ** 16
-        self.loss_scaler = DynamicLossScaler(scale, update=self.seams.loss_scale_update) \
+        self.loss_scaler = DynamicLossScaler(scale, growth_interval=self.cfg.loss_scale_growth,
+                                             update=self.seams.loss_scale_update) \
             if scale else None
         params = list(params)
         masters = {p: self.master_weights.pop(p) for p in params if p in self.master_weights}

@@ -64,7 +64,7 @@ class ExpertParallel(Lockstep):
     name = "expert"
     help = "expert parallel (MoE): experts spread over --ep ranks, tokens moved by all-to-all"
     options = ExpertOptions
-    seams = ("all_to_all_dispatch",)
+    seams = ("all_to_all_dispatch", "moe_router")
     recomputes = False
     checkpointer = ExpertShards()
 
@@ -87,9 +87,8 @@ class ExpertParallel(Lockstep):
 
     def __init__(self, cfg: TrainConfig, comm, seams=None):
         super().__init__(cfg, comm, seams)
-        tokens = cfg.batch_size * cfg.model.seq_len
-        self.model = expert_parallel_(self.build_model(), comm, tokens,
-                                      self.seams.all_to_all_dispatch)
+        self.model = expert_parallel_(self.build_model(), comm, cfg.batch_size,
+                                      self.seams.all_to_all_dispatch, self.seams.moe_router)
         self.optimizer = self.make_optimizer(self.model.parameters())
         self.dense = [p for n, p in self.model.named_parameters() if ".experts." not in n]
         self.routing: list[list[list[int]]] = []  # per step, per layer: tokens per expert

@@ -134,7 +134,7 @@ class TensorParallel(Lockstep):
     help = ("tensor parallel (Megatron): heads, MLP and vocabulary split over --tp ranks "
             "(--sequence-parallel)")
     options = TensorOptions
-    seams = ("column_parallel_linear", "row_parallel_linear")
+    seams = ("column_parallel_linear", "row_parallel_linear", "vocab_parallel_cross_entropy")
     recomputes = False  # recomputing a block would re-run its collectives; not supported
     checkpointer = TensorShards()
 
@@ -152,7 +152,8 @@ class TensorParallel(Lockstep):
         self.sequence_parallel = cfg.options.sequence_parallel
         self.model = TensorParallelGPT(self.build_model(), comm, self.sequence_parallel,
                                        column=self.seams.column_parallel_linear,
-                                       row=self.seams.row_parallel_linear)
+                                       row=self.seams.row_parallel_linear,
+                                       loss=self.seams.vocab_parallel_cross_entropy)
         self.optimizer = self.make_optimizer(self.model.parameters())
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:

@@ -247,7 +247,8 @@ def test_checkpointing_is_off_without_gradients():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--precision", "bf16"], "unknown --precision 'bf16'; choose one of: fp32, bf16-mixed, fp16-mixed"),
+    (["--precision", "bf16"], "invalid choice: 'bf16' (did you mean 'bf16-mixed'?); choose from fp32, "
+                              "bf16-mixed, fp16-mixed"),
     (["--strategy", "ps-sync", "--world-size", "2", "--precision", "bf16-mixed"],
      "strategy 'ps-sync' supports --precision fp32 only, got bf16-mixed; use --precision fp32"),
     (["--loss-scale", "1024"], "--loss-scale applies to mixed precision; add --precision fp16-mixed"),

@@ -428,13 +428,14 @@ def _activation_bytes(cfg: TrainConfig) -> float:
     return cfg.batch_size * m.seq_len / max(1, microbatches) * per_token * element
 
 
-def _memory_terms(cfg: TrainConfig) -> dict[str, float]:
-    """A lower bound on the memory the run takes on this machine, by what takes it."""
+def _memory_terms(cfg: TrainConfig, gpu: bool = False) -> dict[str, float]:
+    """A lower bound on the (host) memory the run takes on this machine, by what takes it (on GPUs
+    the model and its activations are in the GPUs' memory: torch says so if they do not fit)."""
     ranks, share = _ranks_here(cfg), _ranks_here(cfg) / cfg.world_size
     return {"ranks": ranks * RANK_BYTES,
-            "model": cfg.model.num_params() * STATE_BYTES * share,
+            "model": 0.0 if gpu else cfg.model.num_params() * STATE_BYTES * share,
             "batches": ranks * cfg.batch_size * (cfg.model.seq_len + 1) * TOKEN_BYTES,
-            "activations": _activation_bytes(cfg) * share,
+            "activations": 0.0 if gpu else _activation_bytes(cfg) * share,
             "steps": cfg.steps * STEP_RECORD_BYTES}
 
 
@@ -476,7 +477,7 @@ def _problem(cfg: TrainConfig, m: Machine) -> tuple[str, str] | None:
                                   f"is {m.open_files} (ulimit -n)")
         return "world_size", (f"each rank takes at least {_bytes(RANK_BYTES)} of memory of its own, "
                               f"and {here} has {mem}")
-    terms = _memory_terms(cfg)
+    terms = _memory_terms(cfg, m.gpu)
     if terms["model"] > m.memory:
         return "model", (f"{cfg.model.num_params():,} parameters of {STATE_BYTES} bytes each (weight, "
                          f"gradient, Adam's two moments) take {_bytes(terms['model'])}, more than "
@@ -522,7 +523,7 @@ def check_fits_machine(cfg: TrainConfig, machine: Machine | None = None) -> None
                                                                "n_expert", "d_ff", "vocab_size")
                  if getattr(cfg.model, k) and getattr(cfg.model, k) > (getattr(PRESETS["tiny"], k) or 0)]
         raise ConfigError(f"the model ({', '.join(grown) or 'as given'}) does not fit this machine: "
-                          f"{why}; use a smaller model ({' or '.join(g.split()[0] for g in grown) or '--model'})")
+                          f"{why}; use a smaller {' or '.join(g.split()[0] for g in grown) or '--model'}")
     if name == "world_size":
         given, most = cfg.world_size, max(1, min(_max_ranks(m)))
     elif name == "seq_len":

@@ -336,7 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"minitrain train: error: {exc}\n")
     except RankError as exc:  # the ranks' story, not the launcher's traceback
         text = str(exc)
-        if exc.exc_type in ("Diverged", "CheckpointError"):  # the cause and the fix: the story
+        if exc.exc_type == "Diverged":  # the step and the fix are the whole story
             text = f"rank {exc.rank} failed: {exc.message}"
+        elif exc.exc_type == "CheckpointError":  # the file, what was kept, the fix (every rank's)
+            text = exc.message
         parser.exit(1, f"minitrain train: error: {text}\n")
     return 0

@@ -326,7 +326,10 @@ class Cluster:
             self._store = dist.TCPStore(self.host, port, self.world_size + 1, use_libuv=False,
                                         **store)
         self._task = 0
-        self.folder, self._folder_fd = _new_folder()
+        try:
+            self.folder, self._folder_fd = _new_folder()
+        except OSError:  # no writable temporary directory: the ranks run without stderr files
+            self.folder, self._folder_fd = None, None
         others = [c._listen_fd for c in _LIVE if c is not self and c._listen_fd is not None]
         opts = dict(host=self.host, port=port, backend=self.backend, folder=self.folder,
                     timeout=self.timeout, threads=self.threads, forward_output=self.forward_output,
@@ -368,7 +371,7 @@ class Cluster:
             self._stop(stragglers)
 
     def _stop_group(self, proc) -> None:
-        """Kill rank ``proc``'s process group: the rank (a group leader: ``os.setsid`` in
+        """Kill rank ``proc``'s process group: the rank (a group leader: ``os.setpgid`` in
         :func:`~minitrain.worker.worker_main`) and every process it started that is still in it,
         even one whose rank died.  Only while the rank is not yet reaped: until then its pid, the
         group's id, cannot be given to another process (a rank that ended is reaped only after)."""
@@ -379,7 +382,7 @@ class Cluster:
         self._groups_stopped.add(proc.pid)
         try:
             os.killpg(proc.pid, signal.SIGKILL)
-        except OSError:  # no such group (the rank had not reached setsid, or it is empty)
+        except OSError:  # no such group (the rank had not made its group yet, or it is empty)
             pass
 
     def _stop(self, stragglers: list) -> None:

@@ -7,7 +7,7 @@ and sends back ``("ok", result)`` or ``("error", type, message, traceback, timed
 heartbeat thread (:mod:`minitrain.watch`) reports where it is while a task runs.  It dies with its
 parent, keeps the native stderr (a C++ abort's reason) in a file the parent reads if it dies (in
 the cluster's own temporary folder: :func:`stderr_file`), and leads a process group of its own
-(``os.setsid``), so that whatever it starts goes with it when the parent stops the group.
+(``os.setpgid``), so that whatever it starts goes with it when the parent stops the group.
 """
 
 from __future__ import annotations
@@ -93,9 +93,13 @@ def _plain_args(exc: BaseException) -> tuple:
 def worker_main(rank: int, world_size: int, conn, opts: dict) -> None:
     """Entry point of every rank: join the group, then run what the parent sends until told to stop."""
     _die_with_parent()
-    try:  # a process group (and session) of its own: the parent stops it, children included
-        os.setsid()
-    except OSError:
+    try:  # a process group of its own: the parent stops the group, what the rank started included.
+        # (Not a session of its own: the kernel schedules each session as a group of its own, and
+        # ranks scheduled apart report a shared timeout further apart.)  In a background group a
+        # write to the terminal could stop the rank (stty tostop): it goes on instead.
+        os.setpgid(0, 0)
+        signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    except (OSError, AttributeError, ValueError):
         pass
     for fd in opts.get("close_fds", ()):  # other clusters' rendezvous sockets: not ours to hold
         try:
@@ -103,10 +107,12 @@ def worker_main(rank: int, world_size: int, conn, opts: dict) -> None:
         except OSError:
             pass
     try:  # native messages (a C++ abort's reason) land in a file the parent reads if we die
-        err = os.open(stderr_file(opts["folder"], rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(err, 2)
-        os.close(err)
-        faulthandler.enable(file=2, all_threads=False)  # a crash's Python stack goes there too
+        if opts.get("folder"):
+            err = os.open(stderr_file(opts["folder"], rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                          0o600)
+            os.dup2(err, 2)
+            os.close(err)
+            faulthandler.enable(file=2, all_threads=False)  # a crash's Python stack goes there too
     except OSError:
         pass
     lock = threading.Lock()

@@ -241,7 +241,7 @@ def test_the_cli_says_a_ranks_checkpoint_error_in_one_line(first_run, tmp_path):
     out = run_cli("--model", "nano", "--batch-size", "4", "--steps", "6", "--resume", str(copy))
     assert out.returncode == 1
     assert out.stderr.strip().splitlines() == [
-        f"minitrain train: error: rank 0 failed: {copy / 'step-000004' / 'rank00000.pt'} is "
+        f"minitrain train: error: {copy / 'step-000004' / 'rank00000.pt'} is "
         "corrupt: its SHA-256 differs from meta.json; use another checkpoint"], out.stderr
 
 

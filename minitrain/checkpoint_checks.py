@@ -233,7 +233,6 @@ def _check_save_dir(cfg: TrainConfig, lock: SaveDirLock | bool | None = None) ->
         lock.acquire(where)
     elif lock is None:
         _probe_lock(where)
-    _check_space(cfg, where)
     old = _previous_saves(where)
     if old and not (_resuming_here(cfg) or cfg.overwrite):
         unfinished = unfinished_saves(where)
@@ -257,6 +256,7 @@ def _check_save_dir(cfg: TrainConfig, lock: SaveDirLock | bool | None = None) ->
                 f"({later[-1]}): this run would save a second history into it, and --resume "
                 f"{where} would then find the other one's {later[-1]}; pass --overwrite to delete "
                 f"the steps after {resumed.name} ({shown}), or save into another --save-dir")
+    _check_space(cfg, where)
 
 
 def _check_space(cfg: TrainConfig, where: Path) -> None:
@@ -268,6 +268,10 @@ def _check_space(cfg: TrainConfig, where: Path) -> None:
     except (OSError, AttributeError):
         return
     free = st.f_bavail * st.f_frsize
+    if cfg.overwrite:  # what --overwrite deletes is free for this run
+        doomed = later_steps(cfg) if _resuming_here(cfg) else _previous_saves(where)
+        free += sum(f.stat().st_size for name in doomed for f in (where / name).rglob("*")
+                    if f.is_file())
     start = 0
     if cfg.resume:
         try:

@@ -25,6 +25,7 @@ from .launch import Cluster, LaunchError, RankError, init_from_env, launched_by_
 from .model import PRESETS
 from .strategies import ConfigError, TrainConfig, get_strategy, strategy_names
 from .strategies.base import closest, did_you_mean, flag, option_fields
+from .checkpoint_checks import SaveDirLock
 from .train import add_projection, check_config, check_projection_config, run_rank
 
 __all__ = ["main", "build_parser", "config_from_args"]
@@ -183,8 +184,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def _absolute(path: str | None) -> str | None:
-    """Ranks under torchrun may start elsewhere: pass them absolute paths."""
-    return os.path.abspath(path) if path else None
+    """Ranks under torchrun may start elsewhere: pass them absolute paths ('' stays '': refused)."""
+    return os.path.abspath(path) if path and path.strip() else path
 
 
 class _Reporter:
@@ -313,7 +314,15 @@ def format_clusters(rows: list[dict]) -> str:
 
 def _train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    check_config(cfg)  # everything that can be refused is refused here, before any process starts
+    # under torchrun rank 0 holds the save dir for the job (the others leave its lock alone)
+    holds = not launched_by_torchrun() or os.environ.get("RANK") == "0"
+    with SaveDirLock() as lock:  # one run per save dir: held until the run ends
+        # everything that can be refused is refused here, before any process starts
+        check_config(cfg, lock=lock if holds else False)
+        return _run(args, cfg)
+
+
+def _run(args: argparse.Namespace, cfg) -> int:
     check_projection_config(cfg, args.project, args.as_model)
     record = args.project is not None
     calibrate = record and args.project.lower() in ("local", "binder")
@@ -387,5 +396,7 @@ def _main(argv: list[str] | None = None) -> int:
         text = str(exc)
         if exc.exc_type == "Diverged":  # the step and the fix are the whole story
             text = f"rank {exc.rank} failed: {exc.message}"
+        elif exc.exc_type == "CheckpointError":  # the file, what was kept, the fix (every rank's)
+            text = exc.message
         parser.exit(1, f"minitrain train: error: {text}\n")
     return 0

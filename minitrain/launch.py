@@ -19,9 +19,12 @@ import datetime
 import importlib
 import multiprocessing as mp
 import os
+import re
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 import weakref
 from multiprocessing.connection import wait
@@ -29,6 +32,11 @@ from multiprocessing.connection import wait
 import cloudpickle
 import torch
 import torch.distributed as dist
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no folder locks, no reaping
+    fcntl = None
 
 from . import shipping
 from .diagnostics import CollectiveTimeout, Deadlock, LaunchError, RankError, format_states
@@ -39,7 +47,8 @@ from .worker import stderr_file, worker_main
 
 __all__ = ["descendants", "threads_per_rank", "Cluster", "launch", "init_from_env",
            "launched_by_torchrun", "choose_backend", "RankError", "CollectiveTimeout", "Deadlock",
-           "LaunchError", "HEARTBEAT_S", "REPORT_AFTER_S", "STUCK_S", "TORCHRUN_VARS"]
+           "LaunchError", "HEARTBEAT_S", "REPORT_AFTER_S", "STUCK_S", "TORCHRUN_VARS",
+           "reap_stale_folders"]
 
 
 _OLD_STORE = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 6)
@@ -49,6 +58,9 @@ GRACE_S = 0.3
 #: (seen once in CI: a rank forked while a thread of the parent held a lock never got going), so
 #: the ranks are stopped and forked once more
 FORK_STARTUP_S = 20.0
+#: the process group's timeout, in seconds: torch counts it in whole milliseconds (less is 0: a
+#: C++ error), and a collective that may wait longer than a week is a hang
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.001, 7 * 86400.0
 
 
 
@@ -88,7 +100,6 @@ def _isatty(stream) -> bool:
 _LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
 
 
-@atexit.register
 def _preload_for_fork() -> None:
     """Import in the parent, once, what each forked rank would otherwise import by itself: a
     process's first ``optimizer.step()`` imports ``torch._dynamo`` (2-3 s of CPU, and on one core
@@ -96,9 +107,112 @@ def _preload_for_fork() -> None:
     importlib.import_module("torch._dynamo")
 
 
+@atexit.register
 def _close_all() -> None:
+    """At exit, close every Cluster still open (a script, a notebook kernel, a check that forgot
+    to): its ranks stop and its temporary folder goes."""
     for cluster in list(_LIVE):
-        cluster.close()
+        try:
+            cluster.close()
+        except Exception:  # noqa: BLE001 - the next cluster's start reaps what is left
+            pass
+
+
+# --------------------------------------------------------------------------------------------------
+# Each start's temporary folder (the ranks' native stderr): removed by close(); the folder of a
+# parent that died without closing (SIGKILL) is reaped by the next start, on this machine
+# --------------------------------------------------------------------------------------------------
+
+#: a live cluster's folder in the temporary directory: ``minitrain-ranks-<parent pid>-<random>``,
+#: holding ``owner.lock``, locked (flock) by the parent while the cluster lives: the kernel releases
+#: the lock when the parent dies, so a folder whose lock can be taken belongs to no one
+FOLDER_PREFIX, OWNER = "minitrain-ranks-", "owner.lock"
+#: files of minitrain before its folders (``minitrain-PORT-rankN.stderr``): reaped after a day
+_LEGACY = re.compile(r"^minitrain-\d+-rank\d+\.stderr$")
+_LEGACY_AGE_S = 86400.0
+_OWNED_FDS: set[int] = set()  # this process's folder locks: not inherited by a forked rank
+
+
+def _drop_owned_fds_in_child() -> None:
+    for fd in list(_OWNED_FDS):  # (closing a copy does not release the parent's lock)
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _OWNED_FDS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_owned_fds_in_child)
+
+
+def _new_folder() -> tuple[str, int | None]:
+    """A fresh temporary folder for one start's rank files, and the descriptor holding its lock
+    (None where flock is missing).  Made under a hidden name, locked, then renamed: the reaper
+    never sees it unlocked."""
+    reap_stale_folders()
+    tmp = tempfile.mkdtemp(prefix=f".minitrain-new-{os.getpid()}-")
+    fd = None
+    if fcntl is not None:
+        fd = os.open(os.path.join(tmp, OWNER), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a file system without locks: the folder is still removed by close()
+            os.close(fd)
+            fd = None
+    final = os.path.join(os.path.dirname(tmp),
+                         FOLDER_PREFIX + os.path.basename(tmp)[len(".minitrain-new-"):])
+    os.rename(tmp, final)
+    if fd is not None:
+        _OWNED_FDS.add(fd)
+    return final, fd
+
+
+def _remove_folder(folder: str | None, fd: int | None) -> None:
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+    if fd is not None:
+        _OWNED_FDS.discard(fd)
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def reap_stale_folders(tmpdir: str | None = None) -> list[str]:
+    """Remove the temporary folders of clusters whose parent died without closing them (their
+    lock is free), and rank files of older minitrains over a day old; returns what was removed."""
+    tmpdir = tmpdir or tempfile.gettempdir()
+    removed = []
+    try:
+        entries = list(os.scandir(tmpdir))
+    except OSError:
+        return removed
+    for entry in entries:
+        try:
+            if entry.name.startswith(FOLDER_PREFIX) and entry.is_dir(follow_symlinks=False):
+                if fcntl is None:
+                    continue
+                try:
+                    fd = os.open(os.path.join(entry.path, OWNER), os.O_RDWR | os.O_CLOEXEC)
+                except OSError:
+                    continue  # not one of ours
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    continue  # its cluster is alive
+                else:
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                    removed.append(entry.path)
+                finally:
+                    os.close(fd)
+            elif _LEGACY.match(entry.name) and entry.is_file(follow_symlinks=False):
+                if time.time() - entry.stat(follow_symlinks=False).st_mtime > _LEGACY_AGE_S:
+                    os.unlink(entry.path)
+                    removed.append(entry.path)
+        except OSError:
+            continue
+    return removed
 
 
 class Cluster:
@@ -132,6 +246,11 @@ class Cluster:
       second guard;
     * the ranks die with the parent (``PR_SET_PDEATHSIG`` on Linux), so no orphan is left behind —
       strictly, with the parent *thread* that started them, so start a Cluster from the main thread;
+    * each rank leads a process group of its own: what it starts (a subprocess) is stopped with it
+      when the rank fails or dies, and at :meth:`close` — even after the rank itself is gone;
+    * a Cluster left open is closed when the process exits; its ranks' native stderr files live in
+      a temporary folder of its own (:attr:`folder`), removed by :meth:`close`, and a parent
+      killed before closing (SIGKILL) leaves one that the next start on the machine removes;
     * the rendezvous store is created by the parent on a free port chosen by the OS, on loopback
       unless another ``host`` is given, so the next launch never sees "address already in use".
     """
@@ -141,8 +260,10 @@ class Cluster:
                  start_method: str | None = None, forward_output: bool = True, prefix: bool = True):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-        if timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        if not (isinstance(timeout, (int, float)) and MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S):
+            raise ValueError(f"timeout must be > 0 seconds: from {MIN_TIMEOUT_S:g} (the process "
+                             f"group counts in whole milliseconds) to {MAX_TIMEOUT_S:g} (a week), "
+                             f"got {timeout!r}")
         self.world_size = world_size
         self.backend = choose_backend(world_size, backend)
         self.timeout = float(timeout)
@@ -162,12 +283,16 @@ class Cluster:
         self._task = 0  # runs sent to the current ranks (their heartbeats carry the number)
         self._watching = None
         self._listen_fd: int | None = None
+        self.folder: str | None = None  # this start's temporary folder (the ranks' stderr files)
+        self._folder_fd: int | None = None
+        self._groups_stopped: set[int] = set()  # ranks whose process group was killed
 
     # -- life cycle ---------------------------------------------------------------------------------
 
     @property
     def alive(self) -> bool:
-        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+        """Every rank runs (asked without reaping a rank that ended: see :meth:`_stop_group`)."""
+        return bool(self._procs) and not wait([p.sentinel for p in self._procs], timeout=0)
 
     def start(self) -> "Cluster":
         """Start the ranks (a no-op when they are already running).  Forked ranks that have not
@@ -201,8 +326,12 @@ class Cluster:
             store["use_libuv"] = False
         self._store = dist.TCPStore(self.host, port, self.world_size + 1, **store)
         self._task = 0
+        try:
+            self.folder, self._folder_fd = _new_folder()
+        except OSError:  # no writable temporary directory: the ranks run without stderr files
+            self.folder, self._folder_fd = None, None
         others = [c._listen_fd for c in _LIVE if c is not self and c._listen_fd is not None]
-        opts = dict(host=self.host, port=port, backend=self.backend,
+        opts = dict(host=self.host, port=port, backend=self.backend, folder=self.folder,
                     timeout=self.timeout, threads=self.threads, forward_output=self.forward_output,
                     tty=(_isatty(sys.stdout), _isatty(sys.stderr)),
                     close_fds=others + [self._listen_fd])
@@ -225,7 +354,8 @@ class Cluster:
         return self
 
     def close(self) -> None:
-        """Stop every rank (politely, then by force), and whatever it started; free the port."""
+        """Stop every rank (politely, then by force) and whatever it started (its process group,
+        and processes below it); free the port; remove the temporary folder."""
         stragglers = [pid for proc in self._procs for pid in descendants(proc.pid)]
         try:  # politely: an empty message ends a rank's loop
             for conn in self._conns:
@@ -234,16 +364,34 @@ class Cluster:
                 except (OSError, ValueError):
                     pass
             deadline = time.monotonic() + 1.0
-            for proc in self._procs:
-                proc.join(max(0.0, deadline - time.monotonic()))
+            waiting = {p.sentinel for p in self._procs}
+            while waiting and time.monotonic() < deadline:  # (waited on, not reaped: see below)
+                waiting -= set(wait(list(waiting), timeout=max(0.0, deadline - time.monotonic())))
         finally:  # then by force, even when interrupted
             self._stop(stragglers)
 
+    def _stop_group(self, proc) -> None:
+        """Kill rank ``proc``'s process group: the rank (a group leader: ``os.setpgid`` in
+        :func:`~minitrain.worker.worker_main`) and every process it started that is still in it,
+        even one whose rank died.  Only while the rank is not yet reaped: until then its pid, the
+        group's id, cannot be given to another process (a rank that ended is reaped only after)."""
+        popen = getattr(proc, "_popen", None)
+        if proc.pid is None or proc.pid in self._groups_stopped or popen is None \
+                or popen.returncode is not None:
+            return
+        self._groups_stopped.add(proc.pid)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:  # no such group (the rank had not made its group yet, or it is empty)
+            pass
+
     def _stop(self, stragglers: list) -> None:
+        for proc in self._procs:
+            self._stop_group(proc)
         for proc in self._procs:
             if proc.is_alive():
                 proc.kill()
-        for pid in stragglers:  # what a rank started (a subprocess) goes with it
+        for pid in stragglers:  # what a rank started and moved out of its group goes too
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
@@ -252,13 +400,10 @@ class Cluster:
             proc.join(5)
         for conn in self._conns:
             conn.close()
-        if self.port is not None and self._procs:
-            for rank in range(self.world_size):
-                try:
-                    os.unlink(stderr_file(self.port, rank))
-                except OSError:
-                    pass
+        _remove_folder(self.folder, self._folder_fd)
+        self.folder, self._folder_fd = None, None
         self._procs, self._conns, self.pids = [], [], []
+        self._groups_stopped = set()
         self._store = None  # the store owns the listening socket and closes it
         self._listen_fd = None
         _LIVE.discard(self)
@@ -408,9 +553,11 @@ class Cluster:
 
     def _death(self, rank: int) -> RankError:
         proc = self._procs[rank]
+        self._stop_group(proc)  # what it started goes with it (before it is reaped)
         proc.join(1.0)  # reap it, so the exit code is known
         rss = self._watching.rss.get(rank) if getattr(self, "_watching", None) else None
-        return died(rank, proc.exitcode, proc.pid, native_tail(stderr_file(self.port, rank)), rss)
+        native = native_tail(stderr_file(self.folder, rank)) if self.folder else ""
+        return died(rank, proc.exitcode, proc.pid, native, rss)
 
     def _error(self, rank: int, name: str, text: str, tb: str, timed_out: bool,
                frames: tuple = (), args: tuple = ()) -> RankError:

@@ -19,7 +19,7 @@ import time
 import torch.distributed as dist
 
 from .checkpoint import load_checkpoint, maybe_save
-from .checkpoint_checks import check_checkpoint_config, clear_save_dir
+from .checkpoint_checks import SaveDirLock, check_checkpoint_config, clear_save_dir
 from .comm import Comm, Tracer, recording
 from .data import ArithmeticData
 from .launch import Cluster
@@ -44,11 +44,13 @@ def _diverged(cfg: TrainConfig, step: int, loss: float) -> Diverged:
                     "(--allow-nonfinite keeps training)")
 
 
-def check_config(cfg: TrainConfig, seams=None) -> None:
+def check_config(cfg: TrainConfig, seams=None, *, lock: SaveDirLock | bool | None = None) -> None:
     """Refuse a configuration that cannot run (unknown strategy, bad sizes or options, a seam the
-    strategy does not have, a checkpoint that does not match) before spawning."""
+    strategy does not have, a checkpoint that does not match, a save dir another run uses) before
+    spawning.  ``lock`` (a :class:`~minitrain.checkpoint_checks.SaveDirLock`) takes the save dir
+    for the run: see :func:`~minitrain.checkpoint_checks.check_checkpoint_config`."""
     check_strategy(cfg, seams)
-    check_checkpoint_config(cfg)
+    check_checkpoint_config(cfg, lock)
     cores = os.cpu_count() or 1
     if cfg.world_size > 4 * cores and cfg.backend != "nccl":
         print(f"minitrain: {cfg.world_size} ranks on {cores} CPU cores ({cfg.world_size / cores:.0f} "
@@ -189,19 +191,21 @@ def train(cfg: TrainConfig | None = None, *, cluster: Cluster | None = None, on_
     keeps the events (``result["events"]``) to project later, on any cluster.
     """
     cfg = (cfg or TrainConfig()).with_(**overrides) if overrides else (cfg or TrainConfig())
-    check_config(cfg, seams)
-    check_projection_config(cfg, project, as_model)
-    record = record_events or project is not None
-    calibrate = project is not None and str(project).lower() in ("local", "binder")
-    args = (cfg, on_step, return_state, seams, record, calibrate)
-    if cluster is not None:
-        if cluster.world_size != cfg.world_size:
-            raise ValueError(f"the cluster has {cluster.world_size} ranks but the config asks for "
-                             f"world_size={cfg.world_size}; use a matching Cluster or world_size")
-        result = cluster.run(run_rank, *args)[0]
-    else:
-        with Cluster(cfg.world_size, cfg.backend, timeout=cfg.timeout) as c:
-            result = c.run(run_rank, *args)[0]
+    with SaveDirLock() as lock:  # one run per save dir: held until the run ends
+        check_config(cfg, seams, lock=lock)
+        check_projection_config(cfg, project, as_model)
+        record = record_events or project is not None
+        calibrate = project is not None and str(project).lower() in ("local", "binder")
+        args = (cfg, on_step, return_state, seams, record, calibrate)
+        if cluster is not None:
+            if cluster.world_size != cfg.world_size:
+                raise ValueError(f"the cluster has {cluster.world_size} ranks but the config asks "
+                                 f"for world_size={cfg.world_size}; use a matching Cluster or "
+                                 "world_size")
+            result = cluster.run(run_rank, *args)[0]
+        else:
+            with Cluster(cfg.world_size, cfg.backend, timeout=cfg.timeout) as c:
+                result = c.run(run_rank, *args)[0]
     return add_projection(result, project, as_model)
 
 

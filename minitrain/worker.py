@@ -5,7 +5,9 @@ of a pipe.  It joins the ``torch.distributed`` group through the parent's rendez
 what it prints to the parent line by line, runs each function it is sent (:mod:`minitrain.shipping`)
 and sends back ``("ok", result)`` or ``("error", type, message, traceback, timed out, frames)``; a
 heartbeat thread (:mod:`minitrain.watch`) reports where it is while a task runs.  It dies with its
-parent, and keeps the native stderr (a C++ abort's reason) in a file the parent reads if it dies.
+parent, keeps the native stderr (a C++ abort's reason) in a file the parent reads if it dies (in
+the cluster's own temporary folder: :func:`stderr_file`), and leads a process group of its own
+(``os.setpgid``), so that whatever it starts goes with it when the parent stops the group.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import io
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -73,9 +74,10 @@ def _is_timeout(exc: BaseException) -> bool:
     return isinstance(exc, TimeoutError) or "timed out" in str(exc).lower()
 
 
-def stderr_file(port: int, rank: int) -> str:
-    """Where a rank's native stderr (gloo's and the C++ runtime's messages) is kept."""
-    return os.path.join(tempfile.gettempdir(), f"minitrain-{port}-rank{rank}.stderr")
+def stderr_file(folder: str, rank: int) -> str:
+    """Where a rank's native stderr (gloo's and the C++ runtime's messages) is kept: in the
+    cluster's temporary ``folder``, removed with the cluster (:class:`minitrain.launch.Cluster`)."""
+    return os.path.join(folder, f"rank{rank}.stderr")
 
 
 def _plain_args(exc: BaseException) -> tuple:
@@ -91,16 +93,26 @@ def _plain_args(exc: BaseException) -> tuple:
 def worker_main(rank: int, world_size: int, conn, opts: dict) -> None:
     """Entry point of every rank: join the group, then run what the parent sends until told to stop."""
     _die_with_parent()
+    try:  # a process group of its own: the parent stops the group, what the rank started included.
+        # (Not a session of its own: the kernel schedules each session as a group of its own, and
+        # ranks scheduled apart report a shared timeout further apart.)  In a background group a
+        # write to the terminal could stop the rank (stty tostop): it goes on instead.
+        os.setpgid(0, 0)
+        signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    except (OSError, AttributeError, ValueError):
+        pass
     for fd in opts.get("close_fds", ()):  # other clusters' rendezvous sockets: not ours to hold
         try:
             os.close(fd)
         except OSError:
             pass
     try:  # native messages (a C++ abort's reason) land in a file the parent reads if we die
-        err = os.open(stderr_file(opts["port"], rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(err, 2)
-        os.close(err)
-        faulthandler.enable(file=2, all_threads=False)  # a crash's Python stack goes there too
+        if opts.get("folder"):
+            err = os.open(stderr_file(opts["folder"], rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                          0o600)
+            os.dup2(err, 2)
+            os.close(err)
+            faulthandler.enable(file=2, all_threads=False)  # a crash's Python stack goes there too
     except OSError:
         pass
     lock = threading.Lock()

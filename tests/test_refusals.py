@@ -4,7 +4,7 @@ message that names the flag to fix (the table is the learner's and the engineer'
 import pytest
 
 from minitrain.strategies import get_strategy, strategy_names
-from minitrain.strategies.base import flag, option_fields
+from minitrain.strategies.base import Machine, flag, option_fields
 from minitrain.cli import main
 
 FILE = __file__  # a regular file: nothing can be saved under it
@@ -71,7 +71,47 @@ TABLE = [  # (arguments after "train", the flag or name the message must contain
     (["--save-every", "2"], "--save-dir"),
     (["--resume", "/nonexistent/minitrain-ck"], "no checkpoint at"),
     (["--strategy", "ps-sync", "--world-size", "3", "--batch-size", "12", "--save-dir", "x"], "--save-dir"),
+    (["--save-dir", ""], "--save-dir is empty"),
+    (["--resume", ""], "--resume is empty"),
+    # every size has an upper bound that fits the machine (issue 28), said with the bound and why
+    (["--strategy", "ddp", "--world-size", "1000000000", "--batch-size", "1000000000"],
+     "--world-size 1000000000 does not fit this machine: each rank takes"),
+    (["--batch-size", "1000000000"], "--batch-size 1000000000 does not fit this machine: the "
+                                     "activations kept for backward"),
+    (["--batch-size", "100000"], "--batch-size 100000 does not fit this machine"),
+    (["--steps", "1000000000000"], "--steps 1000000000000 does not fit this machine: a run keeps "
+                                   "each step's loss and time"),
+    (["--seq-len", "100000"], "--seq-len 100000 does not fit this machine"),
+    (["--seq-len", "100000", "--checkpoint-activations"],
+     "--seq-len 100000 does not fit this machine: one step would take at least"),
+    (["--seq-len", "10000000"], "the model (--seq-len 10000000) does not fit this machine: "
+                                "640,200,960 parameters"),
+    (["--d-model", "100000"], "the model (--d-model 100000) does not fit this machine"),
+    (["--n-layer", "1000000"], "the model (--n-layer 1000000) does not fit this machine"),
+    (["--timeout", "1e-9"], "--timeout must be from 1 s"),
+    (["--timeout", "0.5"], "--timeout must be from 1 s"),
+    (["--timeout", "1e12"], "to 604800 s (a week"),
+    (["--timeout", "inf"], "--timeout"),
+    (["--seed", "1099511627776000000000"], "--seed must be from 0 to 18446744073709551615"),
+    (["--seed", "-1"], "--seed must be from 0"),
+    (["--strategy", "ps-async", "--world-size", "3", "--batch-size", "12", "--slow-worker", "0:1e9"],
+     "--slow-worker 0:1e+09 must be shorter than --timeout 120"),
+    (["--strategy", "ps-async", "--world-size", "3", "--batch-size", "12", "--slow-worker", "0:inf"],
+     "bad --slow-worker '0:inf'"),
+    (["--strategy", "ps-async", "--world-size", "3", "--batch-size", "12", "--slow-worker", "0:nan"],
+     "bad --slow-worker '0:nan'"),
+    (["--strategy", "ps-async", "--world-size", "3", "--batch-size", "12", "--delay-comp", "inf"],
+     "--delay-comp must be >= 0 (and finite)"),
 ]
+
+#: the machine the table's bounds are judged on (the course's reference: 2 cores, 8 GiB, the
+#: usual 1024 open files), so that a row does not depend on where the tests run
+REFERENCE = Machine(memory=8 * 2**30, cores=2, open_files=1024)
+
+
+@pytest.fixture(autouse=True)
+def reference_machine(monkeypatch):
+    monkeypatch.setattr(Machine, "here", classmethod(lambda cls, backend=None: REFERENCE))
 
 
 def test_every_checked_flag_has_a_refusal_in_the_table():
@@ -82,7 +122,9 @@ def test_every_checked_flag_has_a_refusal_in_the_table():
                for f, _ in option_fields(get_strategy(name).options)
                if f.metadata.get("check") or f.metadata.get("choices")}
     run_rules = {"--world-size", "--steps", "--batch-size", "--lr", "--timeout", "--precision",
-                 "--loss-scale", "--loss-scale-growth", "--save-dir", "--save-every", "--resume", "--strategy", "--model"}
+                 "--loss-scale", "--loss-scale-growth", "--save-dir", "--save-every", "--resume",
+                 "--strategy", "--model", "--seed", "--seq-len", "--d-model", "--n-layer",
+                 "--slow-worker"}
     missing = sorted(f for f in checked | run_rules if f not in rows.split())
     assert not missing, f"flags with a rule but no refusal row: {missing}"
 
@@ -116,3 +158,46 @@ def test_oversubscription_is_warned(monkeypatch, capsys):
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     check_config(TrainConfig(strategy="ddp", world_size=16, batch_size=16))
     assert "16 ranks on 2 CPU cores" in capsys.readouterr().err
+
+
+BINDER = Machine(memory=2 * 2**30, cores=1, open_files=1024)  # the smallest machine the course runs on
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(),
+    dict(strategy="ddp", world_size=8, batch_size=64),
+    dict(strategy="3d", world_size=8, options={"dp": 2, "pp": 2, "tp": 2}, batch_size=16),
+    dict(strategy="zero3", world_size=4, steps=2000, batch_size=256),
+    dict(strategy="single", model="small", batch_size=64, steps=200),
+    dict(strategy="pipeline", world_size=4, batch_size=64, options={"microbatches": 16}),
+])
+def test_the_courses_runs_fit_the_smallest_machine_it_runs_on(cfg):
+    """The bounds only refuse what cannot run: every size a lesson uses fits Binder's 1 CPU, 2 GB."""
+    from minitrain import TrainConfig
+    from minitrain.model import PRESETS
+    from minitrain.strategies.base import check_fits_machine
+    cfg = dict(cfg)
+    model = PRESETS[cfg.pop("model", "tiny")]
+    check_fits_machine(TrainConfig(model=model, **cfg), BINDER)
+
+
+def test_the_bounds_follow_the_machine():
+    """More ranks than memory (24 MiB each) or open files allow; a batch whose activations do not
+    fit; the bound given fits and one more does not."""
+    import re
+
+    from minitrain import ConfigError, TrainConfig
+    from minitrain.strategies.base import check_fits_machine
+    with pytest.raises(ConfigError, match=r"--world-size 100 does not fit this machine: each rank "
+                                          r"takes at least 24.0 MiB .* at most --world-size 85 "):
+        check_fits_machine(TrainConfig(strategy="ddp", world_size=100, batch_size=100), BINDER)
+    few_files = Machine(memory=2**40, cores=64, open_files=256)
+    with pytest.raises(ConfigError, match=r"open files .* the limit is 256 \(ulimit -n\); at most "
+                                          r"--world-size 48 "):
+        check_fits_machine(TrainConfig(strategy="ddp", world_size=64, batch_size=64), few_files)
+    with pytest.raises(ConfigError) as info:
+        check_fits_machine(TrainConfig(batch_size=20000), BINDER)
+    most = int(re.search(r"at most --batch-size (\d+) fits", str(info.value)).group(1))
+    check_fits_machine(TrainConfig(batch_size=most), BINDER)
+    with pytest.raises(ConfigError):
+        check_fits_machine(TrainConfig(batch_size=most + 1), BINDER)

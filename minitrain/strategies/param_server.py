@@ -4,6 +4,7 @@ gradients and pull weights (lesson 03).  The ranks do not step together: the str
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ __all__ = ["PSOptions", "PSSync", "PSAsync", "parse_slow_workers", "parse_crash_
 
 
 def _non_negative(value) -> str | None:
-    return None if value is None or value >= 0 else "must be >= 0"
+    return None if value is None or 0 <= value < math.inf else "must be >= 0 (and finite)"
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ def parse_slow_workers(spec) -> dict[int, float]:
         except ValueError:
             raise ConfigError(f"bad --slow-worker {part!r}; use WORKER:SECONDS, e.g. 1:0.05 "
                               "(several separated by commas)") from None
-        if not sep or out[int(worker)] < 0:
+        if not sep or not 0 <= out[int(worker)] < math.inf:
             raise ConfigError(f"bad --slow-worker {part!r}; use WORKER:SECONDS with SECONDS >= 0")
     return out
 
@@ -97,9 +98,13 @@ class _ParameterServerStrategy(FreeRunning):
             raise ConfigError("--staleness-lr scales each gradient applied on arrival; with "
                               "--staleness (SSP) a clock's gradients are averaged in one step: "
                               "leave out one of the two")
-        for w in parse_slow_workers(o.slow_worker):
+        for w, seconds in parse_slow_workers(o.slow_worker).items():
             if not 0 <= w < workers:
                 raise ConfigError(f"--slow-worker {w}: workers are numbered 0..{workers - 1}")
+            if seconds >= cfg.timeout:  # (issue 28: 0:1e9 ran until killed)
+                raise ConfigError(f"--slow-worker {w}:{seconds:g} must be shorter than --timeout "
+                                  f"{cfg.timeout:g}: the servers wait at most that long for a "
+                                  f"worker's gradient; use fewer seconds (or a larger --timeout)")
         parse_crash_worker(o.crash_worker)
         check_compression(cfg)
 

@@ -18,9 +18,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minitrain import PRESETS, Cluster, GPT
+from minitrain.analysis import overlap_fraction
 from minitrain.benchmarking import alternate
 from minitrain.data import ArithmeticData, shard
-from minitrain.parallel.data_parallel import DistributedDataParallel, overlap_fraction
+from minitrain.parallel.data_parallel import DistributedDataParallel
 
 
 def step_times(model_name: str, bucket_mb: float, steps: int, batch: int):

@@ -40,8 +40,8 @@ from minitrain import PRESETS, Cluster, GPT
 from minitrain.benchmarking import alternate
 from minitrain.data import ArithmeticData
 from minitrain.model import GPTConfig, loss_fn
-from minitrain.parallel.schedules import (Action, as_action, bubble_formula, bubble_fraction, dependencies,
-                                          split_layers)
+from minitrain.analysis import bubble_formula, bubble_fraction
+from minitrain.parallel.schedules import Action, as_action, dependencies, split_layers
 
 #: the presets, plus one deep enough for 4 stages whose compute dominates the point-to-point traffic
 MODELS = {**PRESETS, "8x256": GPTConfig(n_layer=8, n_head=8, d_model=256, seq_len=64)}

@@ -27,6 +27,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minitrain import PRESETS, Cluster, GPT
+from minitrain.analysis import hidden_fraction
 from minitrain.benchmarking import alternate
 from minitrain.comm import Comm
 from minitrain.data import ArithmeticData, shard
@@ -94,7 +95,7 @@ def step_times(model_name: str, steps: int, batch: int, kinds: list[str]):
     out = alternate(kinds, step, data, batch, steps)
     states = {k: {kk: v for kk, v in runs[k][2]().items()
                   if kk in ("parameters", "gradients", "optimizer_states")} for k in kinds}
-    hidden = {k: runs[k][0].hidden_fraction() for k in kinds if k.startswith("zero3")}
+    hidden = {k: hidden_fraction(runs[k][0].timeline or []) for k in kinds if k.startswith("zero3")}
     return {k: v["times"] for k, v in out.items()}, states, hidden
 
 

@@ -4,83 +4,61 @@ checkpoint consolidates into a plain single-process state_dict (lesson 08).
 On disk, one directory per saved step under ``--save-dir DIR``::
 
     DIR/step-000005/rank00000.pt   one file per rank, written by that rank: {"format", "rank",
-    DIR/step-000005/rank00001.pt   "step", "rng", "state"}; "state" is what the rank's strategy
-    ...                            returned from checkpoint_state() (its shard, or a replica)
+    DIR/step-000005/rank00001.pt   "step", "rng", "state"}; "state" is what the strategy's
+    ...                            checkpointer saved on that rank (its shard, or a replica)
     DIR/step-000005/meta.json      written last, by rank 0: the step, the layout the state was cut
-                                   for (strategy, world size, model, precision, the strategy's own
+                                   for (strategy, world size, model, precision, the checkpointer's
                                    options), the whole config, and each rank file's size and SHA-256
 
 A step is written as ``step-000005.tmp/`` and renamed when complete (``meta.json`` last), so a save
-that did not finish is never taken for one: resuming from a save dir takes its latest complete step
-and says which unfinished ones it skipped.  A directory without ``meta.json`` is refused; a rank file that is
-missing, shorter or longer than ``meta.json`` says, or whose SHA-256 differs, is refused naming the
-file.  Loading uses ``torch.load(..., weights_only=True)``: only tensors and plain containers.
+that did not finish is never taken for one; every file is written under a temporary name and renamed,
+and a write that fails (a full disk: "no space left on DIR", with what was kept) leaves no temporary
+behind.  ``meta.json`` is checked against its schema (:data:`META_SCHEMA`) before anything in it is
+used: a hand-edited or damaged one is refused in one line.  A rank file that is missing, of another size than
+``meta.json`` says, or whose SHA-256 differs, is refused naming the file; loading uses
+``torch.load(..., weights_only=True)``: only tensors and plain containers.  The *data position* is
+the step (a batch is a pure function of seed and step: :mod:`minitrain.data`); the RNG states are
+saved per rank and restored.  :mod:`minitrain.checkpoint_checks` refuses, before any process starts,
+a ``--save-dir`` or ``--resume`` that cannot work.
 
-The *data position* is the step: a batch is a pure function of (seed, step) (:mod:`minitrain.data`),
-so a run resumed at step k reads exactly the batches the uninterrupted run read from step k on.
-The RNG states (torch, CUDA, Python's ``random``) are saved per rank and restored, although the
-course's training draws no random numbers.
-
-A save dir that holds another run's steps is refused (unless this run resumes from it, or
-``--overwrite`` deletes them); the seed and the global batch (the data stream) are compared on
-resume like the layout.
-
-What a strategy implements (``minitrain/strategies/base.py``; defaults there are for ranks that hold
-identical replicas, as single and ddp do):
-
-* ``checkpoint_refusal = None`` on the registered class itself (not inherited) — else ``check``
-  refuses ``--save-dir``/``--resume`` with the reason;
-* ``checkpoint_layout(cfg)`` — the options that decide how the state is cut (compared on resume);
-* ``checkpoint_state()`` — this rank's part: tensors and plain containers;
-* ``load_checkpoint_state(read)`` — restore it; ``read(r)`` is rank r's saved part (verified);
-* ``consolidate_checkpoint(cfg, read)`` — the full single-process state_dict, offline;
-* for resharding, ``reshardable = True`` on the registered class itself, and
-  ``consolidate_optimizer(cfg, read)`` (the portable optimizer state, offline) and
-  ``load_portable_state(weights, optim)`` (this rank's cut of it).
-
-Resharding: a checkpoint is not stranded by its layout.  When the saved layout differs from the run's
-only in the strategy, the world size or the strategy's options (ZeRO offload, buckets), and both
-strategies reshard (``single``, ``ddp-naive``, ``ddp``, ``zero1``-``zero3``), every rank reads every
-saved part, turns it into the layout-free *portable* form (:mod:`minitrain.strategies.portable`:
-the weights as a single-process state_dict, Adam's ``exp_avg``/``exp_avg_sq``/``step`` — and the
-fp32 masters under mixed precision — per parameter name) and takes its own cut of it: a replica
-loads it whole, a ZeRO rank its flat shard of each unit and the same slice of each moment (zero in
-the padding), as ``torch.distributed.checkpoint`` reshards for PyTorch users.  The step is the data
-position, so the loss stream goes on: zero3 on 4 ranks resumed as zero1 on 3 gives the uninterrupted
-zero1 run's losses (fp32: within float rounding of the different reductions before the save).  A
-rank the saved run did not have takes rank 0's RNG state.  The model, the precision and the data
-stream (seed, global batch) must still match; ``pipeline``, ``tensor`` and ``3d`` checkpoints resume
-only on their own layout (refused with the fix: resume with the saved layout, or consolidate and
-start a new run from the weights).  :func:`portable_state` gives the portable form offline.
+What goes into a rank's file is the strategy's ``checkpointer``'s business
+(:class:`~minitrain.strategies.base.Checkpointer`: ``layout(cfg)``, ``save(strategy)``,
+``load(strategy, read)``, ``consolidate(cfg, read)``, and ``portable_optimizer``/``load_portable``
+where it reshards through the layout-free form of :mod:`minitrain.strategies.portable`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno
 import hashlib
+import io
 import json
 import os
 import random
 import re
 import shutil
-import sys
+import stat
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from .model import GPTConfig
-from .strategies import ConfigError, Strategy, TrainConfig, get_strategy, strategy_names
+from .precision import PRECISIONS
+from .strategies import (Checkpointer, ConfigError, Strategy, TrainConfig, get_strategy, portable,
+                         strategy_names)
 
-__all__ = ["CheckpointError", "META", "checkpoint_support", "find_checkpoint", "read_meta",
-           "check_checkpoint_config", "maybe_save", "save_checkpoint", "load_checkpoint",
-           "RankFiles", "consolidate", "consolidate_to", "reshardable", "portable_state"]
+__all__ = ["CheckpointError", "META", "META_SCHEMA", "checkpoint_support", "find_checkpoint",
+           "read_meta", "meta_problem", "check_files", "maybe_save", "save_checkpoint",
+           "load_checkpoint", "RankFiles", "consolidate", "consolidate_to", "check_output",
+           "portable_state", "unfinished_saves", "step_of"]
 
 FORMAT, VERSION = "minitrain-checkpoint", 1
 META = "meta.json"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-_FLAGS = {"n_layer": "--n-layer", "n_head": "--n-head", "d_model": "--d-model", "seq_len": "--seq-len"}
+STEP_DIR = re.compile(r"^step-(\d+)$")
+UNFINISHED_DIR = re.compile(r"^step-(\d+)\.tmp$")
 
 
 class CheckpointError(ConfigError):
@@ -95,127 +73,16 @@ def step_dir(save_dir, step: int) -> Path:
     return Path(save_dir) / f"step-{step:06d}"
 
 
-# --------------------------------------------------------------------------------------------------
-# What a run's checkpoint must agree on
-# --------------------------------------------------------------------------------------------------
-
-
 def checkpoint_support(cls: type[Strategy]) -> str | None:
-    """None if strategy ``cls`` saves and resumes checkpoints, else why not.  Only the registered
-    class's *own* ``checkpoint_refusal = None`` counts: a subclass whose state lies differently
-    (``tensor`` is a ``single`` on a shard) must implement the methods and declare it again."""
-    if "checkpoint_refusal" in cls.__dict__:
-        return cls.__dict__["checkpoint_refusal"]
-    inherited = getattr(cls, "checkpoint_refusal", None)
-    return inherited or (f"strategy {cls.name!r} does not implement checkpoints yet (it needs "
-                         "checkpoint_state, load_checkpoint_state and consolidate_checkpoint, and "
-                         "checkpoint_refusal = None on its class)")
-
-
-def _options(options) -> dict:
-    return dataclasses.asdict(options) if dataclasses.is_dataclass(options) else dict(options)
-
-
-def _json(value):
-    return json.loads(json.dumps(value, default=lambda v: getattr(v, "name", None) or str(v)))
-
-
-def layout_of(cfg: TrainConfig) -> dict:
-    """What decides how the state is cut: a checkpoint resumes only under the same."""
-    cls = get_strategy(cfg.strategy)
-    return _json({"strategy": cfg.strategy, "world_size": cfg.world_size,
-                  "model": cfg.model.to_dict(), "precision": cfg.precision,
-                  "options": cls.checkpoint_layout(cfg),
-                  # the data stream: batch k is a function of (seed, k, global batch)
-                  "data": {"seed": cfg.seed, "batch_size": cfg.batch_size}})
-
-
-def reshardable(cls: type[Strategy]) -> bool:
-    """True if strategy ``cls`` resumes checkpoints of other layouts through the portable form
-    (its registered class itself says ``reshardable = True``, as for ``checkpoint_refusal``)."""
-    return cls.__dict__.get("reshardable") is True and checkpoint_support(cls) is None
-
-
-def reshardable_names() -> list[str]:
-    return [n for n in strategy_names() if reshardable(get_strategy(n))]
-
-
-def _reshards(saved: dict, now: dict) -> bool:
-    """The layouts differ only where resharding reaches (strategy, world size, the options that
-    cut the state), and both strategies reshard."""
-    cut = any(saved[k] != now[k] for k in ("strategy", "world_size", "options"))
-    try:
-        both = all(reshardable(get_strategy(layout["strategy"])) for layout in (saved, now))
-    except ConfigError:  # a strategy this minitrain does not know
-        return False
-    return cut and both
-
-
-def _mismatch(saved: dict, now: dict, where: Path) -> str | None:
-    """The first difference between the checkpoint's layout and this run's that cannot be
-    resumed, as a refusal (None: the same layout, or one :func:`_reshards` bridges)."""
-    resharded = _reshards(saved, now)
-    fixed = [n for n in strategy_names()
-             if checkpoint_support(get_strategy(n)) is None and n not in reshardable_names()]
-    only = (f"; a checkpoint is resharded on load between {', '.join(reshardable_names())} only "
-            f"({', '.join(fixed)} resume on their own layout)")
-    if saved["strategy"] != now["strategy"] and not resharded:
-        return (f"{where} was saved by strategy {saved['strategy']!r}, this run is "
-                f"{now['strategy']!r}{only}; resume with --strategy {saved['strategy']}, or "
-                f"consolidate it (minitrain consolidate {where} OUT.pt) for a plain state_dict")
-    if saved["world_size"] != now["world_size"] and not resharded:
-        return (f"{where} was saved on {saved['world_size']} ranks, this run has "
-                f"{now['world_size']}{only}; resume with --world-size {saved['world_size']}, or "
-                f"consolidate it")
-    if saved["model"] != now["model"]:
-        diffs = [k for k in saved["model"] if saved["model"][k] != now["model"].get(k)]
-        fix = " ".join(f"{_FLAGS[k]} {saved['model'][k]}" for k in diffs if k in _FLAGS)
-        return (f"{where} holds a different model: "
-                + ", ".join(f"{k} {saved['model'][k]} there, {now['model'].get(k)} here" for k in diffs)
-                + f"; resume with the same model{' (' + fix + ')' if fix else ''}")
-    if saved["precision"] != now["precision"]:
-        return (f"{where} was saved in --precision {saved['precision']}, this run uses "
-                f"{now['precision']}; resume with --precision {saved['precision']}")
-    if saved["options"] != now["options"] and not resharded:
-        keys = sorted(set(saved["options"]) | set(now["options"]))
-        diffs = [k for k in keys if saved["options"].get(k) != now["options"].get(k)]
-        return (f"{where} was cut for other {now['strategy']} options: "
-                + ", ".join(f"{k} {saved['options'].get(k)} there, {now['options'].get(k)} here"
-                            for k in diffs)
-                + "; resume with the checkpoint's (--" + ", --".join(k.replace("_", "-") for k in diffs)
-                + ")")
-    data = saved.get("data")
-    if data is not None and data != now["data"]:
-        key = next(k for k in data if data[k] != now["data"].get(k))
-        return (f"{where} was trained with --{key.replace('_', '-')} {data[key]}, this run has "
-                f"{now['data'].get(key)}: the data stream would differ from the interrupted run's; "
-                f"resume with --{key.replace('_', '-')} {data[key]}")
-    return None
-
-
-def _describe(layout: dict) -> str:
-    n = layout["world_size"]
-    return f"{layout['strategy']} on {n} rank{'s' if n != 1 else ''}"
+    """None if strategy ``cls`` saves and resumes checkpoints (it has a checkpointer), else why not."""
+    if isinstance(cls.checkpointer, Checkpointer):
+        return None
+    return f"strategy {cls.name!r} cannot save checkpoints: {cls.checkpointer}"
 
 
 # --------------------------------------------------------------------------------------------------
-# Finding and checking a checkpoint (before any process starts)
+# Finding and verifying a checkpoint
 # --------------------------------------------------------------------------------------------------
-
-
-def skipped_saves(where) -> list[str]:
-    """Saves in the save dir ``where`` newer than the step a resume takes, that did not finish."""
-    path = Path(where)
-    if not path.is_dir() or (path / META).is_file():
-        return []
-    chosen = find_checkpoint(path)
-    out = []
-    for p in sorted(path.iterdir()):
-        m = _STEP_DIR.match(p.name.removesuffix(".tmp"))
-        if m and p.is_dir() and (p.name.endswith(".tmp") or not (p / META).is_file()) \
-                and p != chosen and int(m.group(1)) >= int(_STEP_DIR.match(chosen.name).group(1)):
-            out.append(p.name)
-    return out
 
 
 def find_checkpoint(where) -> Path:
@@ -228,23 +95,47 @@ def find_checkpoint(where) -> Path:
     if (path / META).is_file():
         return path
     steps = sorted((int(m.group(1)), p) for p in path.iterdir()
-                   if p.is_dir() and (m := _STEP_DIR.match(p.name)))
+                   if p.is_dir() and (m := STEP_DIR.match(p.name)))
     done = [p for _, p in steps if (p / META).is_file()]
     if done:
         return done[-1]
-    if steps:
-        raise CheckpointError(f"no complete checkpoint in {path}: {', '.join(p.name for _, p in steps)}"
-                              f" lack {META} (a save that did not finish writes it last); "
-                              "resume from another checkpoint")
-    if _STEP_DIR.match(path.name) or any(path.glob("rank*.pt")):
+    unfinished = unfinished_saves(path)
+    if unfinished:
+        shown = ", ".join(unfinished[:3]) + (" ..." if len(unfinished) > 3 else "")
+        raise CheckpointError(f"no complete checkpoint in {path}: only unfinished saves ({shown}: the "
+                              f"run stopped before {META}, written last, was there), and nothing "
+                              "can be resumed from those; train from the start (--save-dir "
+                              f"{path} --overwrite deletes them), or resume from another checkpoint")
+    if STEP_DIR.match(path.name) or UNFINISHED_DIR.match(path.name) or any(path.glob("rank*.pt")):
         raise CheckpointError(f"{path} has no {META}: the save did not finish (the rank files are "
                               f"written first, {META} last); resume from an earlier checkpoint")
     raise CheckpointError(f"no checkpoint in {path}: neither {META} nor step-* directories; pass "
                           "the --save-dir of an earlier run, or one of its step-* directories")
 
 
+def unfinished_saves(save_dir) -> list[str]:
+    """The saves in ``save_dir`` that did not finish (``step-N.tmp``, or ``step-N`` without
+    ``meta.json``), by step."""
+    path = Path(save_dir)
+    if not path.is_dir():
+        return []
+    found = []
+    for p in path.iterdir():
+        m = STEP_DIR.match(p.name) or UNFINISHED_DIR.match(p.name)
+        if m and p.is_dir() and (p.name.endswith(".tmp") or not (p / META).is_file()):
+            found.append((int(m.group(1)), p.name))
+    return [name for _, name in sorted(found)]
+
+
+def step_of(path: Path) -> int | None:
+    """The step a ``step-N`` directory's name says (None for another name)."""
+    m = STEP_DIR.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
 def read_meta(path: Path) -> dict:
-    """``meta.json`` of checkpoint directory ``path``, checked for format and completeness."""
+    """``meta.json`` of checkpoint directory ``path``, checked for format and version, then
+    against :data:`META_SCHEMA` (every key, type and bound) before anything in it is used."""
     try:
         meta = json.loads((path / META).read_text())
     except (OSError, ValueError) as exc:
@@ -256,103 +147,167 @@ def read_meta(path: Path) -> dict:
     if meta.get("version") != VERSION:
         raise CheckpointError(f"{path} has checkpoint format version {meta.get('version')}; this "
                               f"minitrain reads version {VERSION}")
+    problem = meta_problem(meta, path)
+    if problem:
+        raise CheckpointError(f"{path / META} is not as minitrain wrote it: {problem}; undo the "
+                              f"edit (minitrain writes {META}, with each rank file's size and "
+                              "SHA-256), or use another checkpoint")
     return meta
+
+
+# --------------------------------------------------------------------------------------------------
+# meta.json's schema: what save_checkpoint writes, checked whole before use
+# --------------------------------------------------------------------------------------------------
+
+_INT, _STR, _DICT = "an integer", "a string", "an object"
+
+
+def _kind(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return {int: _INT, float: "a number", str: _STR, list: "a list", dict: _DICT}.get(
+        type(value), type(value).__name__)
+
+
+def _model_fields() -> dict:
+    """GPTConfig's fields and the JSON kinds each may hold."""
+    kinds = {}
+    for f in dataclasses.fields(GPTConfig):
+        hint = str(f.type)
+        if "bool" in hint:
+            kinds[f.name] = ("a boolean",)
+        elif "float" in hint:
+            kinds[f.name] = ("a number", _INT) + (("null",) if "None" in hint else ())
+        else:
+            kinds[f.name] = (_INT,) + (("null",) if "None" in hint else ())
+    return kinds
+
+
+#: meta.json, as :func:`save_checkpoint` writes it: key -> (JSON kinds, required?).  Nested parts
+#: ("layout", "layout.model", "files") are checked by :func:`meta_problem`, which also checks that
+#: the parts agree (one rank file per rank of the layout, the step of the directory's name).
+META_SCHEMA = {
+    "format": ((_STR,), True),          # "minitrain-checkpoint"
+    "version": ((_INT,), True),         # 1
+    "step": ((_INT,), True),            # steps done, >= 1; the directory is step-<step>
+    "layout": ((_DICT,), True),         # strategy, world_size, model, precision, options[, data]
+    "config": ((_DICT,), True),         # the whole TrainConfig (its "options": an object)
+    "files": ((_DICT,), True),          # rankNNNNN.pt -> {"rank", "bytes", "sha256"}, one per rank
+    "torch": ((_STR,), False),          # the torch version that saved it
+    "saved_at": ((_STR,), False),       # ISO 8601, UTC
+}
+LAYOUT_SCHEMA = {
+    "strategy": ((_STR,), True), "world_size": ((_INT,), True), "model": ((_DICT,), True),
+    "precision": ((_STR,), True), "options": ((_DICT,), True), "data": ((_DICT,), False),
+}
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _keys_problem(obj: dict, schema: dict, where: str) -> str | None:
+    for key, (kinds, required) in schema.items():
+        if key not in obj:
+            if required:
+                return f"{where}{key} is missing"
+            continue
+        if _kind(obj[key]) not in kinds:
+            shown = "" if obj[key] is None else f" ({json.dumps(obj[key])[:40]})"
+            return f"{where}{key} is {_kind(obj[key])}{shown}, not {kinds[0]}"
+    extra = sorted(set(obj) - set(schema))
+    if extra:
+        return f"{where}{extra[0]} is not a key minitrain writes"
+    return None
+
+
+def meta_problem(meta: dict, path: Path | None = None) -> str | None:
+    """What is wrong with ``meta`` (a parsed ``meta.json`` of directory ``path``), or None."""
+    problem = _keys_problem(meta, META_SCHEMA, "")
+    if problem:
+        return problem
+    step = meta["step"]
+    if step < 1:
+        return f"step is {step}; a checkpoint is saved after at least one step"
+    named = step_of(path) if path is not None else None
+    if named is not None and named != step:
+        return f"step is {step} but the directory is {path.name}"
+    layout = meta["layout"]
+    problem = _keys_problem(layout, LAYOUT_SCHEMA, "layout.")
+    if problem:
+        return problem
+    if layout["strategy"] not in strategy_names():
+        return (f"layout.strategy {layout['strategy']!r} is not a strategy of this minitrain "
+                f"({', '.join(strategy_names())})")
+    world = layout["world_size"]
+    if world < 1:
+        return f"layout.world_size is {world}; a run has at least one rank"
+    if layout["precision"] not in PRECISIONS:
+        return f"layout.precision {layout['precision']!r} is not one of {', '.join(PRECISIONS)}"
+    model_kinds = _model_fields()
+    problem = _keys_problem(layout["model"], {k: (v, True) for k, v in model_kinds.items()},
+                            "layout.model.")
+    if problem:
+        return problem
+    try:
+        GPTConfig(**layout["model"])
+    except ValueError as exc:
+        return f"layout.model is not a valid model ({exc})"
+    data = layout.get("data")
+    if data is not None:
+        problem = _keys_problem(data, {"seed": ((_INT,), True), "batch_size": ((_INT,), True)},
+                                "layout.data.")
+        if problem:
+            return problem
+    if not isinstance(meta["config"].get("options", {}), dict):
+        return f"config.options is {_kind(meta['config']['options'])}, not {_DICT}"
+    if "options" not in meta["config"]:
+        return "config.options is missing"
+    files = meta["files"]
+    expected = [rank_file(r) for r in range(world)] if world == len(files) else []
+    if sorted(files) != expected:
+        return (f"files lists {len(files)} rank file{'s' if len(files) != 1 else ''} "
+                f"({', '.join(sorted(files)[:3])}{' ...' if len(files) > 3 else ''}) but "
+                f"layout.world_size is {world} (one file per rank: "
+                f"{', '.join(rank_file(r) for r in range(min(world, 3)))}{' ...' if world > 3 else ''})")
+    for rank, name in enumerate(expected):
+        entry = files[name]
+        if not isinstance(entry, dict):
+            return f"files.{name} is {_kind(entry)}, not {_DICT}"
+        problem = _keys_problem(entry, {"rank": ((_INT,), True), "bytes": ((_INT,), True),
+                                        "sha256": ((_STR,), True)}, f"files.{name}.")
+        if problem:
+            return problem
+        if entry["rank"] != rank:
+            return f"files.{name}.rank is {entry['rank']}, not {rank}"
+        if entry["bytes"] < 0:
+            return f"files.{name}.bytes is {entry['bytes']}"
+        if not _SHA256.match(entry["sha256"]):
+            return f"files.{name}.sha256 is not 64 hexadecimal digits"
+    return None
+
+
+def _verified(path: Path, meta: dict, rank: int, sha256: bool = True) -> Path:
+    """Rank ``rank``'s file of checkpoint ``path``, there with the size and SHA-256 meta lists."""
+    name, world = rank_file(rank), meta["layout"]["world_size"]
+    file, listed = path / name, meta["files"].get(name)
+    if listed is None or not file.is_file():
+        raise CheckpointError(f"{path}: {name} is missing (the checkpoint has {world} rank "
+                              "files); it cannot be resumed or consolidated without it — copy "
+                              "it back, or use another checkpoint")
+    if file.stat().st_size != listed["bytes"]:
+        raise CheckpointError(f"{file} has {file.stat().st_size} bytes but {META} says "
+                              f"{listed['bytes']}: the file is truncated or was replaced; "
+                              "use another checkpoint")
+    if sha256 and _sha256(file) != listed["sha256"]:
+        raise CheckpointError(f"{file} is corrupt: its SHA-256 differs from {META}; use another "
+                              "checkpoint")
+    return file
 
 
 def check_files(path: Path, meta: dict) -> None:
     """Every rank file ``meta.json`` lists is there, with the size it lists."""
-    files = meta["files"]
-    world = meta["layout"]["world_size"]
-    for rank in range(world):
-        name = rank_file(rank)
-        if name not in files or not (path / name).is_file():
-            raise CheckpointError(f"{path}: {name} is missing (the checkpoint has {world} rank "
-                                  "files); it cannot be resumed or consolidated without it — copy "
-                                  "it back, or use another checkpoint")
-        size = (path / name).stat().st_size
-        if size != files[name]["bytes"]:
-            raise CheckpointError(f"{path / name} has {size} bytes but {META} says "
-                                  f"{files[name]['bytes']}: the file is truncated or was replaced; "
-                                  "use another checkpoint")
-
-
-def check_checkpoint_config(cfg: TrainConfig) -> dict | None:
-    """Refuse ``--save-dir``/``--save-every``/``--resume`` that cannot work, before any process
-    starts.  Returns the resumed checkpoint's metadata (None without ``--resume``)."""
-    if cfg.save_every is not None and cfg.save_every < 1:
-        raise CheckpointError(f"--save-every must be at least 1, got {cfg.save_every}")
-    if cfg.save_every is not None and not cfg.save_dir:
-        raise CheckpointError("--save-every needs --save-dir DIR: where to write the checkpoints")
-    if not (cfg.save_dir or cfg.resume):
-        return None
-    why = checkpoint_support(get_strategy(cfg.strategy))
-    if why:
-        raise CheckpointError(f"{'--resume' if cfg.resume else '--save-dir'}: {why}")
-    if cfg.save_dir:
-        _check_save_dir(cfg)
-    if not cfg.resume:
-        return None
-    path = find_checkpoint(cfg.resume)
-    for name in skipped_saves(cfg.resume):
-        print(f"minitrain: {Path(cfg.resume) / name} did not finish saving (no {META}); resuming "
-              f"from {path.name}", file=sys.stderr, flush=True)
-    meta = read_meta(path)
-    problem = _mismatch(meta["layout"], layout_of(cfg), path)
-    if problem:
-        raise CheckpointError(problem)
-    if _reshards(meta["layout"], layout_of(cfg)):
-        print(f"minitrain: resharding {path} ({_describe(meta['layout'])}) for "
-              f"{_describe(layout_of(cfg))}", file=sys.stderr, flush=True)
-    if meta["step"] >= cfg.steps:
-        raise CheckpointError(f"{path} is at step {meta['step']}, and --steps {cfg.steps} is already "
-                              f"reached (--steps counts from the start); use --steps "
-                              f"{meta['step'] + cfg.steps} to train {cfg.steps} more")
-    check_files(path, meta)
-    return {**meta, "path": str(path)}
-
-
-def _previous_saves(save_dir: Path) -> list[str]:
-    return sorted(p.name for p in save_dir.iterdir() if _STEP_DIR.match(p.name.removesuffix(".tmp"))) \
-        if save_dir.is_dir() else []
-
-
-def _check_save_dir(cfg: TrainConfig) -> None:
-    """``--save-dir`` must be writable (probed now, not after training) and hold no other run's
-    checkpoints, unless this run resumes from it or ``--overwrite`` is given."""
-    where = Path(cfg.save_dir)
-    existing = where
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise CheckpointError(f"--save-dir {where}: {existing} is a file, not a directory; choose a "
-                              "path in a directory")
-    try:
-        where.mkdir(parents=True, exist_ok=True)
-        probe = where / f".minitrain-probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise CheckpointError(f"--save-dir {where} cannot be written ({exc.strerror or exc}); "
-                              "choose a writable directory") from None
-    old = _previous_saves(where)
-    if old and not (_resuming_here(cfg) or cfg.overwrite):
-        shown = ", ".join(old[:3]) + (" ..." if len(old) > 3 else "")
-        raise CheckpointError(f"--save-dir {where} already holds checkpoints ({shown}) of an earlier "
-                              f"run; resume it (--resume {where}), pass --overwrite to delete them, "
-                              "or choose an empty directory")
-
-
-def _resuming_here(cfg: TrainConfig) -> bool:
-    here = Path(cfg.save_dir).resolve()
-    return bool(cfg.resume) and here in (Path(cfg.resume).resolve(), Path(cfg.resume).resolve().parent)
-
-
-def clear_save_dir(cfg: TrainConfig) -> None:
-    """With ``--overwrite`` (and not resuming from it): delete the earlier run's steps (rank 0)."""
-    where = Path(cfg.save_dir)
-    if cfg.overwrite and not _resuming_here(cfg):
-        for name in _previous_saves(where):
-            shutil.rmtree(where / name, ignore_errors=True)
+    for rank in range(meta["layout"]["world_size"]):
+        _verified(path, meta, rank, sha256=False)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -382,10 +337,67 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write_atomically(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
+def _serialized(obj) -> bytes:
+    """``torch.save(obj)``'s bytes (written by :func:`_write_file`: a full disk is an OSError
+    there, not a C++ stream error inside torch's zip writer)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    """``data`` into ``path``, whole or not at all: written under a temporary name in the same
+    directory, flushed to disk, then renamed over ``path``; the temporary is removed if anything
+    fails (and the OSError raised)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{os.urandom(3).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1))
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
+
+
+def _kept(save_dir) -> str:
+    """What a save dir still holds, for a failed save's message."""
+    path = Path(save_dir)
+    done = sorted(p.name for p in path.iterdir() if STEP_DIR.match(p.name) and (p / META).is_file()) \
+        if path.is_dir() else []
+    if not done:
+        return "no complete checkpoint is kept (this was the run's first save)"
+    return (f"the complete checkpoints are kept ({', '.join(done[-3:])}"
+            f"{', ...' if len(done) > 3 else ''}: --resume {path} takes {done[-1]})")
+
+
+def _save_failure(exc: OSError, cfg: TrainConfig, step: int, what: str) -> str:
+    """One line for a save that could not be written: the cause, the step lost, what was kept."""
+    where = Path(cfg.save_dir)
+    if _disk_full(exc):
+        cause = f"no space left on {where} (writing {what})"
+        fix = "free space there, or choose another --save-dir"
+    else:
+        cause = f"cannot write {what} under {where} ({exc.strerror or exc})"
+        fix = "fix that, or choose another --save-dir"
+    return (f"{cause}: step {step} was not saved and its unfinished {step_dir(where, step).name}.tmp "
+            f"was removed; {_kept(where)}; {fix}")
 
 
 def maybe_save(strategy: Strategy, step: int) -> None:
@@ -397,35 +409,72 @@ def maybe_save(strategy: Strategy, step: int) -> None:
 
 
 def save_checkpoint(strategy: Strategy, steps_done: int) -> Path:
-    """Every rank writes its file, then rank 0 writes ``meta.json`` (a collective; untraced)."""
+    """Every rank writes its file, then rank 0 writes ``meta.json`` (collectives; untraced).
+
+    The ranks agree on the outcome: if any rank's file or ``meta.json`` cannot be written (a full
+    disk), rank 0 removes the unfinished ``step-N.tmp`` and every rank raises the same
+    :class:`CheckpointError` (what failed, and what was kept)."""
     cfg, comm = strategy.cfg, strategy.comm
     final = step_dir(cfg.save_dir, steps_done)
     path = final.with_name(final.name + ".tmp")  # the step appears, complete, by one rename
+    root = comm.global_rank(0)
+    status = [None]
     if comm.rank == 0:
         shutil.rmtree(path, ignore_errors=True)
-        path.mkdir(parents=True)
-    dist.barrier(group=comm.group)
+        try:
+            path.mkdir(parents=True)
+        except OSError as exc:
+            status = [_save_failure(exc, cfg, steps_done, f"the directory {path.name}")]
+    dist.broadcast_object_list(status, src=root, group=comm.group)
+    if status[0]:
+        raise CheckpointError(status[0])
     name = rank_file(comm.rank)
     payload = {"format": FORMAT, "rank": comm.rank, "step": steps_done, "rng": _rng_state(),
-               "state": strategy.checkpoint_state()}
-    _write_atomically(path / name, lambda tmp: torch.save(payload, tmp))
-    mine = (name, {"rank": comm.rank, "bytes": (path / name).stat().st_size,
-                   "sha256": _sha256(path / name)})
-    files = [None] * comm.size if comm.rank == 0 else None
-    dist.gather_object(mine, files, dst=comm.global_rank(0), group=comm.group)
+               "state": strategy.checkpointer.save(strategy)}
+    data = _serialized(payload)
+    try:
+        _write_file(path / name, data)
+        mine = (name, {"rank": comm.rank, "bytes": len(data),
+                       "sha256": hashlib.sha256(data).hexdigest()})
+    except OSError as exc:
+        mine = (name, _save_failure(exc, cfg, steps_done, f"rank {comm.rank}'s file, "
+                                                          f"{_size(len(data))}"))
+    files = [None] * comm.size
+    dist.all_gather_object(files, mine, group=comm.group)
+    failed = next((entry for _, entry in files if isinstance(entry, str)), None)
     if comm.rank == 0:
-        meta = {"format": FORMAT, "version": VERSION, "step": steps_done, "layout": layout_of(cfg),
-                "config": _json({**cfg.__dict__, "model": cfg.model.to_dict(),
-                                 "options": _options(cfg.options)}),
-                "files": dict(files), "torch": torch.__version__,
-                "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
-        _write_atomically(path / META, lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(path, final)
-    dist.barrier(group=comm.group)
+        try:
+            if failed:
+                raise _Failed(failed)
+            config = {**cfg.__dict__, "model": cfg.model.to_dict(),
+                      "options": dataclasses.asdict(cfg.options)}
+            meta = {"format": FORMAT, "version": VERSION, "step": steps_done,
+                    "layout": portable.layout_of(cfg),
+                    "config": json.loads(json.dumps(config, default=lambda v: getattr(v, "name", None)
+                                                    or str(v))),
+                    "files": dict(files), "torch": torch.__version__,
+                    "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+            try:
+                _write_file(path / META, json.dumps(meta, indent=1).encode())
+            except OSError as exc:
+                raise _Failed(_save_failure(exc, cfg, steps_done, META)) from None
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(path, final)
+        except _Failed as exc:
+            shutil.rmtree(path, ignore_errors=True)  # frees the space the other ranks' files took
+            status = [str(exc)]
+    else:
+        status = [None]
+    dist.broadcast_object_list(status, src=root, group=comm.group)
+    if status[0]:
+        raise CheckpointError(status[0])
     strategy.saved_checkpoints.append(str(final))
     return final
+
+
+class _Failed(Exception):
+    """A save that rank 0 abandons (the message is every rank's CheckpointError)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -450,14 +499,7 @@ class RankFiles:
         return self.payload(rank)["state"]
 
     def _load(self, rank: int) -> dict:
-        name = rank_file(rank)
-        file, listed = self.path / name, self.meta["files"].get(name)
-        if listed is None or not file.is_file():
-            raise CheckpointError(f"{self.path}: {name} is missing; copy it back, or use another "
-                                  "checkpoint")
-        if file.stat().st_size != listed["bytes"] or _sha256(file) != listed["sha256"]:
-            raise CheckpointError(f"{file} is corrupt: its size or SHA-256 differs from {META}; "
-                                  "use another checkpoint")
+        file = _verified(self.path, self.meta, rank)
         try:
             payload = torch.load(file, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - any unpickling failure is a bad file
@@ -471,73 +513,141 @@ class RankFiles:
 
 
 def load_checkpoint(strategy: Strategy, where) -> int:
-    """On every rank: restore ``strategy`` and the RNG from the checkpoint ``where`` names, set
-    ``strategy.start_step`` and return it (the step to run next)."""
+    """On every rank: restore ``strategy`` and the RNG from the checkpoint ``where`` names (its
+    own layout, or another one resharded), set ``strategy.start_step`` and return it."""
     path = find_checkpoint(where)
     meta = read_meta(path)
-    problem = _mismatch(meta["layout"], layout_of(strategy.cfg), path)
+    saved, now = meta["layout"], portable.layout_of(strategy.cfg)
+    problem = portable.mismatch(saved, now, path)
     if problem:
         raise CheckpointError(problem)
     read, rank = RankFiles(path, meta), strategy.comm.rank
-    if _reshards(meta["layout"], layout_of(strategy.cfg)):
-        # every rank reads every saved part and takes its own cut of the whole (small models)
-        saved_cfg, cls = _saved_config(meta), get_strategy(meta["layout"]["strategy"])
-        strategy.load_portable_state(cls.consolidate_checkpoint(saved_cfg, read),
-                                     cls.consolidate_optimizer(saved_cfg, read))
-        strategy.resharded_from = _describe(meta["layout"])
-        rank = rank if rank < meta["layout"]["world_size"] else 0  # a new rank: rank 0's RNG
-    else:
-        strategy.load_checkpoint_state(read)
-    _set_rng_state(read.payload(rank)["rng"])
-    optimizer = getattr(strategy, "optimizer", None)
-    for group in getattr(optimizer, "param_groups", []):
+    try:
+        if portable.bridges(saved, now):
+            portable.load_resharded(strategy, _saved_config(meta), read)
+            strategy.resharded_from = portable.describe(saved)
+            rank = rank if rank < saved["world_size"] else 0  # a new rank: rank 0's RNG
+        else:
+            strategy.checkpointer.load(strategy, read)
+        _set_rng_state(read.payload(rank)["rng"])
+    except CheckpointError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as exc:
+        raise _not_as_described(path, exc) from None
+    for group in getattr(strategy.optimizer, "param_groups", []):
         group["lr"] = strategy.cfg.lr  # this run's --lr, not the saved one
     strategy.start_step = meta["step"]
     strategy.resumed_from = str(path)
     return meta["step"]
 
 
-def consolidate(where) -> dict:
-    """The full model of checkpoint ``where`` as a plain single-process state_dict (the keys and
-    shapes of ``GPT(cfg).state_dict()``): what ``strategy.state_dict()`` returned at that step."""
+def _open(where) -> tuple[Path, TrainConfig, RankFiles]:
+    """Checkpoint ``where`` for offline use: its path, the config it was saved under (as far as
+    its layout goes) and its verified rank files."""
     path = find_checkpoint(where)
     meta = read_meta(path)
     check_files(path, meta)
-    layout = meta["layout"]
-    cls = get_strategy(layout["strategy"])
-    why = checkpoint_support(cls)
-    if why:
-        raise CheckpointError(f"cannot consolidate {path}: {why}")
-    return cls.consolidate_checkpoint(_saved_config(meta), RankFiles(path, meta))
-
-
-def portable_state(where) -> tuple[dict, dict]:
-    """(weights, optimizer state) of checkpoint ``where`` in the layout-free form any reshardable
-    strategy loads (:mod:`minitrain.strategies.portable`), offline."""
-    path = find_checkpoint(where)
-    meta = read_meta(path)
-    check_files(path, meta)
-    cls = get_strategy(meta["layout"]["strategy"])
-    if not reshardable(cls):
-        raise CheckpointError(f"{path} was saved by {cls.name!r}, which does not reshard; "
-                              f"resharding covers {', '.join(reshardable_names())}")
-    cfg, read = _saved_config(meta), RankFiles(path, meta)
-    return cls.consolidate_checkpoint(cfg, read), cls.consolidate_optimizer(cfg, read)
+    return path, _saved_config(meta), RankFiles(path, meta)
 
 
 def _saved_config(meta: dict) -> TrainConfig:
-    """The config a checkpoint was saved under, as far as its layout goes."""
     layout = meta["layout"]
     return TrainConfig(strategy=layout["strategy"], world_size=layout["world_size"],
                        model=GPTConfig(**layout["model"]), precision=layout["precision"],
                        options=meta["config"].get("options", {}))
 
 
+def _not_as_described(path: Path, exc: BaseException) -> CheckpointError:
+    """A checkpoint whose rank files do not hold what its meta.json describes (e.g. a world size
+    edited by hand: shards of the wrong shape)."""
+    text = " ".join(str(exc).split())
+    return CheckpointError(f"{path}: the rank files do not hold what {META} describes "
+                           f"({type(exc).__name__}: {text[:200]}); was {META} edited? Use another "
+                           "checkpoint")
+
+
+def consolidate(where) -> dict:
+    """The full model of checkpoint ``where`` as a plain single-process state_dict (the keys and
+    shapes of ``GPT(cfg).state_dict()``): what the run's ``final_state()`` was at that step."""
+    path, cfg, read = _open(where)
+    why = checkpoint_support(get_strategy(cfg.strategy))
+    if why:
+        raise CheckpointError(f"cannot consolidate {path}: {why}")
+    try:
+        return get_strategy(cfg.strategy).checkpointer.consolidate(cfg, read)
+    except CheckpointError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as exc:
+        raise _not_as_described(path, exc) from None
+
+
+def _inside_a_checkpoint(path: Path) -> Path | None:
+    """The checkpoint directory (``meta.json``, or a ``step-N``/``step-N.tmp`` name) that ``path``
+    would be written inside, or None."""
+    for folder in path.parents:
+        if (folder / META).exists() or STEP_DIR.match(folder.name) or UNFINISHED_DIR.match(folder.name):
+            return folder
+    return None
+
+
+def check_output(out) -> Path:
+    """Where :func:`consolidate_to` may write ``out`` (resolved), or a :class:`CheckpointError`:
+    a path is needed; it may not lie inside a checkpoint (its files are the checkpoint); an
+    existing ``out`` must be a regular file (never a directory, a device or a pipe)."""
+    if out is None or not str(out).strip():
+        raise CheckpointError("no output file given: name the .pt file to write, e.g. "
+                              "minitrain consolidate ck full.pt")
+    given = Path(out).expanduser()
+    path = given.resolve()  # through symbolic links: where the bytes would really go
+    inside = _inside_a_checkpoint(path)
+    if inside is not None:
+        raise CheckpointError(f"cannot write {given}: it is inside the checkpoint {inside}, whose "
+                              "files are the checkpoint (writing there would damage it); write "
+                              f"it outside, e.g. {inside.parent / 'full.pt'}")
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:
+        raise CheckpointError(f"cannot write {given}: {exc.strerror or exc}") from None
+    if mode is not None and stat.S_ISDIR(mode):
+        raise CheckpointError(f"cannot write {given}: it is a directory; name a file in it, e.g. "
+                              f"{given / 'full.pt'}")
+    if mode is not None and not stat.S_ISREG(mode):
+        kind = ("a character device" if stat.S_ISCHR(mode) else "a block device"
+                if stat.S_ISBLK(mode) else "a pipe" if stat.S_ISFIFO(mode) else "a socket"
+                if stat.S_ISSOCK(mode) else "not a regular file")
+        raise CheckpointError(f"cannot write {given}: it is {kind}, not a regular file; name a "
+                              "file to write")
+    if not path.parent.is_dir():
+        raise CheckpointError(f"cannot write {given}: {given.parent} does not exist")
+    return path
+
+
 def consolidate_to(where, out) -> Path:
-    """:func:`consolidate` and ``torch.save`` the state_dict to ``out``; returns its path."""
+    """:func:`consolidate` and ``torch.save`` the state_dict to ``out``; returns its path.
+
+    ``out`` is checked first (:func:`check_output`); it is written whole or not at all (no
+    temporary left behind), and a full disk is said as such."""
+    path = check_output(out)
     state = consolidate(where)
-    out = Path(out)
-    if out.parent and not out.parent.exists():
-        raise CheckpointError(f"cannot write {out}: {out.parent} does not exist")
-    _write_atomically(out, lambda tmp: torch.save(state, tmp))
-    return out
+    data = _serialized(state)
+    try:
+        _write_file(path, data)
+    except OSError as exc:
+        if _disk_full(exc):
+            raise CheckpointError(f"no space left on {path.parent}: the consolidated state_dict "
+                                  f"needs {_size(len(data))}; nothing was written ({out} is as it "
+                                  "was); free space there, or write it elsewhere") from None
+        raise CheckpointError(f"cannot write {out}: {exc.strerror or exc}") from None
+    return Path(out)
+
+
+def portable_state(where) -> tuple[dict, dict]:
+    """(weights, optimizer state) of checkpoint ``where`` in the layout-free form any reshardable
+    strategy loads (:mod:`minitrain.strategies.portable`), offline."""
+    path, cfg, read = _open(where)
+    if not portable.reshardable(get_strategy(cfg.strategy)):
+        raise CheckpointError(f"{path} was saved by {cfg.strategy!r}, which does not reshard; "
+                              f"resharding covers {', '.join(portable.reshardable_names())}")
+    return portable.portable_form(cfg, read)

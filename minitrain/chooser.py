@@ -71,12 +71,13 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from .costmodel import predict
+from .costmodel import collective_seconds, compute_seconds
 from .memory import GB, activation_bytes_per_layer, model_state_bytes
 
 __all__ = ["ModelSpec", "Workload", "Hardware", "Layout", "Candidate", "Recommendation", "SCENARIOS",
            "SCENARIO_TABLE",
-           "choose", "evaluate", "layouts", "scenario", "links_fast", "TOLERANCE", "USABLE"]
+           "choose", "evaluate", "layouts", "scenario", "links_fast", "links", "memory_per_device",
+           "TOLERANCE", "USABLE"]
 
 #: layouts within this fraction of the fastest count as equally fast (the simplest of them wins)
 TOLERANCE = 0.05
@@ -352,18 +353,37 @@ def _memory(model: ModelSpec, hw: Hardware, job: Workload, layout: Layout, m: in
 
 def _collective_time(nbytes: float, n: int, bw: float, alpha: float, fraction: float = 1.0) -> float:
     """Ring time of one collective on n ranks: all-reduce (fraction 1), or reduce-scatter /
-    all-gather (fraction 0.5) — :func:`minitrain.costmodel.predict` with β = 1/bandwidth."""
-    return float(predict([nbytes], n, alpha, 1 / bw)[0]) * fraction if n > 1 else 0.0
+    all-gather (fraction 0.5) — :func:`minitrain.costmodel.collective_seconds` with β =
+    1/bandwidth, the α-β the projection (:mod:`minitrain.projection`) prices with too."""
+    op = "all_reduce" if fraction == 1.0 else "reduce_scatter"
+    return collective_seconds(op, nbytes, n, alpha, 1 / bw) if n > 1 else 0.0
+
+
+def links(layout: Layout, hw: Hardware) -> dict[str, tuple[float, float]]:
+    """``{"dp" | "pp" | "tp": (bytes per second, α)}``: the link each of the layout's groups uses —
+    the network's per-device share (and its latency) where the group crosses nodes, else the
+    link inside a node.  TP is innermost, then DP, then PP (unless ``layout.outer`` is "dp")."""
+    spans = _spans_nodes(layout, hw)
+    return {k: (hw.inter_per_device_bps(), hw.latency_inter_s) if spans[k]
+            else (hw.intra_node_gbps * 1e9, hw.latency_intra_s) for k in spans}
+
+
+def memory_per_device(model: ModelSpec, hw: Hardware, job: Workload, layout: Layout) -> float:
+    """Bytes per device of ``layout`` for ``job`` — the model states of its Ψ/(TP·PP) parameters by
+    ZeRO's formulas, 1F1B's in-flight activations, ZeRO-3's gathered layer — what :func:`evaluate`
+    holds against ``USABLE`` of the device's memory; ``inf`` when the batch does not split."""
+    m = _micro_batches(layout, job)
+    return math.inf if m is None else _memory(model, hw, job, layout, m)["total"]
 
 
 def _comm_and_time(model: ModelSpec, hw: Hardware, job: Workload, layout: Layout, m: int) -> tuple:
     """(bytes each device sends per step by dimension, seconds per step by part)."""
     spans = _spans_nodes(layout, hw)
-    link = {k: (hw.inter_per_device_bps(), hw.latency_inter_s) if spans[k]
-            else (hw.intra_node_gbps * 1e9, hw.latency_intra_s) for k in spans}
+    link = links(layout, hw)
     dp, pp, tp = layout.dp, layout.pp, layout.tp
     tokens_mb = job.seq_len * job.micro_batch
-    compute_mb = 6 * model.active_params / (tp * pp) * tokens_mb / (hw.device_tflops * 1e12)
+    compute_mb = compute_seconds(6 * model.active_params / (tp * pp) * tokens_mb,
+                                 hw.device_tflops * 1e12)
     if layout.recompute:
         compute_mb *= 4 / 3  # one more forward
     compute = compute_mb * m

@@ -24,8 +24,9 @@ import torch.distributed as dist
 from .launch import Cluster, LaunchError, RankError, init_from_env, launched_by_torchrun
 from .model import PRESETS
 from .strategies import ConfigError, TrainConfig, get_strategy, strategy_names
-from .strategies.base import flag, option_fields
-from .train import check_config, run_rank
+from .strategies.base import closest, did_you_mean, flag, option_fields
+from .checkpoint_checks import SaveDirLock
+from .train import add_projection, check_config, check_projection_config, run_rank
 
 __all__ = ["main", "build_parser", "config_from_args"]
 
@@ -45,8 +46,10 @@ def _add_field(group, name: str, hint, default, meta: dict, *, suppress: bool = 
                used_by: str = "") -> None:
     """One flag for one dataclass field: its help, its type, its default shown."""
     kind = _arg_type(hint)
-    shown = f" (default: {meta.get('shown') or ('none' if default is None else default)})"
-    help = meta.get("help", "") + (f" [{used_by}]" if used_by else "") + shown
+    text = meta.get("help", "")
+    shown = "" if "(default" in text else \
+        f" (default: {meta.get('shown') or ('none' if default is None else default)})"
+    help = text + shown + (f" [{used_by}]" if used_by else "")
     kw = dict(help=help.replace("%", "%%"), dest=name)
     if suppress:
         kw["default"] = argparse.SUPPRESS
@@ -80,9 +83,39 @@ def _strategy_options() -> dict:
     return out
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a "did you mean" for a mistyped choice (a sub-command, --model, --schedule...)
+    and for a mistyped flag (:meth:`refuse_unknown`)."""
+
+    def _check_value(self, action, value):
+        choices = action.choices
+        if choices is not None and value not in choices:
+            names = [str(c) for c in choices]
+            raise argparse.ArgumentError(
+                action, f"invalid choice: {value!r}{did_you_mean(value, names)}; choose from "
+                        f"{', '.join(names)}")
+        return super()._check_value(action, value)
+
+    def refuse_unknown(self, extras: list[str], command: str | None = None) -> None:
+        """Exit naming the arguments no flag took, and the flag each mistyped one most likely meant."""
+        parser = self.commands.get(command, self)
+        flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+        hints = []
+        for arg in extras:
+            name = arg.split("=", 1)[0]
+            if name.startswith("-") and (close := closest(name, flags)):
+                hints.append(f"{name}: did you mean {close}?")
+        where = f"minitrain {command}" if command else "minitrain"
+        parser.error(f"unrecognized arguments: {' '.join(extras)}"
+                     + "".join(f"; {h}" for h in hints) + f" (see '{where} --help')")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="minitrain", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="minitrain", description="Train the tiny GPT with any strategy on N ranks "
+                     "('minitrain train --help'), list the strategies and the clusters a run can be "
+                     "projected on, grade a class's notebooks, consolidate a checkpoint.")
     sub = parser.add_subparsers(dest="command", required=True)
+    parser.commands = sub.choices  # name -> its parser
     t = sub.add_parser("train", help="train the tiny GPT with a strategy",
                        description="Train the tiny GPT with one strategy; see 'minitrain strategies'.")
     groups = {None: t, "checkpoints": t.add_argument_group("checkpoints (lesson 08)")}
@@ -99,12 +132,23 @@ def build_parser() -> argparse.ArgumentParser:
                 t.add_argument(flag(name), type=int, default=None,
                                help=f"override the preset's {name}")
     t.add_argument("--json", action="store_true", help="JSON lines on stdout")
+    proj = t.add_argument_group("projection (issue 25): the run re-timed on a real cluster")
+    proj.add_argument("--project", metavar="CLUSTER", default=None,
+                      help="re-time this run on CLUSTER and add summary.projection "
+                           "(see 'minitrain clusters'; e.g. dgx-h100, ib-h100x4, eth-25g, local) "
+                           "(default: none)")
+    proj.add_argument("--as-model", metavar="SIZE", default=None, dest="as_model",
+                      help="with --project: the same layout for a bigger model of the family "
+                           "(gpt2, 1.3b, 2.7b, 7b, 13b) (default: the run's own)")
     opts = t.add_argument_group("strategy options (each refused by the strategies that do not "
                                 "take it)")
     for name, (f, hint, users) in _strategy_options().items():
         _add_field(opts, name, hint, f.default, f.metadata, suppress=True,
                    used_by=", ".join(users))
     sub.add_parser("strategies", help="list the strategies")
+    cl = sub.add_parser("clusters", help="list the clusters a run can be projected on, with their "
+                                         "numbers and sources")
+    cl.add_argument("--json", action="store_true", help="the numbers as JSON")
     sub.add_parser("grade", add_help=False,
                    help="check a folder of submitted lesson notebooks and write a gradebook CSV "
                         "('minitrain grade --help')")
@@ -124,7 +168,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     fields = {f.name for f in dataclasses.fields(TrainConfig)} - _SPECIAL
-    base = fields | set(_SHAPE) | {"json", "command", "model"}
+    base = fields | set(_SHAPE) | {"json", "command", "model", "project", "as_model"}
     values = {k: v for k, v in vars(args).items() if k not in base}  # the options given
     world = args.world_size
     if launched_by_torchrun():
@@ -140,8 +184,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def _absolute(path: str | None) -> str | None:
-    """Ranks under torchrun may start elsewhere: pass them absolute paths."""
-    return os.path.abspath(path) if path else None
+    """Ranks under torchrun may start elsewhere: pass them absolute paths ('' stays '': refused)."""
+    return os.path.abspath(path) if path and path.strip() else path
 
 
 class _Reporter:
@@ -158,8 +202,8 @@ class _Reporter:
             from tqdm.auto import tqdm
             self.bar = tqdm(total=self.steps, initial=step, desc="train", unit="step",
                             file=sys.stderr)
+        self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)  # drawn once, by update, with its step
         self.bar.update(1)
-        self.bar.set_postfix(loss=f"{loss:.4f}")
         if step + 1 == self.steps:
             self.bar.close()
 
@@ -221,24 +265,72 @@ def format_summary(result: dict) -> str:
                      f"micro-batches, {pipe['chunks']} chunk(s); bubble measured "
                      f"{pipe['bubble_measured']:.1%}, ideal table {pipe['bubble_ideal']:.1%}, "
                      f"(p-1)/(v*m+p-1) = {pipe['bubble_formula']:.1%}")
+    if s.get("projection"):
+        from .projection import format_projection
+        lines.append(format_projection(s["projection"]))
+    offloaded = any(v for mem in s["memory"] for v in (mem.get("host") or {}).values())
+    if offloaded:
+        lines.append("offload (ZeRO-Offload): the optimizer states, fp32 master weights and the "
+                     "optimizer step are in host memory; per rank, the device's bytes, then the host's")
     for rank, (comm, mem) in enumerate(zip(s["comm"], s["memory"])):
         b = mem["bytes"]
         sent = comm.get("total", {}).get("sent_bytes", 0)
-        lines.append(f"rank {rank}: params {_kb(b['parameters'])}, grads {_kb(b['gradients'])}, "
+        host = mem.get("host") or {}
+        if offloaded and host:
+            d = {**b, **(mem.get("device") or {})}
+            where = (f"device: params {_kb(d['parameters'])}, grads {_kb(d['gradients'])}, "
+                     f"optimizer {_kb(d['optimizer_states'])}, activations peak "
+                     f"{_kb(d['activations_peak'])}; host: "
+                     + (f"params {_kb(host['parameters'])}, " if host.get("parameters") else "")
+                     + f"grads {_kb(host.get('gradients', 0))}, optimizer "
+                     f"{_kb(host.get('optimizer_states', 0))}")
+        else:
+            where = (f"params {_kb(b['parameters'])}, grads {_kb(b['gradients'])}, "
                      f"optimizer {_kb(b['optimizer_states'])}, activations peak "
-                     f"{_kb(b['activations_peak'])}; sent {_kb(sent)} in "
+                     f"{_kb(b['activations_peak'])}")
+        lines.append(f"rank {rank}: {where}; sent {_kb(sent)} in "
                      f"{comm.get('total', {}).get('calls', 0)} calls")
     return "\n".join(lines)
 
 
+def format_clusters(rows: list[dict]) -> str:
+    """``minitrain clusters``: each preset's numbers, then where they come from."""
+    out = []
+    for r in rows:
+        if "devices" not in r:
+            out.append(f"{r['cluster']:10s} {r['title']}")
+            continue
+        inter = (f"; between nodes {r['inter_busbw_gbps']:,.1f} GB/s per device, α "
+                 f"{r['inter_alpha_us']:.1f} µs" if "inter_busbw_gbps" in r else "")
+        out.append(f"{r['cluster']:10s} {r['title']}\n"
+                   f"{'':10s} {r['device']}: {r['peak_tflops']:,.0f} TFLOP/s peak (bf16), "
+                   f"{r['sustained_fraction']:.1%} sustained, {r['memory_gb']:g} GB at "
+                   f"{r['memory_bw_gbps']:,.0f} GB/s; in a node {r['intra_busbw_gbps']:,.1f} GB/s "
+                   f"bus bandwidth, α {r['intra_alpha_us']:.1f} µs{inter}")
+        for src in r["sources"]:
+            out.append(f"{'':10s}   source: {src}")
+    return "\n".join(out)
+
+
 def _train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    check_config(cfg)  # everything that can be refused is refused here, before any process starts
+    # under torchrun rank 0 holds the save dir for the job (the others leave its lock alone)
+    holds = not launched_by_torchrun() or os.environ.get("RANK") == "0"
+    with SaveDirLock() as lock:  # one run per save dir: held until the run ends
+        # everything that can be refused is refused here, before any process starts
+        check_config(cfg, lock=lock if holds else False)
+        return _run(args, cfg)
+
+
+def _run(args: argparse.Namespace, cfg) -> int:
+    check_projection_config(cfg, args.project, args.as_model)
+    record = args.project is not None
+    calibrate = record and args.project.lower() in ("local", "binder")
     report = _Reporter(args.json, cfg.steps)
     if launched_by_torchrun():
         init_from_env(cfg.backend, cfg.timeout)
         try:
-            result = run_rank(cfg, report)
+            result = run_rank(cfg, report, record_events=record, calibrate=calibrate)
             # every rank leaves together: a rank that tears its connections down while a peer
             # still finishes the last collective made that peer abort at exit (gloo, 2 nodes)
             dist.barrier()
@@ -248,7 +340,9 @@ def _train(args: argparse.Namespace) -> int:
             return 0
     else:
         with Cluster(cfg.world_size, cfg.backend, timeout=cfg.timeout, prefix=False) as cluster:
-            result = cluster.run(run_rank, cfg, report)[0]
+            result = cluster.run(run_rank, cfg, report, record_events=record,
+                                 calibrate=calibrate)[0]
+    add_projection(result, args.project, args.as_model)
     if args.json:
         print(dumps({"summary": result["summary"]}), flush=True)
     else:
@@ -257,12 +351,28 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `minitrain strategies | head`: the reader left, nothing is wrong
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes stdout at exit
+        return 0
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["grade"]:
         from .grade import main as grade
         return grade(argv[1:])
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        parser.refuse_unknown(extras, args.command)
+    if args.command == "clusters":
+        from .clusters import describe
+        rows = describe()
+        print(dumps(rows) if args.json else format_clusters(rows))
+        return 0
     if args.command == "strategies":
         from .strategies import get_strategy as get
         for name in strategy_names():
@@ -284,7 +394,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"minitrain train: error: {exc}\n")
     except RankError as exc:  # the ranks' story, not the launcher's traceback
         text = str(exc)
-        if exc.exc_type == "Diverged":
-            text = text.split("\n\n--- traceback", 1)[0].replace("Diverged: ", "")
+        if exc.exc_type == "Diverged":  # the step and the fix are the whole story
+            text = f"rank {exc.rank} failed: {exc.message}"
+        elif exc.exc_type == "CheckpointError":  # the file, what was kept, the fix (every rank's)
+            text = exc.message
         parser.exit(1, f"minitrain train: error: {text}\n")
     return 0

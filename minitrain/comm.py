@@ -11,6 +11,8 @@ Workstations"; Li et al., 2020, "PyTorch Distributed").
 
 from __future__ import annotations
 
+import itertools
+import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -19,10 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .parallel.flat import FlatUnit
-
-__all__ = ["Event", "Tracer", "Comm", "ring_all_reduce", "all_reduce_coalesced", "ring_sent_bytes",
-           "loopback_tx_bytes"]
+__all__ = ["Event", "Tracer", "Comm", "ring_all_reduce", "backend_all_reduce", "all_reduce_coalesced",
+           "ring_sent_bytes", "loopback_tx_bytes", "recording"]
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the first names.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -96,6 +96,17 @@ class Event:
     group: str
     peer: int | None = None
     tag: str = ""
+    # what the projection (minitrain.projection) replays: issue order, asynchronous issue and wait
+    id: int = -1                      # issue order on this rank
+    async_op: bool = False
+    returned: float | None = None     # when the issuing call returned (asynchronous calls)
+    wait_start: float | None = None   # asynchronous: when this rank began to wait for it
+    wait_end: float | None = None     # ... and when that wait returned
+    ranks: tuple = ()                 # the group's global ranks (peer and root index it)
+    channel: int = 0                  # point to point: the wire tag a send and its receive share
+    root: int = 0                     # broadcast / reduce: the root's group rank
+    traced: bool = True               # False: an untraced collective (a metric, a barrier) seen
+    #                                   only while recording (:func:`recording`)
 
     @property
     def seconds(self) -> float:
@@ -109,14 +120,38 @@ class Tracer:
     events: list[Event] = field(default_factory=list)
     enabled: bool = True
     t0: float = field(default_factory=time.perf_counter)
+    #: (time, kind, value) marks kept while recording: "step"/"step_end" around each training step,
+    #: "optimizer"/"optimizer_end" around each optimizer step (see :func:`recording`)
+    marks: list = field(default_factory=list)
+    #: the untraced collectives seen while recording (not training traffic: kept apart from events)
+    untraced: list[Event] = field(default_factory=list)
+    recording: bool = False
+    _ids: itertools.count = field(default_factory=itertools.count, repr=False)
 
     def record(self, event: Event) -> None:
         if self.enabled:
             self.events.append(event)
 
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def mark(self, kind: str, value=None) -> None:
+        """Note an instant (a step's start, an optimizer step's end...) while recording."""
+        if self.recording and self.enabled:
+            self.marks.append((time.perf_counter(), kind, value))
+
     def clear(self) -> None:
         self.events.clear()
+        self.marks.clear()
+        self.untraced.clear()
         self.t0 = time.perf_counter()
+
+    def export(self) -> dict:
+        """Everything recorded, as plain data (what :mod:`minitrain.projection` replays)."""
+        keys = ("op", "bytes", "start", "end", "group", "peer", "tag", "id", "async_op", "returned",
+                "wait_start", "wait_end", "ranks", "channel", "root", "traced")
+        return {"events": [{k: getattr(e, k) for k in keys} for e in self.events + self.untraced],
+                "marks": list(self.marks)}
 
     @contextmanager
     def paused(self):
@@ -145,6 +180,114 @@ class Tracer:
                      group=e.group, peer=e.peer, tag=e.tag) for e in self.events]
 
 
+#: per thread: > 0 while a Comm call is running (its torch.distributed calls are its own event)
+_inside = threading.local()
+
+#: the torch.distributed collectives a strategy may call directly, untraced (a metric's all-reduce,
+#: a pipeline's barrier): while :func:`recording`, they are noted too, because they synchronise
+_UNTRACED = ("all_reduce", "broadcast", "barrier", "all_to_all_single", "reduce", "all_gather",
+             "all_gather_into_tensor", "reduce_scatter_tensor")
+
+
+def _untraced_call(tracer: "Tracer", name: str, fn):
+    def call(*args, **kwargs):
+        if getattr(_inside, "depth", 0) or not (tracer.enabled and tracer.recording):
+            return fn(*args, **kwargs)
+        group = kwargs.get("group")
+        tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        nbytes = _nbytes(tensor) if tensor is not None else 0
+        ranks = tuple(range(dist.get_world_size()) if group is None
+                      else dist.get_process_group_ranks(group))
+        start = time.perf_counter()
+        _inside.depth = getattr(_inside, "depth", 0) + 1
+        try:
+            out = fn(*args, **kwargs)
+            if kwargs.get("async_op") and out is not None:
+                out.wait()
+        finally:
+            _inside.depth -= 1
+        op = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+              "all_to_all_single": "all_to_all"}.get(name, name)
+        if tracer.enabled:
+            tracer.untraced.append(Event(op, nbytes, 0.0, start, time.perf_counter(), "untraced",
+                                         None, "untraced", tracer.next_id(), False, None, None,
+                                         None, ranks, 0, 0, False))
+        return out
+    return call
+
+
+@contextmanager
+def recording(tracer: "Tracer"):
+    """Record what :mod:`minitrain.projection` needs to re-time a run, cheaply, while the block runs:
+    each forward's, backward's and optimizer step's start and end (``tracer.marks``: a forward is
+    the outermost module call outside backward; a backward, ``torch.autograd.backward``; a
+    recomputation inside it belongs to it), and the collectives that strategies call on
+    ``torch.distributed`` directly, untraced (metrics, a pipeline's barrier: they synchronise the
+    ranks), as events with ``traced=False`` in ``tracer.untraced`` — apart from ``tracer.events``,
+    the training traffic.  Every Comm call is recorded as always, with its issue order,
+    asynchronous issue and wait.  Restores everything on exit."""
+    import torch.autograd
+    from torch.nn.modules.module import (register_module_forward_hook,
+                                         register_module_forward_pre_hook)
+    from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                       register_optimizer_step_pre_hook)
+
+    depth = [0]
+    modules, in_backward = [0], [False]
+
+    def enter(*_):
+        if not in_backward[0]:
+            if modules[0] == 0:
+                tracer.mark("forward")
+            modules[0] += 1
+
+    def leave(*_):
+        if not in_backward[0] and modules[0] > 0:
+            modules[0] -= 1
+            if modules[0] == 0:
+                tracer.mark("forward_end")
+
+    autograd_backward = torch.autograd.backward
+
+    def backward(*args, **kwargs):
+        if in_backward[0]:
+            return autograd_backward(*args, **kwargs)
+        in_backward[0] = True
+        tracer.mark("backward")
+        try:
+            return autograd_backward(*args, **kwargs)
+        finally:
+            tracer.mark("backward_end")
+            in_backward[0] = False
+
+    def before(*_):
+        if depth[0] == 0:
+            tracer.mark("optimizer")
+        depth[0] += 1
+
+    def after(*_):
+        depth[0] -= 1
+        if depth[0] == 0:
+            tracer.mark("optimizer_end")
+
+    saved = {name: getattr(dist, name) for name in _UNTRACED if hasattr(dist, name)}
+    handles = [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after),
+               register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
+    was, tracer.recording = tracer.recording, True
+    for name, fn in saved.items():
+        setattr(dist, name, _untraced_call(tracer, name, fn))
+    torch.autograd.backward = backward
+    try:
+        yield tracer
+    finally:
+        tracer.recording = was
+        torch.autograd.backward = autograd_backward
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+        for h in handles:
+            h.remove()
+
+
 class _TracedWork:
     """Wraps an async ``Work`` handle; the event is recorded once, when it is waited on.
 
@@ -155,6 +298,7 @@ class _TracedWork:
     def __init__(self, work, on_done):
         self._work, self._on_done, self._done, self._end = work, on_done, False, None
         self.end: float | None = None  # when the op completed, once waited on
+        self.wait_start: float | None = None  # when wait() was first called
         try:
             work.get_future().add_done_callback(self._completed)
         except (AttributeError, RuntimeError):
@@ -164,21 +308,19 @@ class _TracedWork:
         self._end = time.perf_counter()
 
     def wait(self):
+        if self.wait_start is None:
+            self.wait_start = time.perf_counter()
         if self._work is not None:
             self._work.wait()
         if not self._done:
             self._done = True
-            self.end = self._end if self._end is not None else time.perf_counter()
-            self._on_done(self.end)
+            returned = time.perf_counter()
+            self.end = self._end if self._end is not None else returned
+            self._on_done(self.end, self.wait_start, returned)
         return True
 
     def is_completed(self) -> bool:
         return self._done or self._work is None or self._work.is_completed()
-
-    @property
-    def waited(self) -> bool:
-        """True once :meth:`wait` was called (DDP checks that each bucket's all-reduce was)."""
-        return self._done
 
 
 class Comm:
@@ -198,6 +340,8 @@ class Comm:
         self.name = name
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
+        self.ranks = tuple(range(dist.get_world_size()) if group is None
+                           else dist.get_process_group_ranks(group))
 
     def sub(self, group, name: str) -> "Comm":
         """A communicator over ``group`` that records into the same tracer."""
@@ -214,15 +358,24 @@ class Comm:
 
     # -- recording ----------------------------------------------------------------------------------
 
-    def _traced(self, op, nbytes, call, *, peer=None, root=0, async_op=False, tag=""):
+    def _traced(self, op, nbytes, call, *, peer=None, root=0, async_op=False, tag="", channel=0):
         start = time.perf_counter()
         sent = ring_sent_bytes(op, nbytes, self.size, self.rank, root)
+        ident = self.tracer.next_id()
+        returned = [None]
 
-        def done(end):
-            self.tracer.record(Event(op, nbytes, sent, start, end, self.name, peer, tag))
+        def done(end, wait_start=None, wait_end=None):
+            self.tracer.record(Event(op, nbytes, sent, start, end, self.name, peer, tag, ident,
+                                     async_op, returned[0], wait_start, wait_end, self.ranks,
+                                     channel, root))
 
-        work = call()
+        _inside.depth = getattr(_inside, "depth", 0) + 1  # what the calls below do is this event
+        try:
+            work = call()
+        finally:
+            _inside.depth -= 1
         if async_op:
+            returned[0] = time.perf_counter()
             return _TracedWork(work, done)
         done(time.perf_counter())
         return None
@@ -233,7 +386,8 @@ class Comm:
         """Blocking send to group rank ``dst``.  ``channel`` is the wire tag: a receive on one
         channel never matches a message sent on another (``tag`` is only the trace's label)."""
         self._traced("send", _nbytes(tensor), lambda: dist.send(
-            tensor, self.global_rank(dst), group=self.group, tag=channel), peer=dst, tag=tag)
+            tensor, self.global_rank(dst), group=self.group, tag=channel), peer=dst, tag=tag,
+            channel=channel)
 
     def recv(self, tensor: torch.Tensor, src: int | None, tag: str = "", channel: int = 0) -> int:
         """Blocking receive from group rank ``src`` — or, with ``src=None``, from whichever rank's
@@ -241,7 +395,7 @@ class Comm:
         sender = []
         self._traced("recv", _nbytes(tensor), lambda: sender.append(dist.recv(
             tensor, None if src is None else self.global_rank(src), group=self.group,
-            tag=channel)), peer=src, tag=tag)
+            tag=channel)), peer=src, tag=tag, channel=channel)
         got = sender[0] if sender and sender[0] is not None and sender[0] >= 0 else src
         if src is None and self.group is not None:
             got = dist.get_group_rank(self.group, got)
@@ -252,12 +406,12 @@ class Comm:
     def isend(self, tensor: torch.Tensor, dst: int, tag: str = "", channel: int = 0):
         return self._traced("send", _nbytes(tensor), lambda: dist.isend(
             tensor, self.global_rank(dst), group=self.group, tag=channel), peer=dst,
-            async_op=True, tag=tag)
+            async_op=True, tag=tag, channel=channel)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: str = "", channel: int = 0):
         return self._traced("recv", _nbytes(tensor), lambda: dist.irecv(
             tensor, self.global_rank(src), group=self.group, tag=channel), peer=src,
-            async_op=True, tag=tag)
+            async_op=True, tag=tag, channel=channel)
 
     # -- collectives --------------------------------------------------------------------------------
 
@@ -298,26 +452,30 @@ class Comm:
         self._traced("barrier", 0, lambda: dist.barrier(group=self.group))
 
 
+def backend_all_reduce(tensor: torch.Tensor, comm: Comm, tag: str = "") -> torch.Tensor:
+    """The backend's all-reduce in the shape of the ``ring_all_reduce`` seam: sums ``tensor`` over
+    ``comm``'s ranks (in place) and returns it.  :func:`ring_all_reduce` has the same shape."""
+    comm.all_reduce(tensor, tag=tag)
+    return tensor
+
+
 @torch.no_grad()
 def all_reduce_coalesced(tensors: list, comm: Comm, tag: str = "", divide_by: int = 1,
                          all_reduce=None) -> None:
     """Sum ``tensors`` over ``comm``'s ranks in place with one all-reduce of them flattened
     together (one message instead of one per tensor), then divide by ``divide_by``.
-    ``all_reduce(flat, comm)`` (in place or returned, e.g. :func:`ring_all_reduce`) replaces
-    ``comm.all_reduce``."""
+
+    ``all_reduce(flat, comm) -> the sum`` does the summing: default :func:`backend_all_reduce`
+    (traced as ``tag``); :func:`ring_all_reduce`, or a learner's ring, has the same shape."""
     if not tensors or comm.size == 1:
         return
-    unit = FlatUnit(tensors)
-    flat = unit.flatten(tensors)
-    if all_reduce is None:
-        comm.all_reduce(flat, tag=tag)
-    else:
-        out = all_reduce(flat, comm)
-        if out is not None and out is not flat:
-            flat.copy_(out)
+    all_reduce = all_reduce or (lambda t, c: backend_all_reduce(t, c, tag))
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    summed = all_reduce(flat, comm)
     if divide_by != 1:
-        flat.div_(divide_by)
-    unit.unflatten(flat)
+        summed = summed.div(divide_by)
+    for t, piece in zip(tensors, summed.split([t.numel() for t in tensors])):
+        t.copy_(piece.view_as(t))
 
 
 #: Sub-chunk size the ring pipelines in (bytes): a chunk of C bytes goes as ceil(C / this) pieces

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from .comm import Comm
 
 __all__ = ["time_all_reduce", "fit_alpha_beta", "predict", "bus_bandwidth", "crossover_bytes",
-           "plot_alpha_beta"]
+           "plot_alpha_beta", "ring_steps", "ring_volume", "collective_seconds", "compute_seconds"]
 
 
 def time_all_reduce(sizes_bytes: list[int], repeats: int = 5) -> list[float]:
@@ -57,6 +57,57 @@ def fit_alpha_beta(sizes_bytes, seconds, n: int) -> tuple[float, float]:
 def predict(sizes_bytes, n: int, alpha: float, beta: float) -> np.ndarray:
     sizes = np.asarray(sizes_bytes, float)
     return 2 * (n - 1) * alpha + 2 * (n - 1) / n * sizes * beta
+
+
+#: ring steps per collective, times (n - 1): an all-reduce is a reduce-scatter then an all-gather
+_STEPS = {"all_reduce": 2, "barrier": 2, "reduce_scatter": 1, "all_gather": 1, "all_to_all": 1,
+          "broadcast": 1, "reduce": 1}
+
+
+def ring_steps(op: str, n: int) -> int:
+    """Messages in a row (each paying the latency α) of ``op`` on a ring of ``n`` ranks; 1 for a
+    point-to-point send/recv."""
+    if op in ("send", "recv"):
+        return 1
+    if n <= 1:
+        return 0
+    try:
+        return _STEPS[op] * (n - 1)
+    except KeyError:
+        raise ValueError(f"unknown collective {op!r}; the ring model knows "
+                         f"{', '.join(sorted(_STEPS))}, send and recv") from None
+
+
+def ring_volume(op: str, nbytes: float, n: int) -> float:
+    """Bytes each rank pushes through its link for ``op`` with a payload of ``nbytes`` (as
+    :func:`minitrain.comm.ring_sent_bytes`, ``nbytes`` the full buffer): 2(N−1)/N·B for
+    all-reduce, (N−1)/N·B for reduce-scatter, all-gather and all-to-all, B for a pipelined chain
+    broadcast or reduce and for a point-to-point message."""
+    if op in ("send", "recv"):
+        return float(nbytes)
+    if n <= 1 or op == "barrier":
+        return 0.0
+    if op in ("broadcast", "reduce"):
+        return float(nbytes)
+    return _STEPS[op] * (n - 1) / n * nbytes
+
+
+def collective_seconds(op: str, nbytes: float, n: int, alpha: float, beta: float,
+                       base: float = 0.0) -> float:
+    """α-β time of one ``op`` of ``nbytes`` on ``n`` ranks: ``base`` (a fixed launch cost) plus α
+    per ring step plus β per byte each rank sends — for an all-reduce exactly :func:`predict`
+    (with ``base`` 0).  One cost model: the chooser and the projection both price with it."""
+    if n <= 1 and op not in ("send", "recv"):
+        return 0.0
+    return base + ring_steps(op, n) * alpha + ring_volume(op, nbytes, n) * beta
+
+
+def compute_seconds(flops: float, flop_rate: float, memory_bytes: float = 0.0,
+                    memory_rate: float = float("inf")) -> float:
+    """Time of a compute span: its FLOPs at the device's sustained FLOP rate, plus the bytes of
+    memory-bound work (the optimizer's update) at its memory bandwidth.  One cost model: the
+    chooser's compute term and the projection's both come from here."""
+    return flops / flop_rate + (memory_bytes / memory_rate if memory_bytes else 0.0)
 
 
 def bus_bandwidth(sizes_bytes, seconds, n: int) -> np.ndarray:

@@ -2,30 +2,30 @@
 
 ``Cluster(n)`` is a persistent group of forked ranks for notebooks (``cluster.run(fn, *args)`` runs
 ``fn`` on every rank, shipped with cloudpickle, and returns the results by rank); ``launch(fn, n,
-*args)`` is a one-shot ``Cluster``; ``init_from_env()`` joins a group started by ``torchrun``, which is
-how the same entry point goes multi-GPU and multi-node.  Our own small pool rather than ipyparallel:
-forked ranks start in ~0.05 s, share the kernel's imported torch pages (Binder's 2 GB), need no extra
-server, and the mechanism fits in this one file.  How failures surface: see :class:`Cluster`.
+*args)`` is a one-shot ``Cluster``.  Our own small pool rather than ipyparallel: forked ranks start
+in ~0.05 s, share the kernel's imported torch pages (Binder's 2 GB) and need no extra server.
+
+This file is the parent's side.  What each rank runs is :mod:`minitrain.worker`; how a function
+travels, :mod:`minitrain.shipping`; how a waiting rank is told from a working one,
+:mod:`minitrain.watch`; what a failure carries, :mod:`minitrain.diagnostics`; joining a group that
+``torchrun`` started (multi-GPU, multi-node), :mod:`minitrain.torchrun`.  How failures surface: see
+:class:`Cluster`.
 """
 
 from __future__ import annotations
 
 import atexit
-import ctypes
 import datetime
-import faulthandler
 import importlib
-import io
-import linecache
 import multiprocessing as mp
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
-import threading
+import tempfile
 import time
-import traceback
 import weakref
 from multiprocessing.connection import wait
 
@@ -33,340 +33,36 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: no folder locks, no reaping
+    fcntl = None
+
 from . import shipping
+from .diagnostics import CollectiveTimeout, Deadlock, LaunchError, RankError, format_states
+from .torchrun import TORCHRUN_VARS, choose_backend, init_from_env, launched_by_torchrun
+from .watch import (ALL_WAITING_S, HEARTBEAT_S, REPORT_AFTER_S, STUCK_S, Watch, descendants,
+                    died, native_tail, raised)
+from .worker import stderr_file, worker_main
 
-__all__ = [
-    "descendants",
-    "threads_per_rank",
-    "Cluster",
-    "launch",
-    "init_from_env",
-    "launched_by_torchrun",
-    "choose_backend",
-    "RankError",
-    "CollectiveTimeout",
-    "Deadlock",
-    "LaunchError",
-]
-
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+__all__ = ["descendants", "threads_per_rank", "Cluster", "launch", "init_from_env",
+           "launched_by_torchrun", "choose_backend", "RankError", "CollectiveTimeout", "Deadlock",
+           "LaunchError", "HEARTBEAT_S", "REPORT_AFTER_S", "STUCK_S", "TORCHRUN_VARS",
+           "reap_stale_folders"]
 
 
-class LaunchError(RuntimeError):
-    """The ranks could not be started or were lost."""
-
-
-class RankError(RuntimeError):
-    """A rank raised (or died).  ``.rank`` names it, ``.remote_traceback`` is its traceback."""
-
-    def __init__(self, rank: int, message: str, remote_traceback: str = "", exc_type: str = ""):
-        self.rank = rank
-        self.exc_type = exc_type
-        self.remote_traceback = remote_traceback
-        self.secondary = False  # True when it only reports that another rank went away
-        self.priority = 0  # which failure is reported first: 0 cause, 1 timeout, 2 peer gone
-        self.others: list = []  # the other ranks' errors of the same run
-        text = f"rank {rank} failed: {message}"
-        if remote_traceback:
-            text += f"\n\n--- traceback from rank {rank} ---\n{remote_traceback.rstrip()}"
-        super().__init__(text)
-
-
+_OLD_STORE = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 6)
 #: seconds the other ranks get to report after the first failure, before the group is stopped
 GRACE_S = 0.3
 #: forked ranks join their group in well under a second; one that has not after this long is stuck
 #: (seen once in CI: a rank forked while a thread of the parent held a lock never got going), so
 #: the ranks are stopped and forked once more
 FORK_STARTUP_S = 20.0
-_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+#: the process group's timeout, in seconds: torch counts it in whole milliseconds (less is 0: a
+#: C++ error), and a collective that may wait longer than a week is a hang
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.001, 7 * 86400.0
 
 
-class CollectiveTimeout(RankError):
-    """A collective or point-to-point op did not complete within the process group's timeout."""
-
-
-class Deadlock(RankError):
-    """Some ranks returned while the others wait in a collective that can never complete (a
-    learner's skipped collective, a wrong peer, mismatched calls): found within seconds."""
-
-
-#: a rank reports where its main thread is every HEARTBEAT_S while a task has run REPORT_AFTER_S
-HEARTBEAT_S, REPORT_AFTER_S = 0.5, 1.0
-#: a rank whose stack has not moved for STUCK_S while using under IDLE_CPU of a core is waiting
-STUCK_S, IDLE_CPU = 2.0, 0.05
-#: when every rank waits (recv against recv), their lines are shown after this long
-ALL_WAITING_S = 6.0
-
-
-def choose_backend(world_size: int, backend: str | None = None) -> str:
-    """``nccl`` when there are at least ``world_size`` GPUs, else ``gloo`` (CPU)."""
-    if backend is not None:
-        if backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend must be 'gloo' or 'nccl', not {backend!r}")
-        if backend == "nccl" and torch.cuda.device_count() < world_size:
-            raise ValueError(
-                f"backend 'nccl' needs {world_size} GPUs, found {torch.cuda.device_count()}; "
-                "use backend='gloo' (CPU) or fewer ranks"
-            )
-        return backend
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
-        return "nccl"
-    return "gloo"
-
-
-#: what torchrun (and any env:// launcher) sets for each process
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-def launched_by_torchrun() -> bool:
-    """True inside a process started by ``torchrun`` (or any env:// launcher): all of
-    :data:`TORCHRUN_VARS` set and consistent.  A partial or inconsistent set (variables left over
-    in a shell or a notebook) raises :class:`LaunchError` naming them and the fix."""
-    present = [k for k in TORCHRUN_VARS if k in os.environ]
-    if not present:
-        return False
-    shown = ", ".join(f"{k}={os.environ[k]}" for k in present)
-    fix = (f"if this is not a torchrun process, unset them (unset {' '.join(present)}); else "
-           "start it with torchrun")
-    missing = [k for k in TORCHRUN_VARS if k not in os.environ]
-    if missing:
-        raise LaunchError(f"the environment has {shown} but not {', '.join(missing)}: half a "
-                          f"torchrun environment; {fix}")
-    try:
-        rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-        int(os.environ["MASTER_PORT"])
-    except ValueError:
-        raise LaunchError(f"the torchrun variables are not numbers where they must be ({shown}); "
-                          f"{fix}") from None
-    if not (0 <= rank < world and 0 <= local <= rank):
-        raise LaunchError(f"the torchrun variables disagree ({shown}: need 0 <= LOCAL_RANK <= RANK "
-                          f"< WORLD_SIZE); {fix}")
-    return True
-
-
-def init_from_env(backend: str | None = None, timeout: float = 300.0) -> tuple[int, int]:
-    """Join the process group described by torchrun's environment; return ``(rank, world_size)``."""
-    world_size = int(os.environ["WORLD_SIZE"])
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    backend = choose_backend(local_world, backend)
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if not dist.is_initialized():
-        dist.init_process_group(
-            backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout)
-        )
-    return dist.get_rank(), dist.get_world_size()
-
-
-# --------------------------------------------------------------------------------------------------
-# The rank side
-# --------------------------------------------------------------------------------------------------
-
-
-class _Forward(io.TextIOBase):
-    """Stands in for sys.stdout/sys.stderr in a rank: whole lines go to the parent, which prints them."""
-
-    def __init__(self, send, stream: str, tty: bool = False):
-        self._send, self._stream, self._tty = send, stream, tty
-        self._buf = ""
-
-    def writable(self):
-        return True
-
-    def isatty(self):
-        return self._tty
-
-    def write(self, text):
-        self._buf += text
-        if "\n" in self._buf:
-            head, _, self._buf = self._buf.rpartition("\n")
-            self._send(("print", self._stream, head + "\n"))
-        return len(text)
-
-    def flush(self):
-        if self._buf:
-            text, self._buf = self._buf, ""
-            self._send(("print", self._stream, text))
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process below ``pid``, from /proc (Linux; empty elsewhere).  Used to check that no
-    rank outlives its kernel, and to measure a lesson's memory (a kernel's ranks are its children)."""
-    children: dict[int, list[int]] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return []
-    for entry in entries:
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in out:
-                out.append(child)
-                todo.append(child)
-    return out
-
-
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-
-
-def _is_timeout(exc: BaseException) -> bool:
-    return isinstance(exc, TimeoutError) or "timed out" in str(exc).lower()
-
-
-def _where(frame) -> tuple[str, str]:
-    """(the torch.distributed call a stack is in, or "", the user's line) of a rank's main thread."""
-    op, user, inner = "", "", ""
-    for fs in reversed(traceback.extract_stack(frame)):
-        path = fs.filename.replace(os.sep, "/")
-        if not op and "torch/distributed/" in path and not fs.name.startswith(("_", "wrapper")):
-            op = fs.name
-        if "/torch/" in path or path.endswith("minitrain/launch.py"):
-            continue
-        if not inner:
-            inner = _line(fs)
-            if not op and ".wait(" in (fs.line or ""):
-                op = "wait"  # an asynchronous op's wait(): the innermost Python frame is ours
-        if not user and "/minitrain/" not in path:
-            user = _line(fs)
-    return op, user or inner
-
-
-def _line(fs) -> str:
-    """``cell line 3: dist.all_reduce(t)`` for a notebook cell, ``file.py:12: ...`` otherwise."""
-    name = os.path.basename(fs.filename)
-    cell = "ipykernel" in fs.filename or fs.filename.startswith("<ipython-input")
-    head = f"cell line {fs.lineno}" if cell else f"{name}:{fs.lineno}"
-    return f"{head}: {fs.line}" if fs.line else head
-
-
-def _heartbeat(send, task: dict) -> None:
-    """In each rank: while a task runs, tell the parent where the main thread is (when it moves)."""
-    main = threading.main_thread().ident
-    last = None
-    while True:
-        time.sleep(HEARTBEAT_S)
-        started, number = task.get("since"), task.get("number")
-        if started is None or time.monotonic() - started < REPORT_AFTER_S:
-            last = None
-            continue
-        frame = sys._current_frames().get(main)
-        if frame is None:
-            continue
-        frames = traceback.extract_stack(frame)
-        mine = [i for i, fs in enumerate(frames) if fs.name == "_worker_main"]
-        stack = "".join(traceback.format_list(frames[mine[-1] + 1:] if mine else frames))
-        if (number, stack) != last:
-            last = (number, stack)
-            send(("status", number, _where(frame), stack))
-
-
-def _stderr_file(port: int, rank: int) -> str:
-    """Where a rank's native stderr (gloo's and the C++ runtime's messages) is kept."""
-    import tempfile
-    return os.path.join(tempfile.gettempdir(), f"minitrain-{port}-rank{rank}.stderr")
-
-
-def _worker_main(rank: int, world_size: int, conn, opts: dict) -> None:
-    """Entry point of every rank: join the group, then run what the parent sends until told to stop."""
-    _die_with_parent()
-    for fd in opts.get("close_fds", ()):  # other clusters' rendezvous sockets: not ours to hold
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    try:  # native messages (a C++ abort's reason) land in a file the parent reads if we die
-        err = os.open(_stderr_file(opts["port"], rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(err, 2)
-        os.close(err)
-        faulthandler.enable(file=2, all_threads=False)  # a crash's Python stack goes there too
-    except OSError:
-        pass
-    lock = threading.Lock()
-
-    def send(msg):
-        with lock:
-            conn.send_bytes(cloudpickle.dumps(msg))
-
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=opts["host"], MASTER_PORT=str(opts["port"]),
-    )
-    if opts["host"] in LOOPBACK:
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    if opts["forward_output"]:
-        sys.stdout = _Forward(send, "stdout", opts["tty"][0])
-        sys.stderr = _Forward(send, "stderr", opts["tty"][1])
-    try:
-        torch.set_num_threads(opts["threads"])
-        if opts["backend"] == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        store = dist.TCPStore(opts["host"], opts["port"], world_size, is_master=False,
-                              timeout=datetime.timedelta(seconds=opts["timeout"]))
-        dist.init_process_group(opts["backend"], store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=opts["timeout"]))
-    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
-        send(("error", type(exc).__name__, str(exc), traceback.format_exc(), False))
-        os._exit(1)
-    send(("ready", os.getpid()))
-    task: dict = {"number": 0, "since": None}
-    threading.Thread(target=_heartbeat, args=(send, task), daemon=True,
-                     name="minitrain-heartbeat").start()
-
-    def _flush():
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-
-    while True:
-        try:
-            payload = conn.recv_bytes()
-        except (EOFError, OSError):
-            break
-        if not payload:
-            break
-        task["number"] += 1
-        task["since"] = time.monotonic()
-        try:
-            fn, args, kwargs = shipping.loads(payload)
-            result = fn(*args, **kwargs)
-            task["since"] = None
-            _flush()
-            if not dist.is_initialized():
-                raise RuntimeError(
-                    "your code called dist.destroy_process_group(): a Cluster's ranks keep their "
-                    "group between runs; remove that call (Cluster.close() ends the group). The "
-                    "ranks are restarted for the next run")
-            send(("ok", result))
-        except BaseException as exc:  # noqa: BLE001
-            task["since"] = None
-            _flush()
-            send(("error", type(exc).__name__, str(exc), traceback.format_exc(), _is_timeout(exc)))
-            if not dist.is_initialized():
-                break
-    try:
-        dist.destroy_process_group()
-    finally:
-        os._exit(0)
-
-
-# --------------------------------------------------------------------------------------------------
-# The parent side
-# --------------------------------------------------------------------------------------------------
 
 def threads_per_rank(world_size: int, start_method: str, threads: int | None = None) -> int:
     """Intra-op threads for each rank: ``threads`` if given, else 1 when forking, else the cores
@@ -404,7 +100,6 @@ def _isatty(stream) -> bool:
 _LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
 
 
-@atexit.register
 def _preload_for_fork() -> None:
     """Import in the parent, once, what each forked rank would otherwise import by itself: a
     process's first ``optimizer.step()`` imports ``torch._dynamo`` (2-3 s of CPU, and on one core
@@ -412,9 +107,112 @@ def _preload_for_fork() -> None:
     importlib.import_module("torch._dynamo")
 
 
+@atexit.register
 def _close_all() -> None:
+    """At exit, close every Cluster still open (a script, a notebook kernel, a check that forgot
+    to): its ranks stop and its temporary folder goes."""
     for cluster in list(_LIVE):
-        cluster.close()
+        try:
+            cluster.close()
+        except Exception:  # noqa: BLE001 - the next cluster's start reaps what is left
+            pass
+
+
+# --------------------------------------------------------------------------------------------------
+# Each start's temporary folder (the ranks' native stderr): removed by close(); the folder of a
+# parent that died without closing (SIGKILL) is reaped by the next start, on this machine
+# --------------------------------------------------------------------------------------------------
+
+#: a live cluster's folder in the temporary directory: ``minitrain-ranks-<parent pid>-<random>``,
+#: holding ``owner.lock``, locked (flock) by the parent while the cluster lives: the kernel releases
+#: the lock when the parent dies, so a folder whose lock can be taken belongs to no one
+FOLDER_PREFIX, OWNER = "minitrain-ranks-", "owner.lock"
+#: files of minitrain before its folders (``minitrain-PORT-rankN.stderr``): reaped after a day
+_LEGACY = re.compile(r"^minitrain-\d+-rank\d+\.stderr$")
+_LEGACY_AGE_S = 86400.0
+_OWNED_FDS: set[int] = set()  # this process's folder locks: not inherited by a forked rank
+
+
+def _drop_owned_fds_in_child() -> None:
+    for fd in list(_OWNED_FDS):  # (closing a copy does not release the parent's lock)
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _OWNED_FDS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_owned_fds_in_child)
+
+
+def _new_folder() -> tuple[str, int | None]:
+    """A fresh temporary folder for one start's rank files, and the descriptor holding its lock
+    (None where flock is missing).  Made under a hidden name, locked, then renamed: the reaper
+    never sees it unlocked."""
+    reap_stale_folders()
+    tmp = tempfile.mkdtemp(prefix=f".minitrain-new-{os.getpid()}-")
+    fd = None
+    if fcntl is not None:
+        fd = os.open(os.path.join(tmp, OWNER), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a file system without locks: the folder is still removed by close()
+            os.close(fd)
+            fd = None
+    final = os.path.join(os.path.dirname(tmp),
+                         FOLDER_PREFIX + os.path.basename(tmp)[len(".minitrain-new-"):])
+    os.rename(tmp, final)
+    if fd is not None:
+        _OWNED_FDS.add(fd)
+    return final, fd
+
+
+def _remove_folder(folder: str | None, fd: int | None) -> None:
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+    if fd is not None:
+        _OWNED_FDS.discard(fd)
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def reap_stale_folders(tmpdir: str | None = None) -> list[str]:
+    """Remove the temporary folders of clusters whose parent died without closing them (their
+    lock is free), and rank files of older minitrains over a day old; returns what was removed."""
+    tmpdir = tmpdir or tempfile.gettempdir()
+    removed = []
+    try:
+        entries = list(os.scandir(tmpdir))
+    except OSError:
+        return removed
+    for entry in entries:
+        try:
+            if entry.name.startswith(FOLDER_PREFIX) and entry.is_dir(follow_symlinks=False):
+                if fcntl is None:
+                    continue
+                try:
+                    fd = os.open(os.path.join(entry.path, OWNER), os.O_RDWR | os.O_CLOEXEC)
+                except OSError:
+                    continue  # not one of ours
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    continue  # its cluster is alive
+                else:
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                    removed.append(entry.path)
+                finally:
+                    os.close(fd)
+            elif _LEGACY.match(entry.name) and entry.is_file(follow_symlinks=False):
+                if time.time() - entry.stat(follow_symlinks=False).st_mtime > _LEGACY_AGE_S:
+                    os.unlink(entry.path)
+                    removed.append(entry.path)
+        except OSError:
+            continue
+    return removed
 
 
 class Cluster:
@@ -448,6 +246,11 @@ class Cluster:
       second guard;
     * the ranks die with the parent (``PR_SET_PDEATHSIG`` on Linux), so no orphan is left behind —
       strictly, with the parent *thread* that started them, so start a Cluster from the main thread;
+    * each rank leads a process group of its own: what it starts (a subprocess) is stopped with it
+      when the rank fails or dies, and at :meth:`close` — even after the rank itself is gone;
+    * a Cluster left open is closed when the process exits; its ranks' native stderr files live in
+      a temporary folder of its own (:attr:`folder`), removed by :meth:`close`, and a parent
+      killed before closing (SIGKILL) leaves one that the next start on the machine removes;
     * the rendezvous store is created by the parent on a free port chosen by the OS, on loopback
       unless another ``host`` is given, so the next launch never sees "address already in use".
     """
@@ -457,8 +260,10 @@ class Cluster:
                  start_method: str | None = None, forward_output: bool = True, prefix: bool = True):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-        if timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        if not (isinstance(timeout, (int, float)) and MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S):
+            raise ValueError(f"timeout must be > 0 seconds: from {MIN_TIMEOUT_S:g} (the process "
+                             f"group counts in whole milliseconds) to {MAX_TIMEOUT_S:g} (a week), "
+                             f"got {timeout!r}")
         self.world_size = world_size
         self.backend = choose_backend(world_size, backend)
         self.timeout = float(timeout)
@@ -478,12 +283,16 @@ class Cluster:
         self._task = 0  # runs sent to the current ranks (their heartbeats carry the number)
         self._watching = None
         self._listen_fd: int | None = None
+        self.folder: str | None = None  # this start's temporary folder (the ranks' stderr files)
+        self._folder_fd: int | None = None
+        self._groups_stopped: set[int] = set()  # ranks whose process group was killed
 
     # -- life cycle ---------------------------------------------------------------------------------
 
     @property
     def alive(self) -> bool:
-        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+        """Every rank runs (asked without reaping a rank that ended: see :meth:`_stop_group`)."""
+        return bool(self._procs) and not wait([p.sentinel for p in self._procs], timeout=0)
 
     def start(self) -> "Cluster":
         """Start the ranks (a no-op when they are already running).  Forked ranks that have not
@@ -511,18 +320,24 @@ class Cluster:
         sock = _listen(self.host)
         self.port = port = sock.getsockname()[1]
         self._listen_fd = sock.detach()
-        self._store = dist.TCPStore(self.host, port, self.world_size + 1, is_master=True,
-                                    wait_for_workers=False, master_listen_fd=self._listen_fd,
-                                    timeout=datetime.timedelta(seconds=self.timeout))
+        store = dict(is_master=True, wait_for_workers=False, master_listen_fd=self._listen_fd,
+                     timeout=datetime.timedelta(seconds=self.timeout))
+        if _OLD_STORE:  # torch < 2.6: only the older store takes a listening socket
+            store["use_libuv"] = False
+        self._store = dist.TCPStore(self.host, port, self.world_size + 1, **store)
         self._task = 0
+        try:
+            self.folder, self._folder_fd = _new_folder()
+        except OSError:  # no writable temporary directory: the ranks run without stderr files
+            self.folder, self._folder_fd = None, None
         others = [c._listen_fd for c in _LIVE if c is not self and c._listen_fd is not None]
-        opts = dict(host=self.host, port=port, backend=self.backend,
+        opts = dict(host=self.host, port=port, backend=self.backend, folder=self.folder,
                     timeout=self.timeout, threads=self.threads, forward_output=self.forward_output,
                     tty=(_isatty(sys.stdout), _isatty(sys.stderr)),
                     close_fds=others + [self._listen_fd])
         for rank in range(self.world_size):
             parent_end, child_end = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(rank, self.world_size, child_end, opts),
+            proc = ctx.Process(target=worker_main, args=(rank, self.world_size, child_end, opts),
                                daemon=True, name=f"minitrain-rank{rank}")
             proc.start()
             child_end.close()
@@ -539,7 +354,8 @@ class Cluster:
         return self
 
     def close(self) -> None:
-        """Stop every rank (politely, then by force), and whatever it started; free the port."""
+        """Stop every rank (politely, then by force) and whatever it started (its process group,
+        and processes below it); free the port; remove the temporary folder."""
         stragglers = [pid for proc in self._procs for pid in descendants(proc.pid)]
         try:  # politely: an empty message ends a rank's loop
             for conn in self._conns:
@@ -548,16 +364,34 @@ class Cluster:
                 except (OSError, ValueError):
                     pass
             deadline = time.monotonic() + 1.0
-            for proc in self._procs:
-                proc.join(max(0.0, deadline - time.monotonic()))
+            waiting = {p.sentinel for p in self._procs}
+            while waiting and time.monotonic() < deadline:  # (waited on, not reaped: see below)
+                waiting -= set(wait(list(waiting), timeout=max(0.0, deadline - time.monotonic())))
         finally:  # then by force, even when interrupted
             self._stop(stragglers)
 
+    def _stop_group(self, proc) -> None:
+        """Kill rank ``proc``'s process group: the rank (a group leader: ``os.setpgid`` in
+        :func:`~minitrain.worker.worker_main`) and every process it started that is still in it,
+        even one whose rank died.  Only while the rank is not yet reaped: until then its pid, the
+        group's id, cannot be given to another process (a rank that ended is reaped only after)."""
+        popen = getattr(proc, "_popen", None)
+        if proc.pid is None or proc.pid in self._groups_stopped or popen is None \
+                or popen.returncode is not None:
+            return
+        self._groups_stopped.add(proc.pid)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:  # no such group (the rank had not made its group yet, or it is empty)
+            pass
+
     def _stop(self, stragglers: list) -> None:
+        for proc in self._procs:
+            self._stop_group(proc)
         for proc in self._procs:
             if proc.is_alive():
                 proc.kill()
-        for pid in stragglers:  # what a rank started (a subprocess) goes with it
+        for pid in stragglers:  # what a rank started and moved out of its group goes too
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
@@ -566,13 +400,10 @@ class Cluster:
             proc.join(5)
         for conn in self._conns:
             conn.close()
-        if self.port is not None and self._procs:
-            for rank in range(self.world_size):
-                try:
-                    os.unlink(_stderr_file(self.port, rank))
-                except OSError:
-                    pass
+        _remove_folder(self.folder, self._folder_fd)
+        self.folder, self._folder_fd = None, None
         self._procs, self._conns, self.pids = [], [], []
+        self._groups_stopped = set()
         self._store = None  # the store owns the listening socket and closes it
         self._listen_fd = None
         _LIVE.discard(self)
@@ -639,7 +470,7 @@ class Cluster:
         grace_end = None
         conn_rank = {id(c): r for r, c in enumerate(self._conns)}
         sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
-        watch = _Watch(self.world_size, [p.pid for p in self._procs])
+        watch = Watch(self.world_size, [p.pid for p in self._procs])
         self._watching = watch
         while any(r is None for r in replies):
             until = grace_end if grace_end is not None else deadline
@@ -666,38 +497,33 @@ class Cluster:
                 waiting = [r for r, rep in enumerate(replies) if rep is None]
                 raise TimeoutError(f"ranks {waiting} did not finish within the call's timeout; "
                                    "the group was stopped (pass a larger timeout= to run())"
-                                   + watch.describe(replies, stacks=True))
+                                   + "\n" + format_states(watch.states(replies).values(),
+                                                           stacks=True))
         if failures:
             failures.sort(key=lambda e: e.priority)
             first = failures[0]
             first.others = failures[1:]
-            extra = "".join(f"\n\nrank {e.rank} also failed: {str(e).splitlines()[0].split(': ', 1)[-1]}"
-                            for e in failures[1:])
-            first.args = (first.args[0] + extra + watch.describe(replies, stacks=True,
-                                                                  only_waiting=True),)
+            first.where = watch.states(replies, failures)
             raise first
         return replies
 
-    def _watch(self, watch: "_Watch", replies: list) -> None:
+    def _watch(self, watch: Watch, replies: list) -> None:
         """Raise :class:`Deadlock` when ranks have returned and every other one waits; show each
         rank's line once when all of them have waited for :data:`ALL_WAITING_S`."""
         watch.sample()
         pending = [r for r, rep in enumerate(replies) if rep is None]
-        stuck = [r for r in pending if watch.where.get(r, ("",))[0] and watch.stuck_for(r) >= STUCK_S]
+        stuck = watch.stuck(pending)
         if len(stuck) < len(pending) or not pending:
             return
         if len(pending) < self.world_size:
-            rank = stuck[0]
-            raise Deadlock(rank, "the ranks wait for each other and never will:"
-                           + watch.describe(replies, stacks=True)
-                           + "\nEvery rank must make the same collective calls in the same order "
-                           "(a send needs its recv on the peer; a rank that returns early leaves "
-                           "the others waiting).")
-        if not watch.announced and min(watch.stuck_for(r) for r in pending) >= ALL_WAITING_S:
+            err = Deadlock(stuck[0], "the ranks wait for each other and never will")
+            err.where = watch.states(replies)
+            raise err
+        if not watch.announced and len(watch.stuck(pending, ALL_WAITING_S)) == len(pending):
             watch.announced = True
             print("minitrain: every rank is waiting for another (a deadlock?); still waiting until "
-                  f"the group's timeout of {self.timeout:g} s:" + watch.describe(replies),
-                  file=sys.stderr, flush=True)
+                  f"the group's timeout of {self.timeout:g} s:\n"
+                  + format_states(watch.states(replies).values()), file=sys.stderr, flush=True)
 
     def _receive(self, rank: int, replies: list, failures: list) -> bool:
         """Handle one message from ``rank``; False when there is nothing (more) to read."""
@@ -718,7 +544,7 @@ class Cluster:
             self._print(rank, msg[1], msg[2])
         elif msg[0] == "status":
             if msg[1] == self._task and getattr(self, "_watching", None) is not None:
-                self._watching.status(rank, msg[2], msg[3])
+                self._watching.status(rank, msg[2])
         else:
             replies[rank] = msg
             if msg[0] == "error":
@@ -727,180 +553,17 @@ class Cluster:
 
     def _death(self, rank: int) -> RankError:
         proc = self._procs[rank]
+        self._stop_group(proc)  # what it started goes with it (before it is reaped)
         proc.join(1.0)  # reap it, so the exit code is known
-        code = proc.exitcode
-        how = (f"was killed by signal {-code}" if code is not None and code < 0
-               else f"exited with code {code}")
-        hint = ""
-        if code == -signal.SIGABRT:
-            hint = ("\nSignal 6 (abort) in a rank is most often a collective mismatch: the ranks "
-                    "called different collectives, or the same one with different shapes or dtypes.")
-        elif code == -signal.SIGKILL:
-            rss = self._watching.rss.get(rank) if getattr(self, "_watching", None) else None
-            hint = ("\nSignal 9 usually means the kernel's out-of-memory killer stopped it"
-                    + (f" (its last resident memory: {rss / 2**20:,.0f} MiB)" if rss else "")
-                    + ": use a smaller model or batch, or fewer ranks.")
-        native = _tail(_stderr_file(self.port, rank))
-        if native:
-            hint += f"\n--- what rank {rank} printed last (native stderr) ---\n{native}"
-        err = RankError(rank, f"the process {how} (pid {proc.pid}){hint}")
-        err.priority = 0
+        rss = self._watching.rss.get(rank) if getattr(self, "_watching", None) else None
+        native = native_tail(stderr_file(self.folder, rank)) if self.folder else ""
+        return died(rank, proc.exitcode, proc.pid, native, rss)
+
+    def _error(self, rank: int, name: str, text: str, tb: str, timed_out: bool,
+               frames: tuple = (), args: tuple = ()) -> RankError:
+        err = raised(rank, name, text, tb, frames, self.timeout if timed_out else None)
+        err.exc_args = args
         return err
-
-    def _error(self, rank: int, name: str, text: str, tb: str, timed_out: bool) -> RankError:
-        tb = _with_source(tb)
-        if timed_out:
-            err = CollectiveTimeout(
-                rank, f"{name}: {text}\n(a collective did not complete within the group's timeout "
-                f"of {self.timeout:g} s: probably another rank never called it, or called a "
-                "different one; raise Cluster(timeout=...) if the work is just slow)", tb, name)
-        else:
-            err = RankError(rank, f"{name}: {text}", tb, name)
-        # a rank whose peer vanished is a symptom, not the cause; a timeout comes before it
-        err.priority = 2 if any(k in text for k in _PEER_LOST) else 1 if timed_out else 0
-        err.secondary = err.priority > 0
-        return err
-
-
-_FRAME = re.compile(r'(\s*)File "([^"]+)", line (\d+), in ')
-
-
-def _with_source(text: str) -> str:
-    """A stack or traceback from a rank, with the source lines the rank could not show filled in
-    from the parent's: a rank forked before a notebook cell ran has no copy of that cell's code
-    (its linecache predates the cell), the notebook's kernel has."""
-    lines, out = text.splitlines(), []
-    for i, line in enumerate(lines):
-        out.append(line)
-        m = _FRAME.match(line)
-        nxt = lines[i + 1] if i + 1 < len(lines) else ""
-        if m is None or (nxt.startswith(m.group(1) + "  ") and not _FRAME.match(nxt)):
-            continue
-        code = linecache.getline(m.group(2), int(m.group(3))).strip()
-        if code:
-            out.append(f"{m.group(1)}    {code}")
-    return "\n".join(out) + ("\n" if text.endswith("\n") else "")
-
-
-def _where_with_source(where: tuple, stack: str) -> tuple:
-    """``(op, "cell line 5")`` -> ``(op, "cell line 5: dist.all_reduce(x)")`` from the parent's
-    copy of the source, when the rank had none (see :func:`_with_source`)."""
-    op, user = where
-    m = re.fullmatch(r"cell line (\d+)|(\S+):(\d+)", user or "")
-    if m is None:
-        return where
-    lineno = int(m.group(1) or m.group(3))
-    for frame in reversed(list(_FRAME.finditer(stack))):
-        path = frame.group(2)
-        cell = "ipykernel" in path or path.startswith("<ipython-input")
-        if int(frame.group(3)) == lineno and (cell if m.group(1) else
-                                               os.path.basename(path) == m.group(2)):
-            code = linecache.getline(path, lineno).strip()
-            return (op, f"{user}: {code}") if code else where
-    return where
-
-
-def _tail(path: str, lines: int = 40) -> str:
-    """The last lines a dead rank wrote to its native stderr (the list of loaded extension modules
-    a crash report ends with left out)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 65536))
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return ""
-    kept, in_stack = [], False
-    for line in text.splitlines():
-        if line.startswith("Extension modules:"):
-            continue
-        if line.startswith(("Stack (most recent call first)", "Current thread")):
-            in_stack = True
-        elif in_stack and "in _worker_main" in line:
-            in_stack = None  # the launcher's frames below the learner's: left out
-        elif not line.strip():
-            in_stack = False if in_stack is None else in_stack
-        if in_stack is not None:
-            kept.append(line)
-    return "\n".join(kept[-lines:]).strip()
-
-
-def _cpu_ticks(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])  # utime + stime
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _rss(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-class _Watch:
-    """The parent's view of a run: where each rank's main thread is (from its heartbeat), since
-    when it has not moved, how much CPU it used since then (from /proc), and its memory."""
-
-    def __init__(self, world_size: int, pids: list[int]):
-        self.pids = pids
-        self.where: dict[int, tuple] = {}   # rank -> (op, user line)
-        self.stack: dict[int, str] = {}
-        self.since: dict[int, tuple] = {}   # rank -> (time, cpu ticks) when its stack last moved
-        self.rss: dict[int, int] = {}
-        self.announced = False
-        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-        self.sample()
-
-    def status(self, rank: int, where: tuple, stack: str) -> None:
-        stack = _with_source(stack)
-        self.where[rank], self.stack[rank] = _where_with_source(where, stack), stack
-        self.since[rank] = (time.monotonic(), _cpu_ticks(self.pids[rank]))
-
-    def sample(self) -> None:
-        for rank, pid in enumerate(self.pids):
-            rss = _rss(pid)
-            if rss:
-                self.rss[rank] = rss
-
-    def stuck_for(self, rank: int) -> float:
-        """Seconds rank has not moved while (nearly) idle; 0 when it is computing or unknown."""
-        if rank not in self.since:
-            return 0.0
-        t0, ticks0 = self.since[rank]
-        elapsed = time.monotonic() - t0
-        ticks = _cpu_ticks(self.pids[rank])
-        if ticks is not None and ticks0 is not None and elapsed > 0:
-            if (ticks - ticks0) / self._tick > IDLE_CPU * elapsed + 0.05:
-                return 0.0  # it is computing (or moving data): not stuck
-        return elapsed
-
-    def describe(self, replies: list, stacks: bool = False, only_waiting: bool = False) -> str:
-        """A line per rank (returned, or where it waits), then the waiting ranks' stacks.  With
-        ``only_waiting`` (for a failure): only the ranks that were waiting when it happened."""
-        lines, stack_text = [], []
-        for rank, reply in enumerate(replies):
-            finished = reply is not None and not (only_waiting and rank in self.where)
-            if finished:
-                if not only_waiting:
-                    lines.append(f"  rank {rank} {'returned' if reply[0] == 'ok' else 'failed'}")
-                continue
-            if rank not in self.where:
-                lines.append(f"  rank {rank} still running (no report yet)")
-                continue
-            op, user = self.where[rank]
-            state = f"waiting in {op}" if op else "waiting"
-            lines.append(f"  rank {rank} {'was ' if reply else ''}{state} at {user or '?'}")
-            if stacks:
-                stack_text.append(f"\n--- stack of rank {rank} ---\n{self.stack[rank].rstrip()}")
-        if not lines:
-            return ""
-        head = "\n\nwhere the ranks were:" if only_waiting else ""
-        return head + "\n" + "\n".join(lines) + "".join(stack_text)
 
 
 def launch(fn, world_size: int, *args, backend: str | None = None, timeout: float = 60.0,

@@ -21,8 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["GPTConfig", "GPT", "Block", "PRESETS", "loss_fn", "MoE", "route", "expert_capacity",
-           "aux_loss_share", "recompute_block"]
+__all__ = ["GPTConfig", "GPT", "Block", "PRESETS", "loss_fn", "MoE", "moe_router", "expert_capacity",
+           "recompute_block", "block_flops", "head_flops", "training_flops"]
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,8 @@ class GPTConfig:
     tie_weights: bool = False
     n_expert: int = 0  # > 0: every block's MLP is a mixture of this many experts (lesson 09)
     top_k: int = 2  # experts per token
-    capacity_factor: float | None = None  # None: no token dropped; else cap = ceil(cf·tokens·k/E)
+    capacity_factor: float | None = None  # None: no token dropped; else, per sequence (a group),
+    #                                       cap = ceil(cf·seq_len·k/E) assignments per expert
     aux_loss_coef: float = 0.01  # weight of the load-balancing loss added to the loss
 
     def __post_init__(self):
@@ -67,6 +68,58 @@ class GPTConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def block_params(self) -> int:
+        """Parameters of one transformer block (its share of :meth:`num_params`)."""
+        d, ff = self.d_model, self.ff
+        mlp = (d * ff + ff) + (ff * d + d)
+        if self.n_expert:
+            mlp = self.n_expert * mlp + d * self.n_expert
+        return 2 * d + 3 * d * d + (d * d + d) + 2 * d + mlp
+
+    def embed_params(self) -> int:
+        return self.vocab_size * self.d_model + self.seq_len * self.d_model
+
+    def head_params(self) -> int:
+        return 2 * self.d_model + (0 if self.tie_weights else self.vocab_size * self.d_model)
+
+
+# --------------------------------------------------------------------------------------------------
+# FLOPs from the shapes (the projection of issue 25 and the chooser's compute term)
+# --------------------------------------------------------------------------------------------------
+
+
+def block_flops(cfg: GPTConfig, keys: int | None = None, tp: int = 1) -> float:
+    """Forward FLOPs of one block for one token: its matrix products (2 FLOPs per multiply-add)
+    — Q/K/V and output projections 2·4d², the MLP 2·2·d·ff (a mixture of experts: the router
+    2·d·E and top_k experts) — and attention's QKᵀ and AV, 2·2·keys·d (keys: the positions a token
+    attends to, the sequence length; counted in full, not halved for the causal mask, as
+    Narayanan et al., 2021, and PaLM's MFU do).  ``tp``: the share of one tensor-parallel rank
+    (heads and MLP columns split; the router is not)."""
+    d, keys = cfg.d_model, cfg.seq_len if keys is None else keys
+    attention = 2 * 4 * d * d + 2 * 2 * keys * d
+    if cfg.n_expert:
+        mlp = cfg.top_k * 2 * 2 * d * cfg.ff
+        return (attention + mlp) / tp + 2 * d * cfg.n_expert
+    return (attention + 2 * 2 * d * cfg.ff) / tp
+
+
+def head_flops(cfg: GPTConfig, tp: int = 1) -> float:
+    """Forward FLOPs of the output layer for one token, 2·d·V (vocabulary-parallel: / tp)."""
+    return 2 * cfg.d_model * cfg.vocab_size / tp
+
+
+def training_flops(cfg: GPTConfig, tokens: float, blocks: int | None = None, head: bool = True,
+                   keys: int | None = None, tp: int = 1, recompute: bool = False) -> float:
+    """FLOPs of forward and backward (backward = 2 × forward) of ``tokens`` tokens through
+    ``blocks`` blocks (default all) and the head, plus one more forward of the blocks with
+    ``recompute`` (activation checkpointing).  For the whole model and sequence length s this is
+    72·L·h²·(1 + s/6h + V/12Lh) per token with 4h-wide MLPs (Narayanan et al., 2021, eq. 3; ×96/72
+    on the blocks with recomputation)."""
+    blocks = cfg.n_layer if blocks is None else blocks
+    forward = blocks * block_flops(cfg, keys, tp) + (head_flops(cfg, tp) if head else 0.0)
+    again = blocks * block_flops(cfg, keys, tp) if recompute else 0.0
+    return tokens * (3 * forward + again)
 
 
 #: Named sizes used by the lessons and the CLI (``--model``).
@@ -114,70 +167,75 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
-def route(router: nn.Linear, x: torch.Tensor, k: int):
-    """Top-k routing of tokens ``x`` (n, d): ``(probs (n, E), experts (n·k,), gates (n·k,))``, the
-    assignments in token-major order (token 0's k experts, then token 1's...); the gates are the
-    chosen probabilities renormalised to sum to 1 per token."""
-    probs = F.softmax(router(x).float(), dim=-1)
+def moe_router(logits: torch.Tensor, k: int, capacity: int | None):
+    """Top-k routing with capacity and the load-balancing loss, for G groups of S tokens (GShard,
+    Lepikhin et al., 2020; Switch Transformers, Fedus et al., 2021): ``logits`` (G, S, E), the
+    router's scores.  Returns ``(experts, gates, keep, aux_loss)``:
+
+    * ``experts`` (G, S, k): each token's k most probable experts (softmax over E), best first;
+    * ``gates`` (G, S, k): their probabilities renormalised to sum to 1 per token;
+    * ``keep`` (G, S, k): whether the assignment fits its expert's ``capacity`` in its group —
+      the queue of an expert takes every token's first choice, in token order, before any
+      second choice (GShard's rule); ``capacity`` None keeps every assignment;
+    * ``aux_loss``: E·Σ_e f_e·P_e per group, averaged over the groups — f_e the fraction of the
+      group's assignments routed to e (before capacity), P_e the mean router probability of e.
+      Only P_e carries a gradient: it pushes probability away from over-used experts."""
+    G, S, E = logits.shape
+    probs = F.softmax(logits.float(), dim=-1)
     top, experts = probs.topk(k, dim=-1)
     gates = top / top.sum(-1, keepdim=True)
-    return probs, experts.reshape(-1), gates.reshape(-1).to(x.dtype)
+    chosen = F.one_hot(experts, E)                                 # (G, S, k, E)
+    queue = chosen.transpose(1, 2).reshape(G, k * S, E)           # first choices, then second...
+    position = ((queue.cumsum(1) - 1) * queue).sum(-1)            # place in its expert's queue
+    position = position.view(G, k, S).transpose(1, 2)              # (G, S, k)
+    keep = position < capacity if capacity is not None else torch.ones_like(position, dtype=torch.bool)
+    f = chosen.sum((1, 2)).to(probs.dtype) / (S * k)               # (G, E)
+    aux = (E * (f * probs.mean(1)).sum(-1)).mean()
+    return experts, gates, keep, aux
 
 
 def expert_capacity(cfg: GPTConfig, tokens: int) -> int | None:
-    """How many assignments an expert takes per step (None: all), for ``tokens`` in the global
-    batch; the first ones in global token order are kept, the rest dropped (their MLP output is 0,
-    only the residual carries them)."""
+    """How many assignments an expert takes from a group of ``tokens`` (one sequence: ``seq_len``)
+    per step (None: all): ceil(capacity_factor · tokens · top_k / n_expert)."""
     if cfg.capacity_factor is None:
         return None
     return math.ceil(cfg.capacity_factor * tokens * cfg.top_k / cfg.n_expert)
 
 
-def aux_loss_share(probs: torch.Tensor, counts: torch.Tensor, tokens: int, k: int) -> torch.Tensor:
-    """This rank's share of the load-balancing loss E·Σ_e f_e·P_e (Fedus et al., 2021, "Switch
-    Transformers"): f_e, the fraction of the global batch's assignments routed to e, from the
-    global ``counts``; P_e, the mean router probability, summed over these tokens only and divided
-    by the global ``tokens`` — so the shares of all ranks add up to the loss."""
-    e = probs.shape[-1]
-    f = counts.to(probs.dtype) / (tokens * k)
-    return e * (f * probs.sum(0) / tokens).sum()
-
-
 class MoE(nn.Module):
     """A mixture of ``n_expert`` MLPs replacing the block's MLP: a router sends each token to its
     top-k experts (Shazeer et al., 2017, "Outrageously Large Neural Networks"), whose outputs are
-    summed weighted by the gates; with a capacity factor an expert takes only so many tokens
-    (Lepikhin et al., 2020, "GShard").  After each forward: ``aux_loss`` (load balance),
-    ``tokens_per_expert`` and ``dropped``."""
+    summed weighted by the gates; with a capacity factor an expert takes only so many assignments
+    of each group of tokens — here a group is one sequence, so that a rank holding whole
+    sequences decides alone, before any token moves (Lepikhin et al., 2020, "GShard": capacity
+    per group).  ``router``: the routing rule (:func:`moe_router`).  After each forward:
+    ``aux_loss`` (load balance), ``tokens_per_expert`` (assignments routed) and ``dropped``."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, router=None):
         super().__init__()
         self.cfg = cfg
         self.router = nn.Linear(cfg.d_model, cfg.n_expert, bias=False)
         self.experts = nn.ModuleList(MLP(cfg) for _ in range(cfg.n_expert))
+        self.route = router or moe_router
         self.aux_loss = self.tokens_per_expert = None
         self.dropped = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        n, cfg = flat.shape[0], self.cfg
-        probs, experts, gates = route(self.router, flat, cfg.top_k)
-        tokens = torch.arange(n, device=x.device).repeat_interleave(cfg.top_k)
+        cfg, d = self.cfg, x.shape[-1]
+        groups = x.reshape(-1, x.shape[-2], d)  # (sequences, tokens, d): one group per sequence
+        experts, gates, keep, self.aux_loss = self.route(self.router(groups), cfg.top_k,
+                                                         expert_capacity(cfg, groups.shape[1]))
+        flat = groups.reshape(-1, d)
+        tokens = torch.arange(flat.shape[0], device=x.device).repeat_interleave(cfg.top_k)
+        experts, gates, keep = experts.reshape(-1), gates.reshape(-1), keep.reshape(-1)
+        self.tokens_per_expert = torch.bincount(experts, minlength=cfg.n_expert).tolist()
+        self.dropped = int((~keep).sum())
+        tokens, experts, gates = tokens[keep], experts[keep], gates[keep]
         order = torch.argsort(experts, stable=True)  # grouped by expert, token order within
         counts = torch.bincount(experts, minlength=cfg.n_expert)
-        cap = expert_capacity(cfg, n)
-        ys, self.dropped = [], 0
-        for e, rows in enumerate(flat[tokens[order]].split(counts.tolist())):
-            kept = rows if cap is None else rows[:cap]
-            y = self.experts[e](kept)
-            if kept.shape[0] < rows.shape[0]:
-                self.dropped += rows.shape[0] - kept.shape[0]
-                y = torch.cat([y, y.new_zeros(rows.shape[0] - kept.shape[0], y.shape[1])])
-            ys.append(y)
-        out = torch.zeros_like(flat).index_add_(0, tokens[order],
-                                                 torch.cat(ys) * gates[order].unsqueeze(-1))
-        self.aux_loss = aux_loss_share(probs, counts, n, cfg.top_k)
-        self.tokens_per_expert = counts.tolist()
+        ys = [self.experts[e](rows) for e, rows in enumerate(flat[tokens[order]].split(counts.tolist()))]
+        out = torch.zeros_like(flat).index_add_(
+            0, tokens[order], torch.cat(ys) * gates[order].unsqueeze(-1).to(flat.dtype))
         return out.view_as(x)
 
 

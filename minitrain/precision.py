@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-__all__ = ["PRECISIONS", "compute_dtype", "cast_model_", "DynamicLossScaler",
+__all__ = ["PRECISIONS", "compute_dtype", "cast_model_", "DynamicLossScaler", "loss_scale_update",
            "MixedPrecisionOptimizer", "mixed_precision_step", "gradient_underflow"]
 
 #: ``--precision`` → the dtype weights and gradients are kept in (fp32: no mixed precision)
@@ -42,6 +42,19 @@ def cast_model_(model: nn.Module, dtype: torch.dtype) -> dict:
     return masters
 
 
+def loss_scale_update(scale: float, good_steps: int, found_inf: bool, growth_interval: int,
+                      growth_factor: float = 2.0, backoff_factor: float = 0.5):
+    """The rule of ``torch.amp.GradScaler`` (the package's; lesson 07's exercise writes it): on an
+    overflow, back off and skip the step; after ``growth_interval`` good steps in a row, grow.
+    Returns ``(new_scale, new_good_steps, take_step)``."""
+    if found_inf:
+        return scale * backoff_factor, 0, False
+    good_steps += 1
+    if good_steps == growth_interval:
+        return scale * growth_factor, 0, True
+    return scale, good_steps, True
+
+
 class DynamicLossScaler:
     """Dynamic loss scaling (Micikevicius et al. §3.2; the rule of ``torch.amp.GradScaler``).
 
@@ -52,7 +65,8 @@ class DynamicLossScaler:
     used at each step, and whether that step was skipped).
 
     ``update=`` is a seam (lesson 07's exercise): ``fn(scale, good_steps, found_inf,
-    growth_interval) -> (new_scale, new_good_steps, take_step)`` replaces the rule below.
+    growth_interval) -> (new_scale, new_good_steps, take_step)``, by default
+    :func:`loss_scale_update` with this scaler's factors.
     """
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
@@ -63,9 +77,14 @@ class DynamicLossScaler:
         self.scale = float(init_scale)
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval = growth_interval
-        self.rule = update
+        self.rule = update or self._package_rule
         self.steps = self.skipped_steps = self.good_steps = 0
         self.history: list[tuple[float, bool]] = []  # (scale used, skipped?) per step
+
+    def _package_rule(self, scale: float, good_steps: int, found_inf: bool, growth_interval: int):
+        """:func:`loss_scale_update` with this scaler's growth and backoff factors."""
+        return loss_scale_update(scale, good_steps, found_inf, growth_interval, self.growth_factor,
+                                 self.backoff_factor)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss · S``: backward from it gives S times the gradients."""
@@ -84,20 +103,9 @@ class DynamicLossScaler:
         """After a step: on overflow skip it and back off; after enough good steps, grow."""
         self.history.append((self.scale, bool(found_inf)))
         self.steps += 1
-        if self.rule is not None:
-            self.scale, self.good_steps, take = self.rule(self.scale, self.good_steps,
-                                                          bool(found_inf), self.growth_interval)
-            self.skipped_steps += not take
-            return
-        if found_inf:
-            self.skipped_steps += 1
-            self.good_steps = 0
-            self.scale *= self.backoff_factor
-            return
-        self.good_steps += 1
-        if self.good_steps == self.growth_interval:
-            self.scale *= self.growth_factor
-            self.good_steps = 0
+        self.scale, self.good_steps, take = self.rule(self.scale, self.good_steps,
+                                                      bool(found_inf), self.growth_interval)
+        self.skipped_steps += not take
 
     def state_dict(self) -> dict:
         """The scaler's state as plain numbers (what the training summary reports)."""

@@ -18,13 +18,18 @@ import time
 
 import torch.distributed as dist
 
-from .checkpoint import check_checkpoint_config, clear_save_dir, load_checkpoint, maybe_save
-from .comm import Comm, Tracer
+from .checkpoint import load_checkpoint, maybe_save
+from .checkpoint_checks import SaveDirLock, check_checkpoint_config, clear_save_dir
+from .comm import Comm, Tracer, recording
 from .data import ArithmeticData
 from .launch import Cluster
-from .strategies import FreeRunning, Seams, Strategy, TrainConfig, check_common, get_strategy
+from .memory import rss_bytes
+from .strategies import (ConfigError, FreeRunning, Seams, Strategy, TrainConfig, check_strategy,
+                         get_strategy)
+from .strategies.base import did_you_mean
 
-__all__ = ["run_rank", "train", "check_config", "fit", "Diverged"]
+__all__ = ["run_rank", "train", "check_config", "fit", "Diverged", "add_projection",
+           "check_projection_config"]
 
 
 class Diverged(RuntimeError):
@@ -39,13 +44,13 @@ def _diverged(cfg: TrainConfig, step: int, loss: float) -> Diverged:
                     "(--allow-nonfinite keeps training)")
 
 
-def check_config(cfg: TrainConfig, seams=None) -> None:
+def check_config(cfg: TrainConfig, seams=None, *, lock: SaveDirLock | bool | None = None) -> None:
     """Refuse a configuration that cannot run (unknown strategy, bad sizes or options, a seam the
-    strategy does not have, a checkpoint that does not match) before spawning."""
-    cls = get_strategy(cfg.strategy)
-    check_common(cls, cfg, Seams.of(seams))
-    cls.check(cfg)
-    check_checkpoint_config(cfg)
+    strategy does not have, a checkpoint that does not match, a save dir another run uses) before
+    spawning.  ``lock`` (a :class:`~minitrain.checkpoint_checks.SaveDirLock`) takes the save dir
+    for the run: see :func:`~minitrain.checkpoint_checks.check_checkpoint_config`."""
+    check_strategy(cfg, seams)
+    check_checkpoint_config(cfg, lock)
     cores = os.cpu_count() or 1
     if cfg.world_size > 4 * cores and cfg.backend != "nccl":
         print(f"minitrain: {cfg.world_size} ranks on {cores} CPU cores ({cfg.world_size / cores:.0f} "
@@ -63,11 +68,14 @@ def fit(strategy: Strategy, data, on_step=None) -> tuple[list[float], list[float
         return strategy.run(data, on_step)
     cfg = strategy.cfg
     losses, times = [], []
+    tracer = strategy.comm.tracer
     for step in range(strategy.start_step, cfg.steps):
         x, y = data.batch(step, cfg.batch_size)
+        tracer.mark("step", step)  # while recording (minitrain.projection): the step's edges
         t0 = time.perf_counter()
         loss = strategy.train_step(x, y)
         times.append(time.perf_counter() - t0)
+        tracer.mark("step_end", step)
         losses.append(loss)
         if on_step is not None:
             on_step(step, loss)
@@ -82,14 +90,22 @@ def _build(cfg: TrainConfig, comm: Comm, seams) -> Strategy:
     return get_strategy(cfg.strategy)(cfg, comm, Seams.of(seams))
 
 
-def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False, seams=None) -> dict:
+def _loss_scaler(strategy: Strategy) -> dict | None:
+    """The dynamic loss scaler's state (fp16-mixed), or None."""
+    return strategy.loss_scaler.state_dict() if strategy.loss_scaler is not None else None
+
+
+def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False, seams=None,
+             record_events: bool = False, calibrate: bool = False) -> dict:
     """Train on this rank (the process group must exist); rank 0 returns the run's summary.
 
     ``on_step(step, loss)`` is called on rank 0 after every step.  Returns, on rank 0,
     ``{"losses": [...], "summary": {...}}`` (plus ``"state"``, the trained weights as a plain
     state_dict, with ``return_state``); on the other ranks ``{"rank": r}``.  ``seams`` (a
     :class:`~minitrain.strategies.Seams` or ``{name: function}``) puts a learner's functions in
-    the strategy's seams.
+    the strategy's seams.  ``record_events`` keeps what :mod:`minitrain.projection` replays
+    (``"events"``: each rank's log); ``calibrate`` also measures this machine afterwards
+    (``summary["calibration"]``, for the "local" and "binder" clusters).
     """
     comm = Comm(None, Tracer(), "world")
     if cfg.save_dir and comm.rank == 0:
@@ -100,14 +116,26 @@ def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False, seams=N
     data = ArithmeticData(cfg.model.seq_len, cfg.seed)
     comm.tracer.clear()
     report = on_step if comm.rank == 0 else None
-    losses, times = fit(strategy, data, report)
+    if record_events:
+        with recording(comm.tracer):
+            losses, times = fit(strategy, data, report)
+    else:
+        losses, times = fit(strategy, data, report)
     with comm.tracer.paused():  # gathering the result is not training traffic
         final = strategy.final_state()
-    mine = {"comm": comm.tracer.summary(), "memory": strategy.memory(), "report": strategy.report(),
-            "precision": strategy.precision_report()}
+    mine = {"comm": comm.tracer.summary(),
+            "memory": {**strategy.memory(), "rss_peak": rss_bytes(peak=True)},
+            "report": strategy.report(), "loss_scaler": _loss_scaler(strategy)}
+    if record_events:
+        mine["events"] = comm.tracer.export()
     gathered = [None] * comm.size if comm.rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     strategy.close()
+    calibration = None
+    if calibrate:
+        from .clusters import calibrate_rank
+        with comm.tracer.paused():
+            calibration = calibrate_rank()
     if comm.rank != 0:
         return {"rank": comm.rank}
     summary = {
@@ -118,31 +146,38 @@ def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False, seams=N
         "batch_size": cfg.batch_size,
         "seed": cfg.seed,
         "params": cfg.model.num_params(),
+        "model": cfg.model.to_dict(),
         "precision": cfg.precision,
         "options": cfg.options.given(),  # the strategy's options that differ from their defaults
         "checkpoint_activations": cfg.checkpoint_activations,
         # rank 0's dynamic loss scaler (every rank of a lockstep strategy holds the same one)
-        "loss_scaler": gathered[0]["precision"]["loss_scaler"],
+        "loss_scaler": gathered[0]["loss_scaler"],
         "final_loss": losses[-1],
         "step_time_s": statistics.median(times),
+        "step_times_s": list(times),  # every step's: a timing shown with its spread
         "start_step": strategy.start_step,  # > 0 when resumed: losses are of steps start_step..
-        "resumed_from": getattr(strategy, "resumed_from", None),
-        "resharded_from": getattr(strategy, "resharded_from", None),  # "zero3 on 4 ranks"
+        "resumed_from": strategy.resumed_from,
+        "resharded_from": strategy.resharded_from,  # "zero3 on 4 ranks"
         "checkpoints": strategy.saved_checkpoints,
         "comm": [g["comm"] for g in gathered],
         "memory": [g["memory"] for g in gathered],
     }
     if any(g["report"] for g in gathered):
         summary["report"] = [g["report"] for g in gathered]
+    if calibration is not None:
+        summary["calibration"] = calibration
     out = {"losses": losses, "summary": summary}
-    if return_state:
-        state = final if final is not None else strategy.state_dict()
-        out["state"] = {k: v.detach().cpu().clone() for k, v in state.items()}
+    if record_events:
+        out["events"] = [g["events"] for g in gathered]
+        out["step_times"] = times
+    if return_state:  # final_state(): the full model on rank 0
+        out["state"] = {k: v.detach().cpu().clone() for k, v in final.items()}
     return out
 
 
 def train(cfg: TrainConfig | None = None, *, cluster: Cluster | None = None, on_step=None,
-          return_state: bool = False, seams=None, **overrides) -> dict:
+          return_state: bool = False, seams=None, project: str | None = None, as_model=None,
+          record_events: bool = False, **overrides) -> dict:
     """Train from Python (a notebook, a test) and return rank 0's ``{"losses", "summary"}``.
 
     ``train(strategy="single", steps=50)`` builds a :class:`TrainConfig` from keywords.  Pass a
@@ -150,13 +185,63 @@ def train(cfg: TrainConfig | None = None, *, cluster: Cluster | None = None, on_
     started for the call and stopped after it.  ``on_step`` runs on rank 0 (its prints are forwarded).
     ``seams={"ring_all_reduce": my_ring, ...}`` runs the strategy with your functions in its seams
     (:class:`~minitrain.strategies.Seams`).
+
+    ``project="dgx-h100"`` (``as_model="7b"``) re-times the run on that cluster at that model size
+    and adds ``summary["projection"]`` (:func:`minitrain.projection.project`); ``record_events``
+    keeps the events (``result["events"]``) to project later, on any cluster.
     """
     cfg = (cfg or TrainConfig()).with_(**overrides) if overrides else (cfg or TrainConfig())
-    check_config(cfg, seams)
-    if cluster is not None:
-        if cluster.world_size != cfg.world_size:
-            raise ValueError(f"the cluster has {cluster.world_size} ranks but the config asks for "
-                             f"world_size={cfg.world_size}; use a matching Cluster or world_size")
-        return cluster.run(run_rank, cfg, on_step, return_state, seams)[0]
-    with Cluster(cfg.world_size, cfg.backend, timeout=cfg.timeout) as c:
-        return c.run(run_rank, cfg, on_step, return_state, seams)[0]
+    with SaveDirLock() as lock:  # one run per save dir: held until the run ends
+        check_config(cfg, seams, lock=lock)
+        check_projection_config(cfg, project, as_model)
+        record = record_events or project is not None
+        calibrate = project is not None and str(project).lower() in ("local", "binder")
+        args = (cfg, on_step, return_state, seams, record, calibrate)
+        if cluster is not None:
+            if cluster.world_size != cfg.world_size:
+                raise ValueError(f"the cluster has {cluster.world_size} ranks but the config asks "
+                                 f"for world_size={cfg.world_size}; use a matching Cluster or "
+                                 "world_size")
+            result = cluster.run(run_rank, *args)[0]
+        else:
+            with Cluster(cfg.world_size, cfg.backend, timeout=cfg.timeout) as c:
+                result = c.run(run_rank, *args)[0]
+    return add_projection(result, project, as_model)
+
+
+def check_projection_config(cfg: TrainConfig, project: str | None, as_model=None) -> None:
+    """Refuse, before any process starts, a projection that cannot be made (an unknown cluster or
+    model size, a free-running strategy, a layout the bigger model cannot take)."""
+    from .projection import MODEL_SIZES, check_projection
+    if project is not None and isinstance(as_model, str) and as_model.lower() not in MODEL_SIZES:
+        raise ConfigError(f"unknown model size {as_model!r}{did_you_mean(as_model, MODEL_SIZES)}; "
+                          f"choose one of: {', '.join(MODEL_SIZES)}")
+    try:
+        check_projection(project, as_model, strategy=cfg.strategy, world_size=cfg.world_size,
+                         options=_options_dict(cfg), model=cfg.model, batch_size=cfg.batch_size)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _options_dict(cfg: TrainConfig) -> dict:
+    options = cfg.options
+    if hasattr(options, "given"):
+        from dataclasses import asdict
+        return asdict(options)
+    return dict(options or {})
+
+
+def add_projection(result: dict, project: str | None, as_model=None) -> dict:
+    """``result`` with ``summary["projection"]``: the run re-timed on ``project`` at ``as_model``
+    (the fields of :func:`minitrain.projection.project`, without the per-rank timelines)."""
+    if project is None or "summary" not in result:
+        return result
+    from .projection import project as reproject
+    p = reproject(result, project, as_model)
+    keep = ("cluster", "cluster_title", "model", "params", "precision", "compute_mode",
+            "step_time_s", "measured_step_s", "compute_s", "exposed_comm_s", "bubble_s", "idle_s",
+            "comm_s", "hidden_comm_share", "mfu", "tokens_per_s", "fits", "sources")
+    summary = result["summary"]
+    summary["projection"] = {k: p[k] for k in keep}
+    summary["projection"]["memory_per_device_gb"] = [m["total"] / 1e9 for m in p["memory"]]
+    return result

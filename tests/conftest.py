@@ -74,15 +74,26 @@ def benchmark_module(name: str):
         sys.modules.pop(name, None)
 
 
+def pytest_report_header(config):
+    """The versions under test, in the log: CI installs what a fresh install resolves today."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    names = ("torch", "numpy", "cloudpickle", "matplotlib", "ipywidgets", "ipykernel", "nbval",
+             "nbclient", "jupyterlab", "playwright")
+    found = []
+    for name in names:
+        try:
+            found.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            found.append(f"{name} (not installed)")
+    return "minitrain is tested with: " + ", ".join(found)
+
+
 @pytest.fixture
 def no_spawn(monkeypatch):
-    """train() and the CLI may not start ranks: every refusal comes before spawning.  (The ranks
-    the `clusters` fixture keeps are another Cluster name, left alone, so a refusal test also runs
-    on its own.)"""
-    class Refused:
-        def __init__(self, *args, **kwargs):
-            raise AssertionError("a process was started")
-    importlib.import_module("minitrain.cli")  # loaded, so that its Cluster can be replaced too
+    """No rank may start during the test: every refusal comes before spawning.  Forking new ranks
+    fails the test; clusters that are already running (the `clusters` fixture's) are left alone."""
+    def refused(self, *args, **kwargs):
+        raise AssertionError("a process was started")
 
-    for module in ("minitrain.train", "minitrain.cli"):  # (minitrain.train is also a function)
-        monkeypatch.setattr(sys.modules[module], "Cluster", Refused)
+    monkeypatch.setattr(Cluster, "_start", refused)

@@ -3,10 +3,10 @@
 Running the lessons themselves would take minutes, so the test builds one small notebook (in tmp)
 that builds each widget the lessons build, with the lessons' own calls (read from
 ``lessons/*.ipynb`` by :func:`test_viz_sweep.lesson_calls`, the names they use set up as in
-``test_viz_sweep.SETUP``: real ranks where the widget needs them, no training run).  It starts
-JupyterLab on loopback (isolated config, runtime, settings and workspace dirs), opens that notebook
-in Debian's ``chromium`` driven by Playwright, runs all cells from the Run menu, then for every
-widget: it rendered; no label is cut off or on a line of its own; each control (dropdown, toggle
+``test_viz_sweep.SETUP``: real ranks where the widget needs them, a short recorded run for the
+projection widget).  It starts JupyterLab on loopback (isolated config, runtime, settings and
+workspace dirs), opens that notebook in Debian's ``chromium`` driven by Playwright, runs all
+cells from the Run menu, then for every widget: it rendered; no label is cut off or on a line of its own; each control (dropdown, toggle
 buttons, slider, checkbox) is moved once and at least one of them changes what the widget shows;
 nothing shows a traceback — neither in the widget nor in a callback (the notebook collects what
 the kernel logs for a failing callback into a box the test reads).  Lesson 00's calculator goes to
@@ -237,7 +237,8 @@ def _wait_kernel_settled(page, timeout_s: float, quiet_s: float = 1.5) -> None:
 ROOT_CLASS = {"MemoryCalculator": "mt-memory-calculator", "RingWidget": "mt-ring-widget",
               "ShardingWidget": "mt-sharding-widget", "BubbleWidget": "mt-bubble-widget",
               "TensorSplitWidget": "mt-tp-widget", "MeshWidget": "mt-mesh",
-              "ChooserWidget": "mt-chooser-widget", "RingAttentionWidget": "mt-cp-widget"}
+              "ChooserWidget": "mt-chooser-widget", "RingAttentionWidget": "mt-cp-widget",
+              "ProjectionWidget": "mt-projection-widget"}
 
 # A callback that raises does not show in the notebook: ipykernel logs it ("Comm" logger) or
 # ipywidgets calls showtraceback() for a message that belongs to no cell.  Both go to a box here.

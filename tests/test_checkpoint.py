@@ -15,7 +15,7 @@ from minitrain.checkpoint import CheckpointError, checkpoint_support, consolidat
 from minitrain.cli import build_parser, config_from_args, main
 from minitrain.launch import RankError
 from minitrain.model import PRESETS
-from minitrain.strategies import Single
+from minitrain.strategies import Checkpointer, Lockstep, Single, get_strategy, strategy_names
 
 NANO = PRESETS["nano"]
 BASE = TrainConfig(steps=10, batch_size=6, seed=0, model=NANO)
@@ -187,7 +187,8 @@ def test_a_truncated_rank_file_is_refused(copy_of, no_spawn):
 def test_an_unfinished_save_is_refused(copy_of, no_spawn):
     cfg, root, ckpt = copy_of("ddp")
     os.remove(ckpt / "meta.json")
-    with pytest.raises(CheckpointError, match="lack meta.json"):
+    with pytest.raises(CheckpointError, match=r"only unfinished saves \(step-000005: .* nothing can "
+                                              r"be resumed"):
         train(cfg.with_(resume=str(root)))
     with pytest.raises(CheckpointError, match="has no meta.json: the save did not finish"):
         train(cfg.with_(resume=str(ckpt)))
@@ -219,10 +220,31 @@ def test_what_cannot_be_checkpointed_is_refused(no_spawn, cfg, message):
     assert message in str(info.value)
 
 
-def test_a_subclass_does_not_inherit_checkpoints():
-    class Sharded(Single):  # a Single whose state lies differently (as tensor's) must say so itself
+def test_a_checkpointer_is_complete_or_absent_with_its_reason():
+    class Bare(Lockstep):  # no checkpointer: refused, saying why
+        name = "bare"
+    assert checkpoint_support(Bare) == ("strategy 'bare' cannot save checkpoints: it has no "
+                                        "checkpointer yet (see Checkpointer in "
+                                        "minitrain/strategies/base.py)")
+
+    class Half(Checkpointer):  # saves, but cannot load or consolidate
+        def save(self, strategy):
+            return {}
+    with pytest.raises(TypeError, match="abstract"):
+        Half()
+
+    class Sharded(Single):  # an ordinary attribute: a subclass inherits it (or sets its own)
         name = "sharded"
-    assert "strategy 'sharded' does not implement checkpoints yet" in checkpoint_support(Sharded)
+    assert checkpoint_support(Sharded) is None and Sharded.checkpointer is Single.checkpointer
+
+
+@pytest.mark.parametrize("name", strategy_names())
+def test_a_checkpointer_that_reshards_implements_both_halves(name):
+    checkpointer = get_strategy(name).checkpointer
+    if isinstance(checkpointer, Checkpointer) and checkpointer.reshards:
+        for method in ("portable_optimizer", "load_portable"):
+            assert getattr(type(checkpointer), method) is not getattr(Checkpointer, method), \
+                f"{name}'s checkpointer reshards but does not implement {method}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -249,3 +271,141 @@ def test_cli_consolidates_and_refuses(saved, tmp_path, capsys, no_spawn):
     assert info.value.code == 2
     assert "n_layer 2 there, 4 here; resume with the same model (--n-layer 2)" in \
         capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------
+# Misuse (issue 28): meta.json edited by hand, consolidate pointed where it must not write
+# --------------------------------------------------------------------------------------------------
+
+
+def _drop(*keys):
+    def edit(meta):
+        for k in keys[:-1]:
+            meta = meta[k]
+        del meta[keys[-1]]
+    return edit
+
+
+def _put(value, *keys):
+    def edit(meta):
+        for k in keys[:-1]:
+            meta = meta[k]
+        meta[keys[-1]] = value
+    return edit
+
+
+HAND_EDITS = {  # name: (edit of meta.json, what the refusal says is wrong)
+    "layout removed": (_drop("layout"), "layout is missing"),
+    "files removed": (_drop("files"), "files is missing"),
+    "config removed": (_drop("config"), "config is missing"),
+    "step removed": (_drop("step"), "step is missing"),
+    'step "10"': (_put("10", "step"), 'step is a string ("10"), not an integer'),
+    "step null": (_put(None, "step"), "step is null, not an integer"),
+    "step 0": (_put(0, "step"), "step is 0; a checkpoint is saved after at least one step"),
+    "step 7": (_put(7, "step"), "step is 7 but the directory is step-000005"),
+    "step true": (_put(True, "step"), "step is a boolean (true), not an integer"),
+    'world_size "2"': (_put("2", "layout", "world_size"),
+                       'layout.world_size is a string ("2"), not an integer'),
+    "world_size 1": (_put(1, "layout", "world_size"),
+                     "files lists 2 rank files (rank00000.pt, rank00001.pt) but layout.world_size "
+                     "is 1"),
+    "world_size 0": (_put(0, "layout", "world_size"), "layout.world_size is 0"),
+    "an extra model key": (_put(1, "layout", "model", "extra"),
+                           "layout.model.extra is not a key minitrain writes"),
+    "a model key removed": (_drop("layout", "model", "d_model"), "layout.model.d_model is missing"),
+    "a model that cannot be": (_put(3, "layout", "model", "n_head"),
+                               "layout.model is not a valid model (d_model=32 is not divisible"),
+    "strategy unknown": (_put("zero4", "layout", "strategy"),
+                         "layout.strategy 'zero4' is not a strategy of this minitrain"),
+    "precision unknown": (_put("fp8", "layout", "precision"), "layout.precision 'fp8' is not one of"),
+    "files: a list": (_put([], "files"), "files is a list ([]), not an object"),
+    'bytes "x"': (_put("x", "files", "rank00000.pt", "bytes"),
+                  'files.rank00000.pt.bytes is a string ("x"), not an integer'),
+    "sha256 null": (_put(None, "files", "rank00000.pt", "sha256"),
+                    "files.rank00000.pt.sha256 is null, not a string"),
+    "options removed": (_drop("config", "options"), "config.options is missing"),
+    "an extra key": (_put(1, "note"), "note is not a key minitrain writes"),
+}
+
+
+@pytest.fixture
+def zero3_saved(saved):
+    """zero3's case saved (before ``no_spawn``, when listed first)."""
+    saved("zero3")
+
+
+@pytest.mark.parametrize("name", list(HAND_EDITS))
+def test_a_hand_edited_meta_json_is_refused_in_one_line(zero3_saved, copy_of, no_spawn, name):
+    edit, problem = HAND_EDITS[name]
+    cfg, root, ckpt = copy_of("zero3")
+    meta = json.loads((ckpt / "meta.json").read_text())
+    edit(meta)
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    for attempt in (lambda: train(cfg.with_(resume=str(root))), lambda: consolidate(root)):
+        with pytest.raises(CheckpointError) as info:
+            attempt()
+        text = str(info.value)
+        assert f"{ckpt / 'meta.json'} is not as minitrain wrote it: {problem}" in text, text
+        assert "undo the edit" in text and "\n" not in text
+
+
+def test_rank_files_that_do_not_match_their_meta_json_are_refused(copy_of, clusters, capsys):
+    """meta.json edited consistently (world size 1, one file listed): the schema holds, but the
+    zero3 shard in the file is not the whole model — refused naming both, not a shape error."""
+    cfg, root, ckpt = copy_of("zero3")
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta["layout"]["world_size"] = 1
+    del meta["files"]["rank00001.pt"]
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"the rank files do not hold what meta.json "
+                                              r"describes \(.*\); was meta.json edited"):
+        consolidate(root)
+    with pytest.raises(SystemExit):
+        main(["consolidate", str(root), str(ckpt.parent.parent / "out.pt")])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "the rank files do not hold what meta.json describes" in err
+
+
+def _special(tmp_path, kind):
+    import stat
+    path = tmp_path / kind
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":  # a copy of /dev/full's node: only root may make one
+        try:
+            os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 7))
+        except PermissionError:
+            pytest.skip("making a device node needs root")
+    else:
+        path.mkdir()
+    return path
+
+
+@pytest.mark.parametrize("where", ["a rank file", "meta.json", "inside the step", "a directory",
+                                   "empty", "fifo", "device", "a link into the checkpoint"])
+def test_consolidate_never_damages_a_checkpoint_nor_replaces_what_is_not_a_file(
+        copy_of, tmp_path, capsys, where):
+    _, root, ckpt = copy_of("ddp")
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    out = {"a rank file": ckpt / "rank00000.pt", "meta.json": ckpt / "meta.json",
+           "inside the step": ckpt / "full.pt", "empty": ""}.get(where)
+    if where in ("fifo", "device", "a directory"):
+        out = _special(tmp_path, {"a directory": "dir"}.get(where, where))
+    if where == "a link into the checkpoint":
+        out = tmp_path / "link.pt"
+        out.symlink_to(ckpt / "rank00001.pt")
+    with pytest.raises(SystemExit) as info:
+        main(["consolidate", str(ckpt), str(out)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    expected = {"a directory": "it is a directory", "empty": "no output file given",
+                "fifo": "it is a pipe, not a regular file", "device": "it is a character device"
+                }.get(where, f"it is inside the checkpoint {ckpt}")
+    assert expected in err, err
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before  # the checkpoint untouched
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
+    if where in ("fifo", "device", "a directory"):
+        import stat
+        mode = os.lstat(out).st_mode
+        assert {"fifo": stat.S_ISFIFO, "device": stat.S_ISCHR, "a directory": stat.S_ISDIR}[where](mode)
+    assert consolidate(root)  # and it still consolidates

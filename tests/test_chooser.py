@@ -257,3 +257,37 @@ def test_when_not_even_a_layer_fits_whole_layers_are_not_kept_on_every_device():
     zero2 = [c for c in rec.candidates if c.layout.tp == 1 and c.layout.zero == 2]
     assert any(c.rejected and "split each layer with TP" in c.rejected for c in zero2)
     assert not [c for c in rec.candidates if c.feasible and c.layout.tp == 1 and c.layout.zero < 3]
+
+
+def test_links_and_memory_per_device_are_what_evaluate_prices_with():
+    """Lesson 08's exercise prices layouts with ``links`` and keeps those ``memory_per_device``
+    lets fit: the same numbers ``evaluate`` uses (one cost model)."""
+    from minitrain.chooser import USABLE, links, memory_per_device
+
+    hw = Hardware(nodes=4, inter_node_gbps=IB)
+    inside, across = (hw.intra_node_gbps * 1e9, hw.latency_intra_s), (hw.inter_per_device_bps(),
+                                                                      hw.latency_inter_s)
+    assert links(Layout(4, 8, 1), hw) == {"tp": inside, "dp": inside, "pp": across}
+    assert links(Layout(4, 8, 1, outer="dp"), hw) == {"tp": inside, "dp": across, "pp": inside}
+    assert links(Layout(32, 1, 1), hw)["dp"] == across
+    for layout in (Layout(32, 1, 1, 1), Layout(4, 4, 2, 1), Layout(8, 4, 1)):
+        cand = evaluate(LLAMA_13B, hw, Workload(), layout)
+        assert memory_per_device(LLAMA_13B, hw, Workload(), layout) == cand.memory["total"]
+        assert (cand.memory["total"] <= USABLE * hw.device_memory_gb * GB) == cand.feasible
+    assert memory_per_device(LLAMA_13B, hw, Workload(global_batch=30), Layout(32, 1, 1)) == float("inf")
+
+
+def test_the_lesson_08_exercise_checks_every_term_of_the_step_time_somewhere():
+    """The pick_layout check compares compute, bubble, tp, pp and dp with the chooser's: each is
+    non-zero on some case (so a wrong one is seen) and nothing else of the step is priced there."""
+    from minitrain.exercises.lesson08 import TERMS, _jobs, step_time_cases
+
+    jobs = _jobs()
+    seen = set()
+    for key, layout in step_time_cases():
+        _, model, hw, job = jobs[key]
+        time = evaluate(model, hw, job, layout).time
+        assert time["offload"] == 0 and time["total"] == pytest.approx(
+            sum(time[t] for t in TERMS[:-1]))
+        seen |= {t for t in TERMS[:-1] if time[t] > 0}
+    assert seen == set(TERMS[:-1])

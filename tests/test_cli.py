@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from minitrain import Cluster, TrainConfig, train
+from minitrain import TrainConfig, train
 from minitrain.cli import main
 from minitrain.strategies import ConfigError, strategy_names
 
@@ -70,6 +70,19 @@ def test_readable_output_without_json():
     assert "3/3" in out.stderr  # the progress bar
 
 
+def test_the_readable_summary_says_what_offload_put_on_the_host():
+    out = run_cli("train", "--strategy", "zero1", "--world-size", "2", "--offload", "--steps", "2",
+                  "--model", "nano")
+    assert out.returncode == 0, out.stderr
+    assert "optimizer step are in host memory" in out.stdout
+    rank0 = next(line for line in out.stdout.splitlines() if line.startswith("rank 0:"))
+    device, host = rank0.split("; host: ")
+    assert "optimizer 0.0 KiB" in device and "optimizer 0.0 KiB" not in host, rank0
+    plain = run_cli("train", "--strategy", "zero1", "--world-size", "2", "--steps", "2",
+                    "--model", "nano")
+    assert "host" not in plain.stdout
+
+
 @pytest.mark.parametrize("args, message", [
     (["--strategy", "nope"], "unknown strategy 'nope'; choose one of: " + ", ".join(sorted(strategy_names()))),
     (["--world-size", "2"], "strategy 'single' runs on one rank"),
@@ -78,11 +91,7 @@ def test_readable_output_without_json():
     (["--n-head", "3"], "not divisible by n_head=3"),
     (["--strategy", "tensor", "--world-size", "3"], "n_head=4 does not split over --tp 3"),
 ])
-def test_bad_configurations_are_refused_before_any_process_starts(monkeypatch, capsys, args, message):
-    def no_spawn(self):
-        raise AssertionError("a process was started")
-
-    monkeypatch.setattr(Cluster, "start", no_spawn)
+def test_bad_configurations_are_refused_before_any_process_starts(no_spawn, capsys, args, message):
     with pytest.raises(SystemExit) as info:
         main(["train", *args])
     assert info.value.code == 2
@@ -118,3 +127,54 @@ def test_the_pipeline_summary_reports_its_bubble():
     report = summary["report"][0]
     assert len(steps) == 2 and report["schedule"] == "1f1b"
     assert 0 < report["bubble_measured"] < 1 and report["bubble_formula"] == pytest.approx(0.2)
+
+
+def test_help_shows_each_default_once(monkeypatch):
+    """A flag whose help says its default itself gets no second "(default: none)"."""
+    from minitrain.cli import build_parser
+
+    monkeypatch.setenv("COLUMNS", "1000")
+    text = build_parser().commands["train"].format_help().split("\noptions:", 1)[1]
+    lines = []  # one entry per flag (a long flag's help starts on the next line)
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            lines.append(line)
+        elif lines and line.startswith("   "):
+            lines[-1] += " " + line.strip()
+    assert len(lines) > 30
+    twice = [line.split()[0] for line in lines if line.count("(default") > 1]
+    assert not twice, twice
+    for name in ("--backend", "--loss-scale", "--tp", "--compress", "--bucket-mb", "--dp"):
+        line = next(line for line in lines if line.lstrip().startswith(name + " "))
+        assert line.count("(default") == 1, line
+
+
+@pytest.mark.parametrize("args, hint", [
+    (["train", "--strategy", "zer3"], "unknown strategy 'zer3' (did you mean 'zero3'?)"),
+    (["train", "--strategy", "DDP"], "(did you mean 'ddp'?)"),
+    (["train", "--tpp", "2"], "--tpp: did you mean --tp?"),
+    (["train", "--stpes", "5"], "--stpes: did you mean --steps?"),
+    (["train", "--bucket_mb=1"], "--bucket_mb: did you mean --bucket-mb?"),
+    (["trian"], "invalid choice: 'trian' (did you mean 'train'?)"),
+    (["train", "--model", "tinny"], "invalid choice: 'tinny' (did you mean 'tiny'?)"),
+    (["train", "--precision", "bf16"], "(did you mean 'bf16-mixed'?)"),
+    (["train", "--strategy", "pipeline", "--world-size", "2", "--schedule", "1fb1"],
+     "(did you mean '1f1b'?)"),
+    (["train", "--strategy", "ddp", "--world-size", "2", "--project", "dgx-h10"],
+     "unknown cluster 'dgx-h10' (did you mean 'dgx-h100'?)"),
+    (["train", "--strategy", "ddp", "--world-size", "2", "--project", "dgx-h100", "--as-model", "7bb"],
+     "unknown model size '7bb' (did you mean '7b'?)"),
+    (["clusters", "--jsn"], "--jsn: did you mean --json?"),
+])
+def test_a_mistyped_name_gets_a_did_you_mean(no_spawn, capsys, args, hint):
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and hint in err, err
+    assert "Traceback" not in err
+
+
+def test_no_did_you_mean_without_a_close_name(no_spawn, capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--strategy", "quantum"])
+    assert "did you mean" not in capsys.readouterr().err

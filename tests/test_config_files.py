@@ -54,3 +54,69 @@ def test_ci_runs_the_readmes_test_command():
     blocks = re.findall(r"```(?:bash|sh)\n(.*?)```", readme, re.S)
     test_cmd = next(b.strip() for b in blocks if "pytest" in b)
     assert test_cmd.splitlines()[-1] in (ROOT / ".ci" / "run").read_text()
+
+
+CPU_INDEX = "--extra-index-url https://download.pytorch.org/whl/cpu"
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_every_install_line_fetches_the_cpu_build_of_torch():
+    """PyPI's torch on Linux is the CUDA build (several GB): every way the README and the docs say
+    to install the package, and both conda environments, take torch from PyTorch's CPU index."""
+    lines = [(path.name, line) for path in DOCS for line in path.read_text().splitlines()
+             if re.search(r"pip install\b.*-e\s", line)]
+    extras = {m for _, line in lines for m in re.findall(r'-e\s+"?\.(\[[a-z,]+\])?', line)}
+    assert {"[lab]", "[test]", "[grade]"} <= extras, lines  # each way in is checked
+    missing = [f"{name}: {line.strip()}" for name, line in lines if CPU_INDEX not in line]
+    assert not missing, missing
+    for env in (ROOT / "environment.yml", ROOT / "binder" / "environment.yml"):
+        pips = [d["pip"] for d in yaml.safe_load(env.read_text())["dependencies"] if isinstance(d, dict)]
+        assert CPU_INDEX in pips[0], f"{env}: its pip section needs the option line {CPU_INDEX!r}"
+    assert CPU_INDEX in (ROOT / ".ci" / "run").read_text()
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_the_readme_links_resolve():
+    """The README is the front door: the reference moved to docs/, and every link to it (file and
+    section) still lands."""
+    readme = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)#\s]+)(?:#([^)\s]+))?\)", readme)
+    assert any(target == "docs/reference.md" for target, _ in links)
+    assert any(target == "docs/architecture.md" for target, _ in links)
+    for target, anchor in links:
+        if target.startswith("http"):
+            continue
+        path = ROOT / target
+        assert path.exists(), target
+        if anchor:
+            headings = re.findall(r"^#+ (.*)$", path.read_text(), re.M)
+            assert anchor in {_anchor(h) for h in headings}, f"{target}#{anchor}"
+    assert len(readme) < 20_000, "the README is the front door; the reference lives in docs/"
+    for section in ("## Set-up", "## Quick start", "## The lessons", "## For teachers"):
+        assert section in readme
+
+
+def test_the_readmes_commands_do_not_clash_when_run_in_order():
+    """The checkpoint examples run top to bottom: no --save-dir is written twice by a run that
+    does not resume from it (the save dir would be refused), and no --resume comes before its save."""
+    text = (ROOT / "docs" / "reference.md").read_text()
+    saved = {}  # save dir -> the step its latest checkpoint is at
+    for line in text.splitlines():
+        if not line.startswith("minitrain train"):
+            continue
+        save = re.search(r"--save-dir (\S+)", line)
+        resume = re.search(r"--resume (\S+)", line)
+        given = re.search(r"--steps (\d+)", line)
+        steps = int(given.group(1)) if given else 20  # the default
+        if resume and "$" not in resume.group(1):
+            assert resume.group(1) in saved, f"resumes from {resume.group(1)} before any run saved it: {line}"
+            assert steps > saved[resume.group(1)], f"nothing left to train: {line}"
+        if save:
+            if resume is None or resume.group(1) != save.group(1):
+                assert save.group(1) not in saved, f"{save.group(1)} saved twice: {line}"
+            saved[save.group(1)] = steps

@@ -13,7 +13,9 @@ import torch.distributed as dist
 
 from conftest import pid_alive
 from minitrain import Cluster, CollectiveTimeout, RankError
+from minitrain.diagnostics import format_error
 from minitrain.launch import Deadlock
+from minitrain.watch import died
 
 
 def skips_the_all_reduce():
@@ -58,6 +60,14 @@ def test_a_skipped_collective_is_named_within_seconds(two):
     assert "rank 1 returned" in text
     assert "rank 0 waiting in all_reduce at test_diagnostics.py:" in text and "dist.all_reduce(t)" in text
     assert "--- stack of rank 0 ---" in text
+    # the same facts as data, for the checkers: no parsing of the text above
+    err = info.value
+    waiting, returned = err.where[0], err.where[1]
+    assert (waiting.state, waiting.op, returned.state) == ("waiting", "all_reduce", "returned")
+    assert waiting.frame.code == "dist.all_reduce(t)" and waiting.frame.name == "skips_the_all_reduce"
+    assert waiting.frame.file == __file__
+    assert "--- stack of rank" not in format_error(err, details=False)
+    assert str(pickle.loads(pickle.dumps(err))) == text  # it travels (a grader's process) whole
     assert two.run(lambda: dist.get_rank()) == [0, 1]  # the group is usable again
 
 
@@ -70,6 +80,9 @@ def test_a_wrong_ring_peer_is_named_within_seconds():
     text = str(info.value)
     assert "rank 0 waiting in recv" in text and "rank 1 waiting in send" in text
     assert "rank 2 returned" in text
+    where = info.value.where
+    assert [(where[r].state, where[r].op) for r in range(3)] == [
+        ("waiting", "recv"), ("waiting", "send"), ("returned", "")]
 
 
 def test_a_rank_that_is_only_slow_is_not_a_deadlock(two):
@@ -87,6 +100,9 @@ def test_when_every_rank_waits_their_lines_are_shown_and_kept(capsys):
     text = str(info.value)
     assert "rank 0 was waiting in recv" in text and "rank 1 was waiting in recv" in text
     assert "also failed" in text  # the other rank's error is kept
+    err = info.value
+    assert err.op == "recv" and err.timeout_s == 11 and err.frame.name == "both_receive_first"
+    assert [(s.state, s.op) for s in err.waiting()] == [("waiting", "recv")] * 2
 
 
 def test_every_failing_rank_is_kept(two):
@@ -116,6 +132,7 @@ def test_a_killed_rank_is_said_to_be_likely_out_of_memory(two):
     with pytest.raises(RankError, match="signal 9") as info:
         two.run(killed)
     assert "out-of-memory" in str(info.value) and "resident memory" in str(info.value)
+    assert info.value.signal == 9 and info.value.exc_type == ""
 
 
 def test_an_aborted_rank_shows_its_native_message(two):
@@ -128,6 +145,17 @@ def test_an_aborted_rank_shows_its_native_message(two):
         two.run(aborts)
     text = str(info.value)
     assert "collective mismatch" in text and "sizes of the buffers do not match" in text
+    assert info.value.signal == 6 and "sizes of the buffers" in info.value.native
+
+
+def test_an_abort_reason_is_read_once_from_the_native_message():
+    native = ("terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
+              "  what():  [enforce fail at ../gloo/allreduce.cc:12] a == b. 4 vs 8\n")
+    err = died(1, -6, 1234, native, None)
+    assert (err.signal, err.abort_reason) == (6, "a == b. 4 vs 8")
+    assert "signal 6" in str(err) and "collective mismatch" in str(err)
+    assert died(1, -9, 1234, "", 2**30).hint.count("1,024 MiB") == 1
+    assert died(0, 3, 1234, "", None).signal is None and "exited with code 3" in str(died(0, 3, 1, "", None))
 
 
 def test_a_learners_destroy_process_group_is_refused_and_repaired(two):
@@ -213,6 +241,9 @@ def test_a_cell_defined_after_the_ranks_started_still_shows_its_line(two):
         linecache.cache.pop(path, None)
     text = str(info.value)
     assert "rank 0 waiting in all_reduce at cell line 3: dist.all_reduce(torch.ones(1))" in text
+    frame = info.value.where[0].frame
+    assert (frame.file, frame.line, frame.in_cell) == (path, 3, True)
+    assert frame.code == "dist.all_reduce(torch.ones(1))  # the line to show"
     assert "    dist.all_reduce(torch.ones(1))  # the line to show" in text  # in its stack too
 
 

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from minitrain import exercises
-from minitrain.exercises import PLACEHOLDER, build_exercise, check, normalise, problem, verdict
+from minitrain.exercises import (PLACEHOLDER, build_exercise, check, normalise, pending, problem,
+                                 verdict)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,16 +34,60 @@ def test_no_answer_reaches_the_learners_notebooks():
         assert PLACEHOLDER in text, f"{path.name} has no exercise"
 
 
-def test_stored_outputs_are_small_and_hold_only_verdicts():
+def test_no_verdict_and_no_answer_before_running():
+    """A learner opening a lesson sees no ✓, no ✗ and no part of an answer under any cell: a check
+    cell stores only "not checked yet" (nbval gets the verdict from minitrain_nbval)."""
+    from minitrain.exercises import CHECKS, pending
+    from minitrain.exercises.build import _check_name
+
+    answers = {name: passes for name, (_, passes) in CHECKS.items()}
     for folder in ("lessons", "solutions"):
         for path in (ROOT / folder).glob("[0-9]*.ipynb"):
             nb = json.loads(path.read_text())
             assert "widgets" not in nb["metadata"]
-            outputs = [o for c in nb["cells"] if c["cell_type"] == "code" for o in c["outputs"]]
-            assert outputs, f"{path.name}: no check cell"
-            for o in outputs:
-                assert o["output_type"] == "stream" and "".join(o["text"]).startswith("✓ ")
+            checked = 0
+            for cell in nb["cells"]:
+                if cell["cell_type"] != "code":
+                    continue
+                stored = "".join("".join(o.get("text", "")) for o in cell["outputs"])
+                stored += "".join(json.dumps(o["data"], ensure_ascii=False)
+                                  for o in cell["outputs"] if "data" in o)
+                assert "✓" not in stored and "✗" not in stored, (path.name, stored)
+                assert "correct" not in stored, (path.name, stored)
+                for name, passes in answers.items():
+                    assert passes not in stored, (path.name, name)
+                name = _check_name("".join(cell["source"]))
+                if name is None:
+                    assert cell["outputs"] == [], (path.name, cell["source"][:80])
+                else:
+                    assert stored == pending(name) + "\n"
+                    checked += 1
+            assert checked, f"{path.name}: no check cell"
+            text = path.read_text()
+            for name in answers:  # nor anywhere else in the file: the pass line is never stored
+                assert f"✓ {name}" not in text, (path.name, name)
             assert path.stat().st_size < 60_000
+
+
+def test_a_blank_prediction_prints_nothing_and_asks_for_the_prediction():
+    """A prediction cell keeps its target (``my_prediction = ...``): a bare ``...`` at a cell's top
+    level would print ``Ellipsis``; predicted() given the ``...`` asks for the prediction."""
+    from minitrain.exercises import predicted
+
+    cell = {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None,
+            "source": "my_prediction = None  # bytes\n# BEGIN SOLUTION\nmy_prediction = 3 * 4\n"
+                      "# END SOLUTION"}
+    nb = build_exercise({"metadata": {}, "cells": [cell]})
+    assert nb["cells"][0]["source"] == f"my_prediction = None  # bytes\nmy_prediction = {PLACEHOLDER}"
+    lessons = [json.loads(p.read_text()) for p in (ROOT / "lessons").glob("[0-9]*.ipynb")]
+    sources = ["".join(c["source"]) for nb in lessons for c in nb["cells"] if c["cell_type"] == "code"]
+    tops = [s for s in sources if any(line.startswith(PLACEHOLDER) for line in s.splitlines())]
+    assert tops == [], "a bare ... at a cell's top level prints Ellipsis"
+    for blank in (None, ...):
+        shown = str(predicted("bytes", blank, "4Ψ", 8.0, 8.0))
+        assert "write your prediction first" in shown and "Ellipsis" not in shown
+    with pytest.raises(TypeError, match="as a number"):
+        predicted("bytes", "12", "4Ψ", 8.0, 8.0)
 
 
 def test_build_replaces_the_answer_and_keeps_the_rest():
@@ -55,7 +100,7 @@ def test_build_replaces_the_answer_and_keeps_the_rest():
     nb = build_exercise(solution)
     assert nb["cells"][0]["source"] == f"def f(x):\n    y = 1\n    {PLACEHOLDER}"
     assert nb["cells"][0]["outputs"] == [] and "widgets" not in nb["metadata"]
-    assert nb["cells"][1]["outputs"][0]["text"] == [verdict("ring_all_reduce") + "\n"]
+    assert nb["cells"][1]["outputs"][0]["text"] == [pending("ring_all_reduce") + "\n"]
     assert normalise(solution)["cells"][0]["source"] == solution["cells"][0]["source"]
 
 

@@ -72,9 +72,29 @@ def test_dispatch_seam_from_outside(clusters, case):
         torch.distributed.all_to_all_single(output, input, output_splits, input_splits,
                                             group=comm.group)
         return output
+    from answers.lesson09 import router
+
     run = train(cfg.with_(strategy="expert", world_size=2), cluster=clusters(2),
-                seams={"all_to_all_dispatch": dispatch}, return_state=True)
+                seams={"all_to_all_dispatch": dispatch, "moe_router": router}, return_state=True)
     assert_same_run(run, ref)
+
+
+def test_capacity_is_per_sequence_and_dropped_assignments_never_travel():
+    """GShard's rule: in each group (one sequence) an expert's queue takes every first choice, in
+    token order, before any second choice, and keeps the first `capacity`."""
+    from minitrain.model import moe_router
+
+    logits = torch.tensor([[[3.0, 2.0, 0.0], [3.0, 0.0, 2.0], [0.0, 3.0, 2.0]]],  # 1 group, 3 tokens
+                          requires_grad=True)
+    experts, gates, keep, aux = moe_router(logits, 2, 2)
+    # expert 0's queue: token 0's and token 1's first choices; expert 2's: token 1's second, token
+    # 2's second; expert 1: token 2's first, then token 0's second
+    assert experts.tolist() == [[[0, 1], [0, 2], [1, 2]]]
+    assert keep.tolist() == [[[True, True], [True, True], [True, True]]]
+    experts, gates, keep, aux = moe_router(logits, 2, 1)
+    assert keep.tolist() == [[[True, False], [False, True], [True, False]]]
+    assert torch.allclose(gates.sum(-1), torch.ones(1, 3))
+    assert aux.requires_grad
 
 
 def test_expert_refusals():

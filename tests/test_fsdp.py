@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minitrain.comm import Comm
 from minitrain.parallel.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy
-from minitrain.parallel.fsdp_timeline import hidden_fraction, merge_intervals
+from minitrain.analysis import hidden_fraction, merge_intervals
 from minitrain.viz.fsdp import unit_timeline_rows
 
 
@@ -222,7 +222,7 @@ def timeline_run():
         x, y = EmbedNorm.batch(step, dist.get_world_size())
         fsdp.timeline.clear()
         EmbedNorm.loss(model(x), y).backward()
-    return fsdp.timeline, fsdp.hidden_fraction(), len(fsdp._sharded)
+    return fsdp.timeline, hidden_fraction(fsdp.timeline), len(fsdp._sharded)
 
 
 def test_prefetch_issues_the_next_gather_before_the_current_unit_computes(clusters):

@@ -2,6 +2,7 @@
 line between techniques (minitrain/parallel/) and the harness."""
 
 import argparse
+import ast
 import re
 from pathlib import Path
 
@@ -102,3 +103,27 @@ def test_a_technique_file_is_the_technique(path):
     assert not HARNESS_IMPORT.search(text), f"{path.name} imports the training harness"
     assert "TrainConfig" not in text, f"{path.name} reads a TrainConfig: that is the harness's job"
     assert len(text.splitlines()) <= 460, f"{path.name} has {len(text.splitlines())} lines"
+
+
+STRATEGIES = PARALLEL.parent / "strategies"
+ABOVE_STRATEGIES = {"train", "cli", "checkpoint", "checkpoint_checks", "grade", "exercises", "viz"}
+
+
+def _minitrain_imports(path: Path) -> set[str]:
+    """The top-level minitrain modules a file of minitrain/<package>/ imports, anywhere in it
+    (inside functions too)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 2:  # from ..x import y
+            out.update([node.module.split(".")[0]] if node.module else [a.name for a in node.names])
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.update([node.module.split(".")[1]] if node.module.startswith("minitrain.") else [])
+        elif isinstance(node, ast.Import):
+            out.update(a.name.split(".")[1] for a in node.names if a.name.startswith("minitrain."))
+    return out
+
+
+@pytest.mark.parametrize("path", sorted(STRATEGIES.glob("*.py")), ids=lambda p: p.name)
+def test_a_strategy_file_imports_nothing_from_the_layers_above(path):
+    above = _minitrain_imports(path) & ABOVE_STRATEGIES
+    assert not above, f"strategies/{path.name} imports {', '.join(sorted(above))}: move what it needs down"

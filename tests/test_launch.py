@@ -90,8 +90,9 @@ def test_ranks_that_do_not_start_are_forked_again(monkeypatch, capsys):
     """A forked rank stuck before joining the group (once in CI: a lock held by a parent thread
     at fork time) — the ranks are stopped and forked again, and the cluster works."""
     launch_module = sys.modules["minitrain.launch"]  # (minitrain.launch is also a function)
+    worker_module = sys.modules["minitrain.worker"]
     stuck = mp.Value("i", 0)  # shared with the forked ranks: how many got stuck so far
-    original = launch_module._die_with_parent
+    original = worker_module._die_with_parent
 
     def first_rank_2_hangs():
         original()
@@ -102,7 +103,7 @@ def test_ranks_that_do_not_start_are_forked_again(monkeypatch, capsys):
             if first:
                 time.sleep(3600)
 
-    monkeypatch.setattr(launch_module, "_die_with_parent", first_rank_2_hangs)
+    monkeypatch.setattr(worker_module, "_die_with_parent", first_rank_2_hangs)
     monkeypatch.setattr(launch_module, "FORK_STARTUP_S", 2.0)
     with Cluster(3, timeout=30) as c:
         assert [r[2] for r in c.run(rank_and_sum)] == [6.0] * 3
@@ -266,3 +267,133 @@ def test_the_same_code_runs_under_torchrun(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     for rank in (0, 1):
         assert (tmp_path / f"rank{rank}.txt").read_text() == f"{rank} 2 [0.0, 3.0, 6.0, 9.0, 12.0]"
+
+
+# --------------------------------------------------------------------------------------------------
+# Nothing left behind (issue 28): a rank's children, a Cluster left open, a killed parent's files
+# --------------------------------------------------------------------------------------------------
+
+
+def test_what_a_dead_rank_started_goes_with_it():
+    """A rank that starts a process and dies: the process (now an orphan) is stopped with the
+    rank's process group, at the failure — not left running under init."""
+    def start_a_child_and_die(path):
+        if dist.get_rank() == 1:
+            child = subprocess.Popen(["sleep", "300"])
+            with open(path, "w") as f:
+                f.write(str(child.pid))
+            os._exit(3)
+        time.sleep(1)
+
+    import tempfile
+    path = os.path.join(tempfile.mkdtemp(), "child.pid")
+    c = Cluster(2, timeout=30)
+    try:
+        with pytest.raises(RankError, match="rank 1 failed: the process exited with code 3"):
+            c.run(start_a_child_and_die, path)
+        child = int(open(path).read())
+        deadline = time.monotonic() + 5
+        while pid_alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not pid_alive(child), "the dead rank's child is still running"
+        assert c.run(lambda: 7) == [7, 7]  # and the next run starts fresh ranks
+    finally:
+        c.close()
+
+
+LEFT_OPEN = """
+import sys
+from minitrain import Cluster
+c = Cluster(2)
+c.run(lambda: 1)
+sys.modules["__main__"].keep = [c]
+keep.append(keep)  # a cycle holds it, as a notebook's namespace can: never collected
+print(c.folder, flush=True)
+"""
+
+
+def test_a_cluster_left_open_at_exit_leaves_nothing_in_the_temporary_folder(tmp_path):
+    """The rank files live in the cluster's own folder, and a Cluster left open is closed at
+    exit: the process's TMPDIR holds nothing of minitrain's (torch's own cache folder,
+    ``torchinductor_<user>``, made when torch._dynamo is imported, is torch's)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    done = subprocess.run([sys.executable, "-c", LEFT_OPEN], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "TMPDIR": str(tmp)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().startswith(str(tmp / "minitrain-ranks-"))
+    left = sorted(p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_"))
+    assert left == [], left
+
+
+HOLD_OPEN = """
+import time
+from minitrain import Cluster
+c = Cluster(2).start()
+print(c.folder, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_parents_rank_files_are_reaped_at_the_next_start(tmp_path, monkeypatch):
+    """A parent killed by SIGKILL cannot close its Cluster: its folder stays until the next start
+    on the machine removes it (its lock is free) — and a live cluster's folder is left alone."""
+    import tempfile
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    killed, live = (subprocess.Popen([sys.executable, "-c", HOLD_OPEN], stdout=subprocess.PIPE,
+                                     text=True, env=env) for _ in range(2))
+    try:
+        folders = [p.stdout.readline().strip() for p in (killed, live)]
+        assert all(os.path.isfile(os.path.join(f, "rank0.stderr")) for f in folders), folders
+        killed.kill()
+        killed.wait()
+        time.sleep(0.5)  # its ranks die with it (PR_SET_PDEATHSIG)
+        assert os.path.isdir(folders[0])  # nobody closed it
+        old = tmp / "minitrain-4242-rank0.stderr"  # a file of a minitrain before the folders
+        old.write_text("")
+        os.utime(old, (time.time() - 2 * 86400,) * 2)
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+        with Cluster(1) as c:  # the next start
+            mine = c.folder
+            assert mine.startswith(str(tmp))
+            assert not os.path.exists(folders[0]) and not old.exists()
+            assert os.path.isfile(os.path.join(folders[1], "rank0.stderr"))  # alive: kept
+        assert not os.path.exists(mine) and c.folder is None
+    finally:
+        for p in (killed, live):
+            p.kill()
+            p.wait()
+
+
+EXIT_PROBE = """
+import atexit, sys
+atexit.register(lambda: print("torch._dynamo" in sys.modules))  # runs last: registered first
+import {module}
+"""
+
+
+def _cpu_seconds(code: str, env=None) -> float:
+    """CPU seconds (user + system) a fresh interpreter running ``code`` takes, the least of 3:
+    CPU time, not wall time, so that a busy machine does not make the comparison flaky."""
+    import resource
+    best = float("inf")
+    for _ in range(3):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, env=env)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        best = min(best, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+    return best
+
+
+def test_importing_the_launcher_and_exiting_costs_what_importing_torch_does():
+    """Nothing is imported at exit (torch._dynamo, 1-2 s of CPU, is imported only when a Cluster
+    forks its ranks), so a CLI call or a script pays for torch and little more."""
+    for module in ("minitrain", "minitrain.launch"):
+        out = subprocess.run([sys.executable, "-c", EXIT_PROBE.format(module=module)],
+                             capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == "False", f"importing {module} imports torch._dynamo at exit"
+    torch_s = _cpu_seconds("import torch")
+    launcher_s = _cpu_seconds("import minitrain.launch")
+    assert launcher_s <= 1.25 * torch_s + 0.4, (launcher_s, torch_s)

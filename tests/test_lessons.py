@@ -14,8 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def nbval_start(folder: str, tmp_path) -> tuple[subprocess.Popen, Path]:
     """Start ``pytest --nbval-lax`` on a folder (its JUnit report goes to a file)."""
     report = tmp_path / f"{folder}.xml"
+    # -p minitrain_nbval: the check cells' expected verdicts, even where the editable install
+    # predates the plugin's entry point (tests/test_nbval_plugin.py checks that pytest loads it alone)
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "--nbval-lax", "-p", "no:cacheprovider",
-                             "-q", f"--junitxml={report}", str(ROOT / folder)],
+                             "-p", "minitrain_nbval", "-q", f"--junitxml={report}", str(ROOT / folder)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
     return proc, report
 

@@ -66,7 +66,14 @@ def test_async_applies_every_gradient_once_in_a_recorded_order(clusters):
     for w in range(3):
         worker_rank = 1 + w
         assert [e["clock"] for e in log if e["worker"] == worker_rank] == list(range(10))
-    assert all(e["staleness"] == e["version"] - e["version_used"] >= 0 for e in log)
+    for w in range(3):
+        mine = [e for e in log if e["worker"] == 1 + w]
+        assert mine[0]["version_used"] == 0  # every worker starts from the server's weights
+        for before, after in zip(mine, mine[1:]):  # pulled at once after its own push was applied
+            assert after["version_used"] == before["version"] + 1
+        for e in mine:  # what it missed in between were the other workers' gradients
+            assert e["version_used"] <= e["version"]
+            assert all(o["worker"] != 1 + w for o in log[e["version_used"]:e["version"]])
     slow = [e["staleness"] for e in log if e["worker"] == 1]
     fast = [e["staleness"] for e in log if e["worker"] != 1]
     assert sum(slow) / len(slow) > sum(fast) / len(fast)  # the straggler computes on old weights
@@ -151,3 +158,24 @@ def test_bad_configurations_are_refused_before_spawning(strategy, world, options
 def test_slow_worker_spec():
     assert parse_slow_workers("1:0.05,2:0.2") == {1: 0.05, 2: 0.2}
     assert parse_slow_workers(None) == {}
+
+
+def test_staleness_aware_learning_rate_scales_one_step_and_restores_the_rate():
+    """Zhang et al., 2016: a gradient τ versions stale steps with lr/τ.  Adam's first step moves
+    each weight by lr·sign(g), so the move is the scaled rate exactly; the rate is restored after."""
+    from minitrain.parallel.param_server import ParameterServer
+
+    server = ParameterServer(None, [torch.zeros(4)], [1], lr=0.1, mode="async", staleness_lr=True)
+    g = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    server.apply(g, lr_scale=1 / 4)
+    torch.testing.assert_close(server.params[0].detach(), -0.025 * g.sign())
+    assert server.optimizer.param_groups[0]["lr"] == 0.1 and server.version == 1
+    with pytest.raises(ValueError, match="mode 'async' only"):
+        ParameterServer(None, [torch.zeros(4)], [1], lr=0.1, mode="sync", staleness_lr=True)
+
+
+def test_a_staleness_aware_async_run_trains(clusters):
+    run = ps(clusters, "ps-async", workers=3, steps=6, slow_worker="0:0.02", staleness_lr=True)
+    assert run["losses"][-1] < run["losses"][0]
+    log = run["summary"]["report"][0]["log"]
+    assert len(log) == 18 and max(e["staleness"] for e in log) >= 1

@@ -7,9 +7,9 @@ schedule on 2–4 ranks against a single process, and measure the bubble of real
 
 import pytest
 
-from minitrain.parallel.schedules import (COSTS, SCHEDULES, Action, ScheduleError, bubble_formula,
-                                          bubble_fraction, make_schedule, orders, peak_in_flight,
-                                          simulate, split_layers, validate)
+from minitrain.analysis import bubble_formula, bubble_fraction, peak_in_flight
+from minitrain.parallel.schedules import (COSTS, SCHEDULES, Action, ScheduleError, make_schedule,
+                                          orders, simulate, split_layers, validate)
 
 F, B = (lambda m, s: Action("F", m, s)), (lambda m, s: Action("B", m, s))
 
@@ -219,7 +219,8 @@ def test_every_schedule_equals_a_single_process(clusters, single, P, schedule, M
 def test_the_cli_options_are_refused_before_spawning_with_the_fix():
     cases = [
         (dict(options={"stages": 3}), "--stages 3 must equal --world-size 2"),
-        (dict(options={"schedule": "dualpipe"}), "unknown --schedule 'dualpipe'"),
+        (dict(options={"schedule": "dualpipe"}), "--schedule must be one of naive, gpipe, 1f1b, "
+                                                  "interleaved, zb-h1, got 'dualpipe'"),
         (dict(options={"microbatches": 13}), "--microbatches 12 or fewer"),
         (dict(options={"schedule": "interleaved", "chunks": 1, "microbatches": 2}), "--chunks 2"),
         (dict(options={"schedule": "zb-h1", "chunks": 2}), "got --chunks 2; use --chunks 1"),

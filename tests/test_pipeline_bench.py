@@ -2,10 +2,14 @@
 torch.distributed.pipelining both give the single-process loss and record a timeline of every action."""
 
 import pytest
+import torch
 
 from conftest import benchmark_module
 
 pytest.importorskip("torch.distributed.pipelining")
+#: before 2.6 a PipelineStage must be given example inputs and runs stage 0 on uninitialised token
+#: ids to infer the shapes (IndexError in the embedding): the reference needs torch >= 2.6
+REFERENCE = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 6)
 
 
 @pytest.fixture(scope="module")
@@ -14,6 +18,7 @@ def bench():
         yield module
 
 
+@pytest.mark.skipif(not REFERENCE, reason="torch.distributed.pipelining needs torch >= 2.6 here")
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_both_pipelines_equal_one_process(bench, clusters, schedule):
     M, batch = 4, 8

@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from minitrain import GPT, PRESETS, ArithmeticData, Cluster, TrainConfig, train
+from minitrain import GPT, PRESETS, ArithmeticData, TrainConfig, train
+from minitrain.model import recompute_block
 from minitrain.cli import main
 from minitrain.memory import model_state_bytes
 from minitrain.precision import (DynamicLossScaler, MixedPrecisionOptimizer, cast_model_,
@@ -223,10 +224,21 @@ def test_checkpointing_gives_the_same_losses_with_a_lower_activation_peak(runs, 
 
 
 def test_checkpointing_is_off_without_gradients():
-    model = GPT(PRESETS["nano"], seed=0, checkpoint_activations=True)
-    x, _ = ArithmeticData(16, 0).batch(0, 2)
+    """Under no_grad there is no backward to recompute for: the blocks run plainly (the recompute
+    function is not called), and switched on again with gradients it runs once per block."""
+    calls = []
+
+    def spy(block, x):
+        calls.append(block)
+        return recompute_block(block, x)
+
+    model = GPT(PRESETS["nano"], seed=0, checkpoint_activations=True, recompute=spy)
+    x, y = ArithmeticData(16, 0).batch(0, 2)
     with torch.no_grad():
         out = model(x)
+    assert calls == []
+    model(x, y).backward()
+    assert calls == list(model.blocks)
     model.checkpoint_activations = False
     torch.testing.assert_close(out, model(x).detach(), rtol=0, atol=0)
 
@@ -235,7 +247,8 @@ def test_checkpointing_is_off_without_gradients():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--precision", "bf16"], "unknown --precision 'bf16'; choose one of: fp32, bf16-mixed, fp16-mixed"),
+    (["--precision", "bf16"], "invalid choice: 'bf16' (did you mean 'bf16-mixed'?); choose from fp32, "
+                              "bf16-mixed, fp16-mixed"),
     (["--strategy", "ps-sync", "--world-size", "2", "--precision", "bf16-mixed"],
      "strategy 'ps-sync' supports --precision fp32 only, got bf16-mixed; use --precision fp32"),
     (["--loss-scale", "1024"], "--loss-scale applies to mixed precision; add --precision fp16-mixed"),
@@ -243,12 +256,8 @@ def test_checkpointing_is_off_without_gradients():
     (["--strategy", "ddp", "--world-size", "2", "--precision", "fp16-mixed", "--compress", "int8"],
      "use --precision bf16-mixed, or --loss-scale 0"),
 ])
-def test_bad_precision_configurations_are_refused_before_any_process_starts(monkeypatch, capsys,
+def test_bad_precision_configurations_are_refused_before_any_process_starts(no_spawn, capsys,
                                                                             args, message):
-    def no_spawn(self):
-        raise AssertionError("a process was started")
-
-    monkeypatch.setattr(Cluster, "start", no_spawn)
     with pytest.raises(SystemExit) as info:
         main(["train", *args])
     assert info.value.code == 2

@@ -78,3 +78,21 @@ def test_zero3_gathered_peak_is_one_unit_blocking_two_with_prefetch_all_when_nev
     assert peaks["blocking"] == block
     assert peaks["package"] == 2 * block
     assert peaks["never freed"] == 4 * GPT(CFG.model).num_params()
+
+
+def test_a_hook_with_the_packages_code_prefetches_too(clusters):
+    """Prefetch is what the package's hook does with ``unit.ahead``, not a favour the wrapper grants
+    the package's function: the same code under another name gathers ahead alike (peak: two units)
+    and trains alike."""
+    from minitrain.parallel.fsdp_unit import zero3_hook as package_hook
+
+    def same_code(unit, comm, moment):
+        return package_hook(unit, comm, moment)
+
+    cfg = CFG.with_(strategy="zero3", steps=2)
+    own = train(cfg, cluster=clusters(2))
+    theirs = train(cfg, cluster=clusters(2), seams={"zero3_hook": same_code})
+    block = 4 * sum(p.numel() for p in GPT(CFG.model).blocks[0].parameters())
+    peak = lambda run: run["summary"]["memory"][0]["gathered_peak"]  # noqa: E731
+    assert theirs["losses"] == own["losses"]
+    assert peak(theirs) == peak(own) == 2 * block

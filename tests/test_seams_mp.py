@@ -8,6 +8,7 @@ from answers.lesson04 import zero1_step
 from answers.lesson05 import one_f_one_b, stage_step
 from answers.lesson06 import ColumnParallel as ColumnParallelLinear
 from answers.lesson06 import RowParallel as RowParallelLinear
+from answers.lesson06 import VocabParallelCE
 from answers.lesson08 import mesh_groups
 from minitrain import GPTConfig, TrainConfig, train
 from minitrain.comm import ring_all_reduce
@@ -30,7 +31,8 @@ CASES = {
     "pipeline interleaved": (CFG.with_(strategy="pipeline", world_size=2,
                                        options={"schedule": "interleaved", "microbatches": 2}),
                              {"stage_step": stage_step}),
-    "tensor": (CFG.with_(strategy="tensor", world_size=2), TENSOR),
+    "tensor": (CFG.with_(strategy="tensor", world_size=2),
+               {**TENSOR, "vocab_parallel_cross_entropy": VocabParallelCE}),
     "3d 1x2x2": (CFG.with_(strategy="3d", world_size=4, options={"pp": 2, "tp": 2}),
                  {**PIPE, **TENSOR, "mesh_groups": mesh_groups}),
     "3d 2x1x2": (CFG.with_(strategy="3d", world_size=4, options={"dp": 2, "tp": 2}),

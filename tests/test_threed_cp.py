@@ -12,7 +12,7 @@ import torch
 from conftest import assert_same_run
 from minitrain import GPTConfig, TrainConfig, train
 from minitrain.parallel.context import merge_attention
-from minitrain.parallel.mesh import Coords, MeshShape, groups_take_cp
+from minitrain.parallel.mesh import Coords, MeshShape
 from minitrain.strategies import ConfigError
 from minitrain.train import check_config
 
@@ -103,27 +103,16 @@ def test_4d_equals_a_single_process(clusters, single, name):
 # -- seams -----------------------------------------------------------------------------------------
 
 
-def mesh_groups_4d(dp, pp, tp, axis, cp=1):
-    """The groups of one axis of a 4D mesh, rank = ((p·dp + d)·cp + c)·tp + t."""
-    coords = [(d, p, t, c) for p in range(pp) for d in range(dp) for c in range(cp)
-              for t in range(tp)]  # in rank order
-    key = {"dp": 0, "pp": 1, "tp": 2, "cp": 3}[axis]
-    out: dict = {}
-    for r, c in enumerate(coords):
-        out.setdefault(c[:key] + c[key + 1:], []).append(r)
-    return list(out.values())
-
-
 def mesh_groups_3d(dp, pp, tp, axis):
-    return mesh_groups_4d(dp, pp, tp, axis)
+    """The groups of one axis of a 3D mesh (lesson 08's exercise), rank = (p·dp + d)·tp + t."""
+    return MeshShape(dp, pp, tp).groups(axis)
 
 
 def test_seams_in_the_4d_mesh(clusters):
     cfg = mesh_cfg(1, 2, 1, 2)
     cluster = clusters(4)
     ours = train(cfg, cluster=cluster)["losses"]
-    seams = {"mesh_groups": mesh_groups_4d, "online_softmax_merge": merge_attention}
-    assert groups_take_cp(mesh_groups_4d) and not groups_take_cp(mesh_groups_3d)
+    seams = {"online_softmax_merge": merge_attention}
     assert train(cfg, cluster=cluster, seams=seams)["losses"] == ours
     # the merge really runs inside: one that keeps only the first part changes the losses
     keep_first = lambda out_a, lse_a, out_b, lse_b: (out_a, lse_a)  # noqa: E731
@@ -148,7 +137,7 @@ def test_seams_in_the_4d_mesh(clusters):
     (dict(world_size=4, options={"cp": 2}, checkpoint_activations=True), None,
      "cannot checkpoint activations"),
     (dict(world_size=4, options={"cp": 2, "tp": 2}), {"mesh_groups": mesh_groups_3d},
-     "numbers the ranks of a 3D mesh, and this run has --cp 2; .*takes cp="),
+     "numbers the ranks of a 3D mesh, and this run has --cp 2: the 4D mesh numbers its own"),
     (dict(world_size=4, options={"tp": 2}), {"online_softmax_merge": merge_attention},
      "with --cp 1 there is no ring; add --cp 2"),
 ])

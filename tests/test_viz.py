@@ -79,6 +79,13 @@ def test_collective_demo_before_and_after(clusters, op, expect):
     assert f"<b>{op}</b>" in before_after_html(op, results)
 
 
+def test_the_reduce_table_marks_what_the_non_root_ranks_hold_as_undefined():
+    results = [([0.0], [6.0], 0.0), ([1.0], [5.0], 4.0), ([2.0], [2.0], 4.0)]
+    html = before_after_html("reduce", results)
+    assert html.count("*</td>") == 2 and "not defined by reduce" in html and "a chain" in html
+    assert "*</td>" not in before_after_html("all_reduce", [(b, [6.0], s) for b, _, s in results])
+
+
 def test_send_recv_demo_moves_rank_zeros_tensor_to_rank_one(clusters):
     results = clusters(3).run(collective_demo, "send/recv")
     assert results[1][1] == results[0][0] and results[2][1] == results[2][0]
@@ -131,7 +138,7 @@ def test_sharding_grid_follows_the_stages():
 
 def test_sharding_widget_draws_the_real_partition():
     from minitrain import GPT, PRESETS
-    from minitrain.parallel.flat import shard_layout
+    from minitrain.analysis import shard_layout
     from minitrain.viz.sharding import ShardingWidget
 
     model = GPT(PRESETS["nano"], seed=0)

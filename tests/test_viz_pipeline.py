@@ -4,8 +4,8 @@ seconds)."""
 
 import pytest
 
-from minitrain.parallel.schedules import (Action, ScheduleError, bubble_fraction,
-                                          make_schedule, simulate)
+from minitrain.analysis import bubble_fraction
+from minitrain.parallel.schedules import Action, ScheduleError, make_schedule, simulate
 from minitrain.viz.pipeline import (BubbleWidget, bar_color, bubble_summary, gantt_figure,
                                     gantt_rows, ideal_timeline, plot_gantt)
 

@@ -25,13 +25,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: imported before every lesson's setup: the widget classes and what the setups use
 PRELUDE = """\
-from minitrain import GPT, PRESETS, GPTConfig
+from minitrain import GPT, PRESETS, GPTConfig, train
 from minitrain.strategies.pipeline import run_schedule
 from minitrain.viz.chooser import ChooserWidget
 from minitrain.viz.context import RingAttentionWidget
 from minitrain.viz.memory import MemoryCalculator
 from minitrain.viz.mesh import MeshWidget
 from minitrain.viz.pipeline import BubbleWidget
+from minitrain.viz.projection import ProjectionWidget
 from minitrain.viz.ring import RingWidget, record_ring, ring_frames
 from minitrain.viz.sharding import ShardingWidget
 from minitrain.viz.tensor import TensorSplitWidget
@@ -55,7 +56,11 @@ def measured_timeline(schedule, stages, microbatches, chunks):
     return run(schedule, microbatches, chunks if schedule == "interleaved" else None, steps=2)[0]["timeline"]
 ''',
     "06": 'tiny = GPT(PRESETS["tiny"], seed=0)\n',
-    "08": "",
+    "08": '''\
+MODEL = GPTConfig(n_layer=4, n_head=4, d_model=64, seq_len=32)
+run = train(strategy="3d", world_size=8, steps=3, batch_size=16, model=MODEL, cluster=cluster_of(8),
+            options={"dp": 2, "pp": 2, "tp": 2, "microbatches": 2}, record_events=True)
+''',
     "09": "N = 4\n",
 }
 

@@ -11,11 +11,12 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minitrain import GPT, ArithmeticData, GPTConfig, PRESETS, TrainConfig, train
+from minitrain.analysis import shard_layout
 from minitrain.comm import Comm
 from minitrain.data import shard
 from minitrain.memory import model_state_bytes
 from minitrain.parallel.data_parallel import DistributedDataParallel
-from minitrain.parallel.flat import FlatUnit, shard_layout
+from minitrain.parallel.flat import FlatUnit
 from minitrain.parallel.fsdp import FullyShardedDataParallel
 from minitrain.parallel.zero import ZeroRedundancyOptimizer
 from minitrain.strategies import ConfigError

@@ -1,26 +1,35 @@
 """``python -m minitrain.exercises build``: the learners' notebooks in ``lessons/`` written from the
-teacher's in ``solutions/`` (answers replaced by a placeholder, outputs stripped, the pass verdicts
-stored as the check cells' expected output); ``--check`` only says whether ``lessons/`` is up to date."""
+teacher's in ``solutions/`` (answers replaced by a placeholder, outputs stripped; a check cell stores
+only "not checked yet", never its verdict); ``--check`` only says whether ``lessons/`` is up to date."""
 
 from __future__ import annotations
 
 import argparse
 import copy
 import json
+import re
 from pathlib import Path
 
-from .core import BEGIN, CHECK_MARK, CHECKS, END, PLACEHOLDER, verdict
+from .core import BEGIN, CHECK_MARK, CHECKS, END, PLACEHOLDER, pending
 
 #: a block right after ``# END SOLUTION``, commented out, that the learner gets instead of the
 #: placeholder (the debugging lab's broken programs)
 GIVEN_BEGIN, GIVEN_END = "# BEGIN GIVEN", "# END GIVEN"
 
 
+_ASSIGNED = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*=(?!=)")
+
+
 def _strip_solution(source: str) -> str:
     """The answers replaced by the placeholder line — or, where a ``# BEGIN GIVEN`` block follows
     the ``# END SOLUTION`` line, by that block's lines uncommented (what the learner starts from,
-    e.g. the debugging lab's broken programs; in the teacher's notebook they are comments)."""
+    e.g. the debugging lab's broken programs; in the teacher's notebook they are comments).
+
+    An answer at a cell's top level that assigns a name (a prediction: ``my_prediction = 3.5``)
+    keeps its target, ``my_prediction = ...  # YOUR CODE HERE``: a bare ``...`` there would be the
+    cell's value, and Jupyter would print ``Ellipsis`` under a blank cell."""
     out, inside, given, placeholder, previous = [], False, None, None, ""
+    first = False  # the next line inside is the answer's first
     for line in source.splitlines(keepends=True):
         stripped = line.strip()
         indent = line[: len(line) - len(line.lstrip())]
@@ -43,7 +52,7 @@ def _strip_solution(source: str) -> str:
         elif stripped == BEGIN:
             if inside:
                 raise ValueError(f"nested {BEGIN!r}")
-            inside = True
+            inside, first = True, indent == ""
             placeholder = len(out)
             out.append(f"{indent}{PLACEHOLDER}\n")
         elif stripped == END:
@@ -52,6 +61,11 @@ def _strip_solution(source: str) -> str:
             inside = False
         elif not inside:
             out.append(line)
+        elif first and stripped:
+            first = False
+            target = _ASSIGNED.match(line)
+            if target:
+                out[placeholder] = f"{target.group(1)} = {PLACEHOLDER}\n"
         previous = stripped
     if inside:
         raise ValueError(f"{BEGIN!r} without {END!r}")
@@ -70,7 +84,9 @@ def _check_name(source: str) -> str | None:
 
 
 def normalise(nb: dict) -> dict:
-    """Outputs stripped, except the check cells, which hold the pass verdict; no widget state."""
+    """Outputs stripped, except the check cells, which say "not checked yet" (never the verdict: a
+    learner would read the answer before running anything; nbval gets the verdict from minitrain's
+    pytest plugin, :mod:`minitrain_nbval`); no widget state."""
     nb = copy.deepcopy(nb)
     nb.get("metadata", {}).pop("widgets", None)
     for cell in nb["cells"]:
@@ -79,9 +95,11 @@ def normalise(nb: dict) -> dict:
             continue
         source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
         name = _check_name(source)
-        cell["execution_count"] = None if name is None else 1  # nbval skips "unrun" cells
+        # nbval compares only a cell that ran; without minitrain's plugin it would compare this
+        # line with the verdict and fail every check, never pass a blank one
+        cell["execution_count"] = None if name is None else 1
         cell["outputs"] = [] if name is None else [
-            {"name": "stdout", "output_type": "stream", "text": [verdict(name) + "\n"]}]
+            {"name": "stdout", "output_type": "stream", "text": [pending(name) + "\n"]}]
     return nb
 
 

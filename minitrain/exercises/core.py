@@ -6,6 +6,8 @@ from __future__ import annotations
 import inspect
 import traceback
 
+from .kept import keep, parts
+
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
 PLACEHOLDER = "...  # YOUR CODE HERE"
 CHECK_MARK = "# NBVAL_CHECK_OUTPUT"
@@ -21,12 +23,6 @@ def exercise(name: str, passes: str):
         CHECKS[name] = (checker, passes)
         return checker
     return register
-
-
-def parts(fn) -> list:
-    """The learner's functions in ``fn``: ``fn`` itself, or the items of a tuple (an exercise of
-    several functions, e.g. DDP's two bucket hooks)."""
-    return list(fn) if isinstance(fn, (tuple, list)) else [fn]
 
 
 def blank(fn) -> bool:
@@ -87,36 +83,51 @@ def release() -> None:
         _RANKS.popitem()[1].close()
 
 
-def on_clusters(rank_fn, fn, sizes=(2, 3, 4), *args) -> str | None:
-    """Run ``rank_fn(fn, *args)`` on running clusters of each size; the first problem found, or None."""
+def on_clusters(rank_fn, fn, sizes=(2, 3, 4), *args, trouble=None) -> str | None:
+    """Run ``rank_fn(fn, *args)`` on running clusters of each size; the first problem found, or None.
+    ``trouble(exc, fn, where)`` words a rank's failure from the error's fields (e.g.
+    :func:`.inside.rank_trouble`: every rank's state and the learner's line); by default its first
+    line."""
     from ..launch import RankError
 
     for n in sizes:
         try:
             problems = [p for p in ranks(n).run(rank_fn, fn, *args, timeout=60) if p]
         except RankError as exc:
+            if trouble is not None:
+                return trouble(exc, fn, f"with {n} ranks")
             return f"with {n} ranks: {str(exc).splitlines()[0]}"
         except TimeoutError:
             return f"with {n} ranks it did not finish within 60 s (a rank waiting for a message?)"
-        if problems:
+        if problems:  # a rank may have left the group mid-message: the next check starts afresh
+            stale = _RANKS.pop((n, 5), None)
+            if stale is not None:
+                stale.close()
             return f"with {n} ranks, {problems[0]}"
     return None
 
 
 def verdict(name: str) -> str:
-    """The fixed line a correct solution prints (stored as the check cell's expected output)."""
+    """The fixed line a correct solution prints.  Never stored in a notebook (it would tell the
+    learner the answer before they run anything): under nbval, :mod:`minitrain_nbval` makes it the
+    check cell's expected output."""
     return f"✓ {name}: correct — {CHECKS[name][1]}"
+
+
+def pending(name: str) -> str:
+    """The line a check cell shows before it is run (what ``lessons/`` stores): no verdict, no part
+    of the answer."""
+    return f"{name}: not checked yet (run this cell to check your answer)"
 
 
 def check(name: str, fn) -> None:
     """Check the learner's ``fn`` for exercise ``name`` and print one line: the verdict.
 
-    A passing ``fn`` is kept in your minitrain (:func:`~minitrain.exercises.inside.keep`).
+    A passing ``fn`` is kept in your minitrain (:func:`~minitrain.exercises.kept.keep`).
     Returns nothing, so the check cell's only output is that line (nbval compares it).
     Use :func:`problem` to get the reason as a value."""
     found = problem(name, fn)
     if found is None:
-        from .inside import keep
         keep(name, fn)  # your minitrain: lesson 08 trains with the functions you passed
     print(verdict(name) if found is None else f"✗ {name}: {found}")
 

@@ -10,38 +10,31 @@ times, beside the formulas the lesson derives.  ``report(name)`` shows it.
 from __future__ import annotations
 
 import math
-import os
-import re
+import numbers
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from .. import shipping
-from .core import parts, ranks
+from . import guards
+from .core import ranks
+from .kept import keep, mine, mine_dir, parts  # noqa: F401 - re-exported
 
 # --------------------------------------------------------------------------------------------------
 # What a rank's failure means, in the learner's terms
 # --------------------------------------------------------------------------------------------------
 
 
-def learner_line(text: str, fn) -> str:
-    """`` (line L of your fn: code)`` for the last frame of ``fn``'s file in a traceback text
-    (``fn`` may be a tuple of the learner's functions)."""
-    files = {code.co_filename for code in _codes(fn)}
-    if not files:
-        return ""
-    lines, mine = text.splitlines(), []
-    for i, line in enumerate(lines):
-        m = re.match(r'\s*File "([^"]+)", line (\d+), in (\S+)', line)
-        if m and m.group(1) in files:
-            nxt = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            source = "" if nxt.startswith("File ") or nxt.startswith("^") else nxt
-            mine.append((int(m.group(2)), m.group(3), source))
+def learner_line(frames, fn) -> str:
+    """`` (line L of your fn: code)`` for the innermost of ``frames`` (a rank's stack or traceback,
+    :class:`~minitrain.diagnostics.Frame` s) in the learner's code (``fn`` may be a tuple of the
+    learner's functions)."""
+    codes = _codes(fn)
+    files = {code.co_filename for code in codes}
+    mine = [fr for fr in frames if fr.file in files]
     if not mine:
         return ""
-    line, func, source = mine[-1]
-    first = _first_line(fn, func)
-    where = f"line {line - first + 1} of your {func}" if first else f"your {func}"
-    return f" ({where}{': ' + source if source else ''})"
+    fr = mine[-1]
+    first = _first_line(fn, fr.name)
+    where = f"line {fr.line - first + 1} of your {fr.name}" if first else f"your {fr.name}"
+    return f" ({where}{': ' + fr.code if fr.code else ''})"
 
 
 def _codes(fn) -> list:
@@ -57,40 +50,71 @@ def _first_line(fn, func: str) -> int | None:
     return None
 
 
+def _op_words(op: str) -> str:
+    """A waiting rank's operation in words: ``wait`` (an asynchronous handle's ``wait()``, which has
+    no frame of its own) says so."""
+    if op == "wait":
+        return "a handle's wait() (the collective or message it waits for never completed)"
+    return op or "a call"
+
+
+def where_line(frames, fn) -> str:
+    """Where a rank was, always naming a line: the learner's (`` (line L of your fn: code)``), else
+    the innermost frame outside torch, said to be outside the learner's code."""
+    from ..diagnostics import user_frame
+
+    mine = learner_line(frames, fn) if fn is not None else ""
+    if mine:
+        return mine
+    fr = user_frame(frames)
+    return f" (at {fr}, after your code had returned)" if fr is not None else ""
+
+
+def state_line(state, fn, was: bool = False) -> str:
+    """A rank's :class:`~minitrain.diagnostics.RankState` in the learner's terms: ``rank 0 waited
+    in all_reduce (line 3 of your mean_loss: dist.all_reduce(loss))``, ``rank 1 returned``."""
+    from ..diagnostics import op_of
+
+    if state.state == "waiting":
+        op = op_of(state.frames) or state.op  # the call in its stack before the backend's word
+        return (f"rank {state.rank} {'waited' if was else 'waits'} in {_op_words(op)}"
+                f"{where_line(state.frames, fn)}")
+    return state.line(was)
+
+
 def rank_trouble(exc: BaseException, fn, where: str) -> str:
     """One or two sentences from a rank's failure: what waited for what, or the error and the line."""
     from ..launch import CollectiveTimeout, Deadlock
 
-    text = str(exc)
     if isinstance(exc, Deadlock):
-        waits = [line.strip() for line in text.splitlines()[1:] if line.startswith("  rank ")]
+        waits = [state_line(state, fn) for _, state in sorted(exc.where.items())]
         return (f"{where}: the ranks wait for each other and never will — " + "; ".join(waits) +
                 ". Every rank must make the same collective calls in the same order, and a send "
                 "needs the matching recv on its peer")
     if isinstance(exc, CollectiveTimeout):
-        op = re.search(r"waiting \d+ms for (\w+) operation", text)
-        what = f"its {op.group(1)}" if op else "a collective"
-        return (f"{where}: rank {exc.rank} waited {_timeout(text)} for {what} to complete and no "
-                f"peer answered{learner_line(getattr(exc, 'remote_traceback', text), fn)} — a "
-                "send needs the matching recv on the peer (if every rank sends first, all wait), "
-                "and every rank must call each collective")
+        states = "; ".join(state_line(state, fn, was=True) for _, state in
+                           sorted(getattr(exc, "where", {}).items()))
+        if not states:
+            from ..diagnostics import op_of
+
+            op = op_of(exc.frames) or exc.op
+            states = f"rank {exc.rank} waited in {_op_words(op)}{where_line(exc.frames, fn)}"
+        return (f"{where}: nothing moved for {exc.timeout_s:g} s (the collective timeout): "
+                f"{states} — every rank must call each collective, in the same order, and a "
+                "send needs the matching recv on its peer")
     return f"{where}: {rank_error(exc, fn)}"
 
 
 def rank_error(exc: BaseException, fn) -> str:
     """A rank's exception as one line: its type and message, and the learner's line it came from."""
-    text = str(exc)
-    tb = getattr(exc, "remote_traceback", "") or text
-    kind = getattr(exc, "exc_type", "") or type(exc).__name__
-    message = text.splitlines()[0].split("failed: ", 1)[-1]
+    message = getattr(exc, "message", None)
+    if message is None:
+        message = str(exc)
+    kind = getattr(exc, "exc_type", "") or ("" if hasattr(exc, "message") else type(exc).__name__)
+    message = message.splitlines()[0] if message else ""
     if kind and not message.startswith(kind):
         message = f"{kind}: {message}"
-    return f"{message}{learner_line(tb, fn)}"
-
-
-def _timeout(text: str) -> str:
-    ms = re.search(r"waiting (\d+)ms", text)
-    return f"{int(ms.group(1)) / 1000:g} s" if ms else "until its timeout"
+    return f"{message}{learner_line(getattr(exc, 'frames', ()), fn)}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -100,20 +124,45 @@ def _timeout(text: str) -> str:
 
 @dataclass
 class Row:
-    """One measured quantity beside the lesson's formula for it."""
+    """One measured quantity beside the lesson's formula for it — or, with ``compare``, beside
+    another measurement (``formula`` then names it: no ratio, and a difference is claimed only when
+    the two spreads, ``measured_range`` and ``expected_range`` (min, max over repeats), do not
+    overlap)."""
     what: str
     measured: float
     formula: str = ""
     expected: float | None = None
     unit: str = "B"
+    measured_range: tuple | None = None
+    expected_range: tuple | None = None
+    compare: bool = False
 
     def line(self) -> str:
         got = _fmt(self.measured, self.unit)
         if self.expected is None:
             return f"  {self.what:<38s} {got:>12s}"
+        if self.compare:
+            return (f"  {self.what:<38s} {got:>12s}{_range(self.measured_range, self.unit)}   "
+                    f"{self.formula}: {_fmt(self.expected, self.unit)}"
+                    f"{_range(self.expected_range, self.unit)} — {self.verdict()}")
         ratio = self.measured / self.expected if self.expected else float("nan")
         return (f"  {self.what:<38s} {got:>12s}   formula {self.formula} = "
                 f"{_fmt(self.expected, self.unit)} (measured/formula {ratio:.2f})")
+
+    def verdict(self) -> str:
+        """Whether two measurements differ beyond their spreads (medians of repeats)."""
+        a, b = self.measured_range, self.expected_range
+        if a is None or b is None:
+            return "one run each: no difference can be claimed"
+        if a[1] < b[0]:
+            return "lower, beyond both spreads"
+        if a[0] > b[1]:
+            return "higher, beyond both spreads"
+        return "the spreads overlap: no difference shown"
+
+
+def _range(r, unit: str) -> str:
+    return f" (range {_fmt(r[0], unit)}–{_fmt(r[1], unit)})" if r else ""
 
 
 def _fmt(x: float, unit: str) -> str:
@@ -149,17 +198,35 @@ class Run:
                f"  {self.reference_name:<12s}{' '.join(f'{v:.5f}' for v in self.reference)}"
                f"   (largest relative difference {worst:.1e})"]
         out += [row.line() for row in self.rows]
-        mine, own = self.summary["step_time_s"], self.package["step_time_s"]
-        pace = ("about as fast as" if 0.8 <= mine / own <= 1.25 else
-                f"{mine / own:.1f}× the time of" if mine > own else f"{own / mine:.1f}× faster than")
-        out.append(f"  step time: yours {mine * 1e3:.1f} ms, the package's {own * 1e3:.1f} ms — "
-                   f"yours is {pace} the package's")
+        out.append(step_time_line(self.summary, self.package))
         return out
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
 
     _repr_pretty_ = lambda self, p, cycle: p.text(str(self))  # noqa: E731
+
+
+def step_time_line(mine: dict, own: dict) -> str:
+    """Two runs' step times, each with its spread over the steps after the first (the first warms
+    up), and a difference claimed only beyond both spreads."""
+    def times(summary):
+        ts = summary.get("step_times_s") or [summary["step_time_s"]]
+        return ts[1:] if len(ts) > 2 else ts
+
+    a, b = times(mine), times(own)
+    ma, mb = sorted(a)[len(a) // 2], sorted(b)[len(b) // 2]
+    if len(a) < 3 or len(b) < 3:
+        pace = "one or two steps each: no difference can be claimed"
+    elif max(a) < min(b):
+        pace = f"yours is faster, beyond both spreads ({mb / ma:.1f}×)"
+    elif min(a) > max(b):
+        pace = f"yours is slower, beyond both spreads ({ma / mb:.1f}×)"
+    else:
+        pace = "the spreads overlap: no difference shown"
+    return (f"  step time (median, range over {len(a)} steps): yours {ma * 1e3:.1f} ms "
+            f"({min(a) * 1e3:.1f}–{max(a) * 1e3:.1f}), the package's {mb * 1e3:.1f} ms "
+            f"({min(b) * 1e3:.1f}–{max(b) * 1e3:.1f}) — {pace}")
 
 
 #: exercise name -> the last Run of a passing check (what :func:`report` shows)
@@ -170,14 +237,14 @@ _ONE_PROCESS: dict = {}
 
 def inside(name: str, fn, cfg, seam: str | None = None, reference: str = "single",
            measure=None, tolerance: float = 1e-5) -> str | None:
-    """Train ``cfg``'s strategy with ``fn`` in seam ``seam`` (default: the exercise's name) on the
-    checkers' running ranks, and compare its losses with one process (``reference="single"``) or
+    """Train ``cfg``'s strategy with ``fn`` in seam ``seam`` (default: the exercise's name; ``fn``
+    guarded for it by :func:`.guards.plug`) on the checkers' running ranks, and compare its losses with one process (``reference="single"``) or
     with the package's own code (``"package"``, where the technique changes the maths, e.g. top-k).
 
-    ``measure(summary, cfg)`` returns the :class:`Row` s shown beside the losses (a ``measure``
-    with a third parameter also gets the package's run's summary, to compare with).  Returns the
-    problem, or None (and keeps the :class:`Run` in :data:`RUNS`)."""
-    from .. import train
+    ``measure(summary, cfg, package)`` returns the :class:`Row` s shown beside the losses
+    (``package``: the package's own run's summary, to compare with).  Returns the problem, or None
+    (and keeps the :class:`Run` in :data:`RUNS`)."""
+    from ..train import train
     from ..launch import RankError
 
     seam, n = seam or name, cfg.world_size
@@ -185,7 +252,7 @@ def inside(name: str, fn, cfg, seam: str | None = None, reference: str = "single
     cluster = ranks(n)
     package = train(cfg, cluster=cluster)  # first: it also warms the ranks up for a fair timing
     try:
-        theirs = train(cfg, cluster=cluster, seams={seam: fn})
+        theirs = train(cfg, cluster=cluster, seams={seam: guards.plug(seam, fn)})
     except RankError as exc:
         return rank_trouble(exc, fn, where)
     except TimeoutError:
@@ -201,18 +268,10 @@ def inside(name: str, fn, cfg, seam: str | None = None, reference: str = "single
         if not (math.isfinite(a) and abs(a - b) <= tolerance * abs(b)):
             return (f"alone it is right, but {where} the loss at step {step} is {a:.6f} where "
                     f"{ref_name} {'gives' if ref_name == 'one process' else 'code gives'} {b:.6f}")
-    rows = _measured(measure, theirs["summary"], cfg, package["summary"]) if measure else []
+    rows = measure(theirs["summary"], cfg, package["summary"]) if measure else []
     RUNS[name] = Run(name, cfg.strategy, n, theirs["summary"].get("options") or {}, theirs["losses"], want, ref_name, theirs["summary"],
                      package["summary"], rows)
     return None
-
-
-def _measured(measure, summary: dict, cfg, package: dict) -> list:
-    import inspect
-
-    if len(inspect.signature(measure).parameters) >= 3:
-        return measure(summary, cfg, package)
-    return measure(summary, cfg)
 
 
 class NoRun(str):
@@ -238,73 +297,8 @@ def sent_per_rank(summary: dict, op: str | None = None) -> float:
 
 
 # --------------------------------------------------------------------------------------------------
-# Your minitrain: the functions that passed, kept for lesson 08
+# Your minitrain: the functions that passed, kept (:mod:`.kept`) for lesson 08
 # --------------------------------------------------------------------------------------------------
-
-
-def mine_dir() -> Path:
-    """Where passed functions are kept: ``$MINITRAIN_MINE``, else ``my_minitrain/`` beside the
-    notebook (the kernel's working directory)."""
-    return Path(os.environ.get("MINITRAIN_MINE") or Path.cwd() / "my_minitrain")
-
-
-def keep(name: str, fn) -> Path | None:
-    """Save a passing ``fn`` as ``<name>.pkl`` (cloudpickle: the function with what it uses) and
-    ``<name>.py`` (its source, to read).  Returns the folder, or None if it cannot be written."""
-    import inspect
-
-    folder = mine_dir()
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"{name}.pkl").write_bytes(_by_value(fn))
-        sources = []
-        for f in parts(fn):
-            try:
-                sources.append(inspect.getsource(f))
-            except (OSError, TypeError):
-                sources.append(f"# the source of {getattr(f, '__name__', name)} was not available\n")
-        source = "\n\n".join(sources)
-        (folder / f"{name}.py").write_text(source)
-    except OSError:
-        return None
-    return folder
-
-
-def _by_value(fn) -> bytes:
-    """``fn`` (or a tuple of functions) pickled with its code, even when it lives in a module of the
-    learner's (a notebook's functions are pickled so anyway): the kept file loads wherever the
-    package is installed."""
-    import sys
-
-    import cloudpickle
-
-    modules = []
-    for f in parts(fn):
-        module = sys.modules.get(getattr(f, "__module__", None) or "")
-        if (module is not None and module.__name__ != "__main__" and module not in modules
-                and module.__name__.split(".")[0] not in ("minitrain", "torch", "builtins")):
-            modules.append(module)
-    for module in modules:
-        cloudpickle.register_pickle_by_value(module)
-    try:
-        return shipping.dumps(fn)  # with the cell's source: lesson 08's tracebacks show its lines
-    finally:
-        for module in modules:
-            cloudpickle.unregister_pickle_by_value(module)
-
-
-def mine(problems: dict | None = None) -> dict:
-    """The learner's kept functions by exercise name; those that do not load are left out (with
-    the reason in ``problems`` when given)."""
-    out = {}
-    folder = mine_dir()
-    for path in sorted(folder.glob("*.pkl")) if folder.is_dir() else []:
-        try:
-            out[path.stem] = shipping.loads(path.read_bytes())
-        except Exception as exc:  # noqa: BLE001 - e.g. kept by another version of the package
-            if problems is not None:
-                problems[path.stem] = f"{type(exc).__name__}: {exc}"
-    return out
 
 
 @dataclass
@@ -333,7 +327,8 @@ class YourMinitrain:
 
 
 def your_minitrain(strategy: str, cfg=None) -> YourMinitrain:
-    """Seams for ``strategy`` from your kept functions; the ones you have not written fall back.
+    """Seams for ``strategy`` from your kept functions (each guarded by :func:`.guards.plug`); the
+    ones you have not written fall back.
     With ``cfg`` (the run's config), a kept function the run's layout cannot take (say, the ring
     merge of context parallelism in a run without ``--cp``) is left out, saying why."""
     from ..strategies import ConfigError, get_strategy
@@ -349,7 +344,7 @@ def your_minitrain(strategy: str, cfg=None) -> YourMinitrain:
             except ConfigError as exc:
                 unused[s] = str(exc)
     theirs = [s for s in honoured if s in kept and s not in unused]
-    return YourMinitrain(strategy, {s: kept[s] for s in theirs}, theirs,
+    return YourMinitrain(strategy, {s: guards.plug(s, kept[s]) for s in theirs}, theirs,
                          [s for s in honoured if s not in kept],
                          {s: p for s, p in problems.items() if s in honoured}, unused)
 
@@ -375,7 +370,8 @@ class Prediction:
             return f" ({x / self.measured:.2f}× the measurement)" if self.measured else ""
         out = [f"{self.what}:"]
         if self.prediction is None:
-            out.append("  your prediction   (none: write it in the cell above, then run both again)")
+            out.append("  your prediction   (none yet: write your prediction first, in the cell "
+                       "above, then run both cells again)")
         else:
             out.append(f"  your prediction   {_fmt(self.prediction, self.unit):>14s}"
                        f"{ratio(self.prediction)}")
@@ -395,8 +391,12 @@ class Prediction:
 def predicted(what: str, prediction, formula: str, expected: float, measured: float,
               unit: str = "B", gap: str = "") -> Prediction:
     """Show a prediction cell's guess beside the formula and the measurement (``unit``: ``"B"``
-    bytes, ``"%"`` a fraction, ``"s"`` seconds, anything else is appended to the number)."""
-    if prediction is not None and not isinstance(prediction, (int, float)):
+    bytes, ``"%"`` a fraction, ``"s"`` seconds, anything else is appended to the number).  A blank
+    prediction (None, or the cell's ``...`` left in place) is shown as "write your prediction first"."""
+    if prediction is Ellipsis:
+        prediction = None
+    if prediction is not None and (isinstance(prediction, bool)
+                                   or not isinstance(prediction, numbers.Real)):
         raise TypeError(f"write your prediction as a number (got {type(prediction).__name__} "
                         f"{prediction!r})")
     return Prediction(what, None if prediction is None else float(prediction), formula,

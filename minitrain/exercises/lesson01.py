@@ -5,12 +5,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
 from .core import exercise, ranks
 from .inside import Row, inside
-from .lab import all_wait_in, diagnosis, waits
+from .lab import HANDLES_ADVICE, all_wait_in, all_wait_on_handles, diagnosis, waits
 
 #: the sizes every world size is tried with: fewer elements than ranks, uneven chunks, one even
 _SIZES = (1, 5, 12, 103)
@@ -24,24 +25,43 @@ def _holds(value: float, n: int) -> list[int] | None:
     return [r for r in range(n) if k >> r & 1]
 
 
+def _value_story(v: float, n: int) -> str:
+    """What one value is, when every rank started with 2^rank (the full sum is 2^N - 1)."""
+    total = 2 ** n - 1
+    if not math.isfinite(v):
+        return f"{v}"
+    for k in range(2, 2 * n + 1):
+        if abs(v * k - total) <= 1e-9 * total:
+            return f"{v:g} = the full sum {total} divided by {k}"
+        if abs(v - k * total) <= 1e-9 * total:
+            return f"{v:g} = {k}× the full sum {total} (it was summed {k} times)"
+    return f"{v:g}, which is no sum of distinct ranks' 2^rank (the full sum is {total})"
+
+
 def _chunks_story(got: torch.Tensor, n: int, r: int) -> str:
-    """What rank r's chunks hold when every rank started with 2^rank everywhere."""
+    """What rank r's chunks hold when every rank started with 2^rank everywhere (observed: each
+    chunk's value, and which ranks' values it is the sum of, when it is one)."""
     chunks = torch.tensor_split(got.view(-1), n)
     full, partial, other = [], [], []
     for i, c in enumerate(chunks):
         values = set(c.tolist())
-        held = _holds(values.pop(), n) if len(values) == 1 else None
+        if len(values) != 1:
+            other.append(f"chunk {i} holds different values in its elements "
+                         f"({', '.join(f'{v:g}' for v in c[:4].tolist())}...)")
+            continue
+        value = values.pop()
+        held = _holds(value, n)
         if held == list(range(n)):
             full.append(i)
         elif held is not None:
             partial.append(f"chunk {i} only ranks {held}" if held else f"chunk {i} nothing")
         else:
-            other.append(f"chunk {i} holds {c[:3].tolist()}")
+            other.append(f"chunk {i} holds {_value_story(value, n)}")
     if not partial and not other:
         return ""
     text = (f"each rank started with 2^rank in every element, so the sum is {2 ** n - 1} everywhere; "
-            f"rank {r} ends with the full sum in chunk{'s' if len(full) != 1 else ''} "
-            f"{full if full else 'none'}")
+            + (f"rank {r} ends with the full sum in chunk{'s' if len(full) != 1 else ''} {full}"
+               if full else f"rank {r} ends with the full sum in no chunk"))
     if partial:
         text += f", partial sums in the others ({'; '.join(partial)})"
         if len(full) == 1 and not other:
@@ -50,8 +70,7 @@ def _chunks_story(got: torch.Tensor, n: int, r: int) -> str:
         else:
             text += ": some chunk was received into, or added to, the wrong place"
     if other:
-        text += (f", and {'; '.join(other)} — not a sum of the ranks' values (some were added "
-                 "twice, or a chunk was added where it should have been copied)")
+        text += f"{'; and' if partial else ', and'} {'; '.join(other)}"
     return text
 
 
@@ -93,12 +112,20 @@ def _ring_rank(fn, sizes):
 
 
 def _advice(exc, n: int) -> str:
+    """What to change, from what the launcher saw the ranks do: only when ranks waited (a rank
+    that raised is told its error and its line, nothing about sends)."""
+    from ..launch import CollectiveTimeout, Deadlock
+
+    if not isinstance(exc, (Deadlock, CollectiveTimeout)):
+        return ""
     if all_wait_in(exc, "send", n):
         return (". Every rank is in a blocking send, which returns only once its peer has "
                 "received — and every peer is sending: start the send with comm.isend, receive, "
                 "then wait on the send")
     if all_wait_in(exc, "recv", n):
         return ". Every rank is receiving and none is sending: start the send first (comm.isend)"
+    if all_wait_on_handles(exc, n):
+        return ". " + HANDLES_ADVICE
     if waits(exc, None):
         return ". Each send needs the matching recv on the peer, in the same step"
     return ""
@@ -120,18 +147,19 @@ def _alone(fn) -> str | None:
 
 
 #: the run inside DDP: 3 ranks (an odd ring), buckets small enough that there are several
-_DDP_RUN = dict(world_size=3, steps=3, batch_size=6, options={"bucket_mb": 0.005})
+_DDP_RUN = dict(world_size=3, steps=4, batch_size=6, options={"bucket_mb": 0.005})
 
 
 def ddp_config():
     """The DDP run the check trains with the learner's ring (a small GPT, three ranks)."""
-    from .. import GPTConfig, TrainConfig
+    from ..model import GPTConfig
+    from ..strategies import TrainConfig
 
     model = dataclasses.replace(GPTConfig(), n_layer=1, n_head=2, d_model=16, seq_len=10)
     return TrainConfig(strategy="ddp", model=model, **_DDP_RUN)
 
 
-def ring_rows(summary: dict, cfg) -> list:
+def ring_rows(summary: dict, cfg, package) -> list:
     """Bytes and messages one rank sent per step (tracer) beside the ring's formulas."""
     n, steps, psi = cfg.world_size, summary["steps"], summary["params"]
     buckets = len(summary["report"][0].get("bucket_bytes") or [])

@@ -82,7 +82,7 @@ def _alone(fn) -> str | None:
     return None
 
 
-def _rows(summary, cfg):
+def _rows(summary, cfg, package):
     from ..model import GPT
     from ..parallel.compression import TopK
 
@@ -97,7 +97,7 @@ def _rows(summary, cfg):
           "sends the k entries of grad + residual largest in magnitude and keeps the rest; "
           "strategy 'ddp --compress topk:0.1' with it trains like the package's top-k")
 def _check_topk_error_feedback(fn) -> str | None:
-    from .. import TrainConfig
+    from ..strategies import TrainConfig
     from ..model import PRESETS
 
     cfg = TrainConfig(strategy="ddp", world_size=2, steps=4, batch_size=12, seed=0,

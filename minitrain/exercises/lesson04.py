@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .core import exercise, raised, ranks
+from .guards import GuardedUnit, bypassed, dist_calls
 from .inside import RUNS, Row, inside, rank_trouble, sent_per_rank
 
 #: a small GPT: the checks and the runs inside the strategies take seconds
@@ -33,9 +34,10 @@ def _on_ranks(rank_fn, fn, sizes=(2, 3)) -> str | None:
 
 
 def _cfg(strategy: str, n: int):
-    from .. import GPTConfig, TrainConfig
+    from ..model import GPTConfig
+    from ..strategies import TrainConfig
 
-    cfg = TrainConfig(steps=3, batch_size=12, model=GPTConfig(**_MODEL))
+    cfg = TrainConfig(steps=4, batch_size=12, model=GPTConfig(**_MODEL))
     return cfg.with_(strategy=strategy, world_size=n)
 
 
@@ -86,6 +88,7 @@ def _zero1_rank(fn):
     size = layout.shard_size
     lo, hi = r * size, (r + 1) * size
     start = torch.randn(_PSI, generator=torch.Generator().manual_seed(5))
+    seen = []  # every torch.distributed call of the learner's steps
     for opt_name, make in _OPTIMIZERS.items():
         # one process with the mean gradient; and what a rank would get from the sum, or its own
         ref = {k: nn.Parameter(start.clone()) for k in ("mean", "sum", "own")}
@@ -104,20 +107,18 @@ def _zero1_rank(fn):
             local[:_PSI] = grads[r]
             mark, before = len(comm.tracer.events), flat.clone()
             try:
-                fn(flat, local, shard, optimizer, comm)
+                with dist_calls() as calls:
+                    fn(flat, local, shard, optimizer, comm)
             except Exception as exc:  # noqa: BLE001 - the learner's code may raise anything
                 if _timed_out(exc):
                     raise  # a collective nobody answered: the launcher says who waited for what
                 return raised(f"rank {r}: your zero1_step", exc, fn)
             events = comm.tracer.events[mark:]
+            seen += calls
             where = f"with {opt_name}, step {step}"
-            reduced = [e for e in events if e.op == "all_reduce"]
-            if reduced:
-                sent = sum(e.sent_bytes for e in reduced)
-                return (f"rank {r} all-reduced ({sent:,.0f} B sent) where each rank needs only its "
-                        f"shard of the sum: a reduce-scatter sends half that, "
-                        f"{(n - 1) / n * local.numel() * 4:,.0f} B, and the all-gather of the "
-                        "updated shards brings the rest — together what one all-reduce costs")
+            found = _all_reduced(calls, r, n, local.numel() * 4, "the gradient")
+            if found:
+                return found
             got, want = flat[:_PSI], ref["mean"].detach()
             if torch.allclose(got, want, rtol=1e-5, atol=1e-6):
                 continue
@@ -148,7 +149,33 @@ def _zero1_rank(fn):
                     "with the mean gradient, in its own shard too")
         if not any(e.op == "all_gather" for e in comm.tracer.events):
             return "no all_gather went through comm: the updated shards must reach every rank"
-    return None
+    return _bypass(seen, r)
+
+
+def _all_reduced(calls, r: int, n: int, nbytes: int, what: str,
+                 rest: str = "the all-gather of the updated shards the other half — together what "
+                             "one all-reduce costs, with 1/N of the optimizer's work") -> str | None:
+    """An all-reduce among ``calls`` (every torch.distributed call the learner's function made,
+    through ``comm`` or not), said with what was observed."""
+    reduced = [c for c in calls if c.op == "all_reduce"]
+    if not reduced:
+        return None
+    direct = " directly through torch.distributed (the tracer never saw it)" \
+        if any(c.direct for c in reduced) else ""
+    size = sum(c.nbytes for c in reduced)
+    return (f"rank {r} all-reduced {size:,.0f} B{direct}, where each rank needs only its shard of "
+            f"the sum of {what}: a reduce-scatter sends {(n - 1) / n * nbytes:,.0f} B per rank, "
+            f"half an all-reduce's 2(N−1)/N, and {rest}")
+
+
+def _bypass(calls, r: int) -> str | None:
+    """Collectives the learner's function made past ``comm`` (the tracer cannot count them)."""
+    direct = bypassed(calls)
+    if not direct:
+        return None
+    names = sorted({c.function for c in direct})
+    return (f"rank {r} called torch.distributed's {', '.join(names)} directly: use the comm you are "
+            "given (comm.reduce_scatter, comm.all_gather), so that the tracer counts its bytes")
 
 
 @exercise("zero1_step",
@@ -158,7 +185,7 @@ def _check_zero1_step(fn) -> str | None:
     return _on_ranks(_zero1_rank, fn) or _inside_at("zero1_step", fn, "zero1", _zero1_rows)
 
 
-def _zero1_rows(summary: dict, cfg) -> list:
+def _zero1_rows(summary: dict, cfg, package) -> list:
     n, psi, b = cfg.world_size, summary["params"], _bytes_per_element(summary)
     sent = sent_per_rank(summary, "reduce_scatter") + sent_per_rank(summary, "all_gather")
     states = summary["memory"][0]["bytes"]["optimizer_states"]
@@ -182,8 +209,8 @@ def _timed_out(exc: BaseException) -> bool:
 
 
 class _Spy:
-    """Calls the learner's hook and looks at what it did: gathered (into ``unit.full``, every
-    shard in rank order), freed, reduced the gradient.  The expected values come from the same
+    """Calls the learner's hook (with a :class:`~.guards.GuardedUnit`) and looks at what it did:
+    gathered (into ``unit.full``, every shard in rank order), freed, reduced the gradient.  The expected values come from the same
     collectives run with the tracer paused; every rank agrees on a problem before any stops."""
 
     def __init__(self, fn, comm):
@@ -194,7 +221,7 @@ class _Spy:
 
     def __call__(self, unit, comm, moment):
         c, n = self.comm, self.comm.size
-        whole = unit._unit.full
+        whole = unit.full
         want_full = want_grad = grad = None
         with c.tracer.paused():
             if moment.startswith("before"):
@@ -207,17 +234,21 @@ class _Spy:
         was = unit.gathered
         mark = len(c.tracer.events)
         result = problem = None
+        calls: list = []
         try:
-            result = self.fn(unit, comm, moment)
-            if result is not None and hasattr(result, "wait"):
-                result.wait()  # an asynchronous collective's work, returned as the package's does
+            with dist_calls() as calls:
+                result = self.fn(GuardedUnit(unit), comm, moment)
+                if result is not None and hasattr(result, "wait"):
+                    result.wait()  # an asynchronous collective's work, as the package's returns
         except Exception as exc:  # noqa: BLE001 - the learner's code may raise anything
             if _timed_out(exc):
                 raise  # a collective nobody answered: the launcher says who waited for what
             problem = self._raised(exc, unit, moment)
-        ops = [e.op for e in c.tracer.events[mark:]]
+        ops = [e.op for e in c.tracer.events[mark:]] + [k.op for k in bypassed(calls)]
         if problem is None:
-            problem = self._verify(unit, moment, was, ops, want_full, grad, want_grad, n)
+            problem = self._verify(unit, moment, was, ops, want_full, grad, want_grad, n, calls)
+        if problem is None:
+            problem = _bypass(calls, c.rank)
         flag = torch.tensor([0.0 if problem is None else 1.0])
         with c.tracer.paused():
             c.all_reduce(flag)
@@ -235,7 +266,7 @@ class _Spy:
             text += " — unit.grad and unit.grad_shard exist only at 'after backward'"
         return text
 
-    def _verify(self, unit, moment, was, ops, want_full, grad, want_grad, n) -> str | None:
+    def _verify(self, unit, moment, was, ops, want_full, grad, want_grad, n, calls=()) -> str | None:
         name = unit.name
         if moment.startswith("before"):
             phase = moment.split()[1]
@@ -256,7 +287,7 @@ class _Spy:
                         "at 'before forward' unit.full has no memory after your hook")
             return self._gathered_values(unit, moment, ops, want_full, n)
         if moment == "after backward":
-            found = self._reduced_values(unit, ops, grad, want_grad, n)
+            found = self._reduced_values(unit, ops, grad, want_grad, n, calls)
             if found:
                 return found
         if unit.gathered:
@@ -264,7 +295,7 @@ class _Spy:
         return None
 
     def _gathered_values(self, unit, moment, ops, want, n) -> str | None:
-        full, name, r = unit._unit.full, unit.name, self.comm.rank
+        full, name, r = unit.full, unit.name, self.comm.rank
         if torch.equal(full, want):
             return None
         size = unit.shard.numel()
@@ -289,11 +320,13 @@ class _Spy:
         return (f"at '{moment}' unit.full of {name!r} is not every rank's shard in rank order "
                 "(the values differ)")
 
-    def _reduced_values(self, unit, ops, grad, want, n) -> str | None:
+    def _reduced_values(self, unit, ops, grad, want, n, calls=()) -> str | None:
         got, name, r = unit.grad_shard, unit.name, self.comm.rank
-        if "all_reduce" in ops:
-            return (f"after backward your hook all-reduced unit {name!r}'s gradient, but each rank "
-                    "needs only its shard of the sum: a reduce-scatter sends half the bytes")
+        found = _all_reduced(calls, r, n, grad.numel() * grad.element_size(),
+                             f"unit {name!r}'s gradient after its backward",
+                             "it leaves in unit.grad_shard exactly the shard this rank steps")
+        if found:
+            return found
         close = lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-7)  # noqa: E731
         if close(got, want):
             return None
@@ -365,7 +398,7 @@ def _largest_unit_bytes(model_cfg, n: int, b: int) -> int:
     return max(FlatUnit([p for p in u.parameters() if p.requires_grad], n).total for u in units) * b
 
 
-def _zero3_rows(summary: dict, cfg) -> list:
+def _zero3_rows(summary: dict, cfg, package) -> list:
     n, psi, b = cfg.world_size, summary["params"], _bytes_per_element(summary)
     mem = summary["memory"][0]
     peak = mem["bytes"]["parameters"] + mem["gathered_peak"]
@@ -382,3 +415,66 @@ def _zero3_rows(summary: dict, cfg) -> list:
           "'zero3' with it trains like one process")
 def _check_zero3_hook(fn) -> str | None:
     return _on_ranks(_zero3_rank, fn) or _inside_at("zero3_hook", fn, "zero3", _zero3_rows)
+
+
+# --------------------------------------------------------------------------------------------------
+# ZeRO-2's hooks: each bucket reduce-scattered as soon as it is full, overlapping backward
+# --------------------------------------------------------------------------------------------------
+
+_Z2_BUCKET_MB = 0.01  # the nano GPT's 104 kB of gradients in 7 buckets (the checks alone)
+_Z2_RUN_MB = 0.005  # the small GPT of the runs inside zero2: several buckets
+
+
+def _zero2_alone(fn) -> str | None:
+    from .core import on_clusters
+    from .lesson02 import _hooks_rank
+
+    return on_clusters(_hooks_rank, tuple(fn), (2, 3), "reduce_scatter", _Z2_BUCKET_MB)
+
+
+def _spread(values: list) -> tuple[float, float] | None:
+    return (min(values), max(values)) if len(values) >= 3 else None
+
+
+def _zero2_rows(summary: dict, cfg, package) -> list:
+    import statistics
+
+    n, psi, b = cfg.world_size, summary["params"], _bytes_per_element(summary)
+    grads = summary["memory"][0]["bytes"]["gradients"]
+    mine = [o for rep in summary["report"] for o in rep["overlap"][1:]]  # the first step warms up
+    theirs = [o for rep in package["report"] for o in rep["overlap"][1:]]
+    return [Row(f"N={n}: reduce-scatter sent per rank", sent_per_rank(summary, "reduce_scatter"),
+                f"(N−1)/N·{b}B·Ψ", (n - 1) / n * b * psi),
+            Row(f"N={n}: gradients kept on rank 0", grads, f"{b}B·Ψ/N (padded)",
+                b * psi / n),
+            Row(f"N={n}: reduce-scatter time hidden", statistics.median(mine),
+                "the package's hooks, same run", statistics.median(theirs), "%",
+                measured_range=_spread(mine), expected_range=_spread(theirs), compare=True)]
+
+
+def _zero2_cfg(n: int):
+    return _cfg("zero2", n).with_(options={"bucket_mb": _Z2_RUN_MB, "timeline": True}, steps=4)
+
+
+@exercise("zero2_hooks",
+          "every rank holds its shard of the full batch's mean gradient at 2 and 3 ranks, every "
+          "bucket's reduce-scatter launched once, during backward, and waited for; strategy "
+          "'zero2' with them trains like one process")
+def _check_zero2_hooks(fn) -> str | None:
+    from .core import parts
+
+    pair = parts(fn)
+    if len(pair) != 2 or not all(map(callable, pair)):
+        return ("check it with the pair of your functions: check(\"zero2_hooks\", "
+                "(my_grad_ready, my_end_of_backward))")
+    found = _zero2_alone(pair)
+    if found:
+        return found
+    rows = []
+    for n in (2, 3):
+        found = inside("zero2_hooks", tuple(pair), _zero2_cfg(n), measure=_zero2_rows)
+        if found:
+            return found
+        rows += RUNS["zero2_hooks"].rows
+    RUNS["zero2_hooks"].rows = rows
+    return None

@@ -11,8 +11,9 @@ import torch
 from .core import exercise, raised, ranks
 
 
-#: (P, M) the 1F1B checker tries: fewer, as many and more micro-batches than stages, an odd P
-_PIPE_CASES = [(2, 1), (2, 4), (3, 2), (3, 3), (3, 5), (4, 4), (4, 7)]
+#: (P, M) the 1F1B checker tries: fewer, as many and more micro-batches than stages, an odd P, and
+#: fewer micro-batches than a rank's P − rank − 1 warm-up forwards (P = 4, M = 2 and 1)
+_PIPE_CASES = [(2, 1), (2, 4), (3, 2), (3, 3), (3, 5), (4, 4), (4, 7), (4, 2), (4, 1)]
 
 
 #: inside strategy 'pipeline' (1F1B with your order): P ranks -> (M, batch)
@@ -43,11 +44,27 @@ def _one_f_one_b_table(fn, P: int, M: int):
             return f"{call} returned {type(row).__name__}: return a list of strings like ['F0', 'B0']"
         actions = []
         for item in row:
-            match = re.fullmatch(r"([FB])(\d+)", item.strip()) if isinstance(item, str) else None
+            match = re.fullmatch(r"([FB])(-?\d+)", item.strip()) if isinstance(item, str) else None
             if match is None:
                 return (f"{call}: {item!r} is not an action; write 'F3' for the forward of "
                         "micro-batch 3 and 'B3' for its backward")
             actions.append(Action(match.group(1), int(match.group(2)), r))
+        outside = sorted({a.microbatch for a in actions if not 0 <= a.microbatch < M})
+        if outside:
+            shown = [f"{a.kind}{a.microbatch}" for a in actions]
+            names = ", ".join(map(str, outside))
+            message = (f"{call} returned {shown}: micro-batch{'es' if len(outside) > 1 else ''} "
+                       f"{names} do{'' if len(outside) > 1 else 'es'} not exist — with M = {M} they "
+                       f"are 0 to {M - 1}")
+            forwards = [a.microbatch for a in actions if a.kind == "F"]
+            first_b = next((i for i, a in enumerate(actions) if a.kind == "B"), len(actions))
+            if first_b > M and P - r - 1 > M:
+                message += (f"; it ran {first_b} forwards before its first backward, where rank "
+                            f"{r}'s warm-up of P − rank − 1 = {P - r - 1} is more than the M = {M} "
+                            "micro-batches there are: warm up with at most M forwards")
+            elif len(forwards) != M:
+                message += f"; it runs {len(forwards)} forwards, one per micro-batch would be {M}"
+            return message
         table.append(actions)
     return table
 
@@ -58,7 +75,8 @@ def _one_f_one_b_table(fn, P: int, M: int):
           "process on 2 and 3 ranks")
 def _check_one_f_one_b(fn) -> str | None:
     """Valid (the validator), 1F1B's memory bound, 1F1B's order or makespan, then run for real."""
-    from ..parallel.schedules import ScheduleError, orders, peak_in_flight, simulate, validate
+    from ..analysis import peak_in_flight
+    from ..parallel.schedules import ScheduleError, orders, simulate, validate
     from .inside import inside
 
     for P, M in _PIPE_CASES:
@@ -112,7 +130,15 @@ def _step_model():
 
 
 class _Wrong(Exception):
-    """What a rank found wrong with the learner's stage_step (one line, sent to the parent)."""
+    """What a rank found wrong with the learner's stage_step: the sentence, and (as data, for
+    :func:`_wrong_of`) ``wait`` — ``(rank, at action, waits for rank, its action)`` — or
+    ``sender=True`` for the rank that found it never sent what its peer waits for."""
+
+    def __init__(self, message: str, wait: tuple | None = None, sender: bool = False):
+        super().__init__(message, wait, sender)
+
+    def __str__(self) -> str:
+        return self.args[0]
 
 
 _HINTS = {
@@ -174,7 +200,8 @@ def _stage_step_alone(fn, timeout: float):
     from ..data import ArithmeticData
     from ..model import GPT, loss_fn
     from ..parallel.pipeline import PipelineStage
-    from ..parallel.schedules import Action, orders, peak_in_flight
+    from ..analysis import peak_in_flight
+    from ..parallel.schedules import Action, orders
 
     comm = Comm()
     r, P = comm.rank, comm.size
@@ -206,8 +233,8 @@ def _stage_step_alone(fn, timeout: float):
                    "previous stage" if grad else "after its forward, a stage sends its output to the "
                    "next stage")
             raise _Wrong(f"rank {r} waited {timeout:g} s in recv for {what} from rank {src}, "
-                         f"which never sent it: {why} (send(...))"
-                         f"{_WAIT.format(r, at, src, ('B' if grad else 'F') + str(m))}") from None
+                         f"which never sent it: {why} (send(...))",
+                         wait=(r, at, src, ("B" if grad else "F") + str(m))) from None
         return buf
 
     for a in table[r]:
@@ -263,7 +290,7 @@ def _check_message(r: int, kind: str, m: int, sent: list, want, inp):
                "after backpropagating, a stage sends the gradient of its input to the previous "
                "stage")
         raise _Wrong(f"rank {peer} waits in recv for {awaited} from rank {r}, which never sent "
-                     f"it: {why} (send(...)){_SENDER}")
+                     f"it: {why} (send(...))", sender=True)
     t = sent[0]
     if len(sent) > 1:
         raise _Wrong(f"rank {r}: {kind}{m} called send {len(sent)} times: send the {what} once")
@@ -313,31 +340,18 @@ def _check_after_step(r: int, stage, saved: dict, most: int, bound: int, referen
 
 
 #: appended to a wait's sentence (and cut from what the learner reads): who waited where for what
-_WAIT = " ⟨rank {} at {} waits for rank {}'s {}⟩"
-#: appended to the sentence of a rank that found it sent nothing its peer waits for: the cause
-_SENDER = " ⟨sender⟩"
-
-
 def _wrong_of(exc) -> str | None:
     """The sentence of the rank that found the problem (a :class:`_Wrong`), if any.  When several
     ranks wait, the cause is a message its sender should already have sent — the sender got past
     that action (it waits somewhere later, or not at all) — not a wait that follows from another."""
-    import re
-
     from ..parallel.schedules import orders
 
-    found = []
-    for e in [exc, *getattr(exc, "others", [])]:
-        if getattr(e, "exc_type", "") == _Wrong.__name__:
-            found.append(str(e).splitlines()[0].split(f"{_Wrong.__name__}: ", 1)[-1])
-    for text in found:
-        if text.endswith(_SENDER):
-            return text[:-len(_SENDER)]
-    waits = {}
-    for text in found:
-        m = re.search(r" ⟨rank (\d+) at (\w+) waits for rank (\d+)'s (\w+)⟩", text)
-        if m:
-            waits[int(m.group(1))] = (m.group(2), int(m.group(3)), m.group(4), text)
+    found = [e.exc_args for e in [exc, *getattr(exc, "others", [])]
+             if getattr(e, "exc_type", "") == _Wrong.__name__ and len(e.exc_args) == 3]
+    for text, _, sender in found:
+        if sender:
+            return text
+    waits = {w[0]: (w[1], w[2], w[3], text) for text, w, _ in found if w}
     if waits:
         P = max(max(waits), *(w[1] for w in waits.values())) + 1
         M = _STEP_ALONE[P][0] if P in _STEP_ALONE else 0
@@ -347,8 +361,8 @@ def _wrong_of(exc) -> str | None:
             past = src not in waits or (action in row and waits[src][0] in row
                                         and row.index(waits[src][0]) > row.index(action))
             if past:
-                return text[:text.index(" ⟨")]
-    return found[0].split(" ⟨")[0] if found else None
+                return text
+    return found[0][0] if found else None
 
 
 def _one_microbatch_activations(model, stage: int, P: int, batch: int, M: int) -> int:
@@ -372,7 +386,7 @@ def _one_microbatch_activations(model, stage: int, P: int, batch: int, M: int) -
     return meter.last
 
 
-def _pipeline_rows(summary: dict, cfg) -> list:
+def _pipeline_rows(summary: dict, cfg, package) -> list:
     """Bytes each rank sent (tracer), micro-batches in flight (measured timeline), rank 0's
     activation peak (ledger) and the bubble, each beside the lesson's formula."""
     from .inside import Row
@@ -395,7 +409,10 @@ def _pipeline_rows(summary: dict, cfg) -> list:
     rows.append(Row("activation peak, rank 0 (ledger)",
                     summary["memory"][0]["bytes"]["activations_peak"],
                     f"{bound[0]} × one micro-batch's {one:,} B", bound[0] * one))
-    rows.append(Row("bubble (measured timeline)", rep["bubble_measured"], "(P−1)/(M+P−1)",
+    import os
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    crowded = f", {P} ranks on {cores} cores" if cores and P > cores else ""
+    rows.append(Row(f"bubble (measured timeline{crowded})", rep["bubble_measured"], "(P−1)/(M+P−1)",
                     rep["bubble_formula"], unit="%"))
     return rows
 

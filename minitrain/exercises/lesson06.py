@@ -1,14 +1,16 @@
-"""Lesson 06: the column-parallel linear (its f: all-reduce of dL/dX in backward) and the
-row-parallel linear (its g: all-reduce of the partial outputs in forward) — each checked alone on
-2 and 3 ranks against a full ``nn.Linear``, then inside strategy ``tensor`` (their seams
-``column_parallel_linear`` and ``row_parallel_linear``) against one process, with the all-reduce
-bytes the tracer counted beside Megatron's per-layer formula."""
+"""Lesson 06: the column-parallel linear (its f: all-reduce of dL/dX in backward), the
+row-parallel linear (its g: all-reduce of the partial outputs in forward) and the vocabulary-parallel
+cross-entropy (a max and two sums over the vocabulary all-reduced, never the logits) — each checked
+alone on 2 and 3 ranks against the full layer or loss, then inside strategy ``tensor`` (their seams
+``column_parallel_linear``, ``row_parallel_linear`` and ``vocab_parallel_cross_entropy``) against
+one process, with the all-reduces the tracer counted beside Megatron's count."""
 
 from __future__ import annotations
 
 import torch
 
 from .core import exercise, on_clusters, raised
+from .inside import rank_trouble
 
 _PER, _IN, _TOKENS = 4, 6, (3, 5)  # shard width, the other side of the layer, the input's leading dims
 
@@ -28,8 +30,37 @@ def _full_layer(n: int, in_features: int, out_features: int):
 
 
 def _close(a, b) -> bool:
-    return a is not None and tuple(a.shape) == tuple(b.shape) and torch.allclose(
-        a, b, rtol=1e-5, atol=1e-5)
+    return (torch.is_tensor(a) and tuple(a.shape) == tuple(b.shape) and a.is_floating_point()
+            and torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-5))
+
+
+#: what each gradient of a column-parallel layer is, in words
+_GRADIENT_OF = {"weight": "dL/dA_r = dL/dY_rᵀ·X, summed over every token",
+                "bias": "dL/db_r = dL/dY_r summed over every token (no communication: b_r is "
+                        "this rank's own)"}
+
+
+def _gradient_differs(name: str, got, ref, n: int, rows: slice) -> str:
+    """What was observed of a wrong weight or bias gradient, beside what it should be."""
+    want = f"rows {rows.start}:{rows.stop} of the full layer's {name} gradient"
+    if got is None:
+        return f"backward returned no {name} gradient (None) where {want} is due: {_GRADIENT_OF[name]}"
+    if tuple(got.shape) != tuple(ref.shape):
+        return (f"the {name} gradient has shape {tuple(got.shape)}, expected {tuple(ref.shape)} "
+                f"({want}): {_GRADIENT_OF[name]}")
+    scale = (got * ref).sum() / (ref * ref).sum() if ref.abs().sum() > 0 else torch.tensor(0.0)
+    if torch.allclose(got, scale * ref, rtol=1e-4, atol=1e-5) and abs(scale.item() - 1) > 1e-3:
+        k = scale.item()
+        times = (f"1/{round(1 / k)} of" if k > 0 and abs(1 / k - round(1 / k)) < 1e-3 and k < 1
+                 else f"{k:.3g}×")
+        why = (f" — divided by N = {n}, as if it were averaged over the ranks: each rank's "
+               f"{name} is its own, nothing to average" if abs(k * n - 1) < 1e-3 else
+               f" — multiplied by N = {n}, as if summed over the ranks: each rank's {name} is its "
+               "own" if abs(k - n) < 1e-3 else "")
+        return f"the {name} gradient is {times} {want}{why}: {_GRADIENT_OF[name]}"
+    worst = (got - ref).abs().max().item()
+    return (f"the {name} gradient differs from {want} by up to {worst:.3g} (norm "
+            f"{got.norm().item():.3g} against {ref.norm().item():.3g}): {_GRADIENT_OF[name]}")
 
 
 def _column_parallel_rank(fn):
@@ -70,8 +101,7 @@ def _column_parallel_rank(fn):
     for name, got, ref in (("weight", weight.grad, full.weight.grad[rows]),
                            ("bias", bias.grad, full.bias.grad[rows])):
         if not _close(got, ref):
-            return (f"rank {r}: the {name} gradient differs from the full layer's rows "
-                    f"{r * _PER}:{(r + 1) * _PER} (dL/dA_r = dL/dY_rᵀ·X, summed over every token)")
+            return f"rank {r}: " + _gradient_differs(name, got, ref, n, rows)
     if mine.grad is None:
         return f"rank {r}: backward returned no gradient for x"
     own = upstream[..., rows] @ weight.detach()
@@ -197,7 +227,7 @@ def _tensor_rows(which: str):
     is in a block) and the whole model's, each beside Megatron's count."""
     from .inside import Row
 
-    def measure(summary: dict, cfg) -> list:
+    def measure(summary: dict, cfg, package) -> list:
         per = summary["report"][0]["comm_per_layer"]  # rank 0, per step
         L, N = cfg.model.n_layer, cfg.world_size
         b, s, d = cfg.batch_size, cfg.model.seq_len, cfg.model.d_model
@@ -231,7 +261,7 @@ def _inside_tensor(name: str, fn, which: str) -> str | None:
           "equals the full nn.Linear's output columns and gradients at 2 and 3 ranks, with one "
           "all-reduce, in backward; strategy 'tensor' with it trains like one process")
 def _check_column_parallel_linear(fn) -> str | None:
-    return (on_clusters(_column_parallel_rank, fn, sizes=(2, 3))
+    return (on_clusters(_column_parallel_rank, fn, sizes=(2, 3), trouble=rank_trouble)
             or _inside_tensor("column_parallel_linear", fn, "column"))
 
 
@@ -240,5 +270,186 @@ def _check_column_parallel_linear(fn) -> str | None:
           "bias) at 2 and 3 ranks, with one all-reduce, in forward; strategy 'tensor' with it "
           "trains like one process")
 def _check_row_parallel_linear(fn) -> str | None:
-    return (on_clusters(_row_parallel_rank, fn, sizes=(2, 3))
+    return (on_clusters(_row_parallel_rank, fn, sizes=(2, 3), trouble=rank_trouble)
             or _inside_tensor("row_parallel_linear", fn, "row"))
+
+
+# --------------------------------------------------------------------------------------------------
+# The vocabulary-parallel cross-entropy: the loss from each rank's slice of the logits
+# --------------------------------------------------------------------------------------------------
+
+_VOCAB = 13  # odd: over 2 ranks the vocabulary is padded by one column
+_PAD_LOGIT = 1e4  # what a padded column holds: it must change nothing
+
+
+def _vocab_case(n: int, r: int, large: bool):
+    """Full logits (3, 5, V), targets, and this rank's slice of the padded logits."""
+    from ..parallel.tensor import padded_size
+
+    gen = torch.Generator().manual_seed(16 + large)
+    full = torch.randn(*_TOKENS, _VOCAB, generator=gen) * 3 + (95.0 if large else 0.0)
+    target = torch.randint(0, _VOCAB, _TOKENS, generator=gen)
+    per = padded_size(_VOCAB, n) // n
+    padded = torch.cat([full, torch.full((*_TOKENS, per * n - _VOCAB), _PAD_LOGIT)], dim=-1)
+    return full, target, per, padded[..., r * per:(r + 1) * per].clone()
+
+
+def _ce(logits, target):
+    import torch.nn.functional as F
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                           reduction="none").view(target.shape)
+
+
+def _loss_differs(r: int, got, want, full, target, padded_full, n: int, per: int) -> str:
+    """What the learner's per-position loss is, when it is not the full cross-entropy."""
+    worst = (got - want).abs().max().item()
+    with_pad = _ce(padded_full, target)
+    if torch.allclose(got, with_pad, rtol=1e-4, atol=1e-3):
+        return (f"rank {r}: the loss equals the cross-entropy over all {per * n} columns, the "
+                f"{per * n - _VOCAB} padding column(s) (ids {_VOCAB}..{per * n - 1}, holding a logit "
+                f"of {_PAD_LOGIT:g} here) included: leave the columns at or past vocab_size out of "
+                "the max and the sum of exponentials (their ids ≥ vocab_size are no token)")
+    own_max = []  # each rank's own max instead of the global one: the sums no longer add up
+    for k in range(n):
+        part = padded_full[..., k * per:(k + 1) * per]
+        cols = torch.arange(k * per, (k + 1) * per)
+        own_max.append(part.masked_fill(cols >= _VOCAB, float("-inf")).max(-1).values)
+    owner_max = torch.stack(own_max).gather(0, (target // per).unsqueeze(0)).squeeze(0)
+    mixed = torch.log(sum(torch.exp(padded_full[..., k * per:(k + 1) * per].masked_fill(
+        torch.arange(k * per, (k + 1) * per) >= _VOCAB, float("-inf")) - own_max[k].unsqueeze(-1))
+        .sum(-1) for k in range(n))) - (full.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+                                        - owner_max)
+    if torch.allclose(got, mixed, rtol=1e-4, atol=1e-4):
+        return (f"rank {r}: the loss differs from the full cross-entropy by up to {worst:.3g}, and "
+                "matches sums of exponentials each shifted by its own rank's max: the max must be "
+                "the same on every rank before the sums are added (all-reduce it with "
+                "op=dist.ReduceOp.MAX)")
+    return (f"rank {r}: the loss differs from the full cross-entropy by up to {worst:.3g} (position "
+            f"0: {got.flatten()[0].item():.4f} against {want.flatten()[0].item():.4f}): loss = "
+            "log Σ_j exp(z_j − m) − (z_target − m), every sum over all ranks' columns")
+
+
+def _vocab_ce_rank(fn):
+    """On each rank: the learner's Function on its slice of the (padded) logits, against the full
+    cross-entropy: values, gradient of its slice, and what it sent."""
+    from ..comm import Comm
+
+    comm = Comm()
+    r, n = comm.rank, comm.size
+    name = getattr(fn, "__name__", "your Function")
+    for large in (False, True):
+        full, target, per, local = _vocab_case(n, r, large)
+        padded_full = torch.cat([full, torch.full((*_TOKENS, per * n - _VOCAB), _PAD_LOGIT)], -1)
+        case = " (logits near 95)" if large else ""
+        ref = full.clone().requires_grad_()
+        want = _ce(ref, target)
+        upstream = torch.randn(_TOKENS, generator=torch.Generator().manual_seed(7))
+        (want * upstream).sum().backward()
+        mine = local.clone().requires_grad_()
+        comm.tracer.clear()
+        try:
+            got = fn.apply(mine, target, r * per, _VOCAB, comm)
+        except Exception as exc:  # noqa: BLE001 - the learner's code may raise anything
+            from ..worker import _is_timeout
+            if _is_timeout(exc):
+                raise
+            return raised(f"rank {r}{case}: {name}.apply(logits, target, {r * per}, {_VOCAB}, comm)",
+                          exc, getattr(fn, "forward", fn))
+        forward = list(comm.tracer.events)
+        if not torch.is_tensor(got):
+            return (f"forward returned {type(got).__name__}: return the loss at every position, "
+                    f"a tensor of shape {tuple(target.shape)} (target's)")
+        if tuple(got.shape) != tuple(target.shape):
+            return (f"rank {r}: forward returned shape {tuple(got.shape)}, expected "
+                    f"{tuple(target.shape)}: the loss at every position (no mean: the caller "
+                    "averages)")
+        other = sorted({e.op for e in forward} - {"all_reduce"})
+        positions = target.numel()
+        numbers = sum(e.bytes for e in forward) / 4 / positions
+        if other:
+            return (f"forward made {', '.join(other)} ({numbers:g} numbers per position): the "
+                    f"logits never travel — each rank holds {per} of the {_VOCAB} per position; "
+                    "three numbers per position are all-reduced (the max, the target's logit, the "
+                    "sum of exponentials)")
+        if not forward:
+            return ("forward communicated nothing: each rank holds only its slice of the "
+                    "vocabulary, so the max and the sums over the vocabulary need all-reduces")
+        if numbers > 3:
+            return (f"forward all-reduced {numbers:g} numbers per position: the loss needs 3 (the "
+                    "max, the target's logit and the sum of exponentials), whatever the vocabulary")
+        if not got.is_floating_point():
+            return (f"rank {r}: forward returned {got.dtype}: the loss is a floating-point number at "
+                    "every position")
+        got = got.float()
+        bad = ~torch.isfinite(got)
+        if bad.any():
+            why = (f" — exp of logits near 95 overflows float32 (its largest number is about "
+                   "e^88.7): subtract the max logit (the same on every rank) before exponentiating"
+                   if large else "")
+            return f"rank {r}{case}: the loss has inf/NaN at {int(bad.sum())} positions{why}"
+        if not torch.allclose(got, want.detach(), rtol=1e-4, atol=1e-4):
+            message = _loss_differs(r, got.detach(), want.detach(), full, target, padded_full, n,
+                                    per)
+            return message.replace(f"rank {r}:", f"rank {r}{case}:", 1)
+        try:
+            (got * upstream).sum().backward()
+        except Exception as exc:  # noqa: BLE001
+            return raised(f"rank {r}{case}: backward", exc, getattr(fn, "backward", fn))
+        backward = comm.tracer.events[len(forward):]
+        grad_full = torch.nn.functional.pad(ref.grad, (0, per * n - _VOCAB))
+        grad = grad_full[..., r * per:(r + 1) * per]
+        g = mine.grad if mine.grad is None else mine.grad.float()
+        if g is None:
+            return f"rank {r}: backward returned no gradient for the logits"
+        if tuple(g.shape) != tuple(grad.shape):
+            return (f"rank {r}: the logits' gradient has shape {tuple(g.shape)}, expected "
+                    f"{tuple(grad.shape)} (this rank's slice)")
+        if not torch.allclose(g, grad, rtol=1e-4, atol=1e-5):
+            soft = grad.clone()
+            cols = torch.arange(r * per, (r + 1) * per)
+            hit = (target.unsqueeze(-1) == cols)
+            soft = soft + hit.to(soft.dtype) * upstream.unsqueeze(-1)  # softmax·upstream alone
+            if torch.allclose(g, soft, rtol=1e-4, atol=1e-5):
+                return (f"rank {r}: the logits' gradient is softmax·dL/dloss alone: the target's "
+                        "column also gets −1 (dloss/dz_j = softmax_j − [j is the target]), on the "
+                        "rank that holds it")
+            if torch.allclose(g, n * grad, rtol=1e-4, atol=1e-5):
+                return (f"rank {r}: the logits' gradient is {n}× the full one: each rank's slice "
+                        "gets its own softmax − one-hot, nothing to add up over the ranks")
+            worst = (g - grad).abs().max().item()
+            return (f"rank {r}{case}: the logits' gradient differs from the full cross-entropy's "
+                    f"columns {r * per}:{(r + 1) * per} by up to {worst:.3g}: dloss/dz_j = "
+                    "softmax_j − [j is the target] (0 on padding columns), times the incoming "
+                    "gradient")
+        if backward:
+            return (f"backward communicated ({', '.join(e.op for e in backward)}): each rank's "
+                    "gradient, softmax − one-hot on its own columns, needs nothing from the others "
+                    "(save the softmax in forward)")
+    return None
+
+
+def _loss_rows(summary: dict, cfg, package) -> list:
+    """The loss's all-reduces (yours: the collectives no layer's tag names) beside the package's
+    and beside 3 numbers per position."""
+    from .inside import Row
+
+    per = summary["report"][0]["comm_per_layer"]
+    N, b, s = cfg.world_size, cfg.batch_size, cfg.model.seq_len
+    yours = per.get("", {}).get("all_reduce ", {"calls": 0, "bytes": 0.0, "sent_bytes": 0.0})
+    theirs = package["report"][0]["comm_per_layer"].get("loss", {})
+    return [Row("all-reduces by your loss / step", yours["calls"], "the package's loss",
+                sum(v["calls"] for v in theirs.values()), unit=""),
+            Row("  numbers all-reduced per position", yours["bytes"] / 4 / (b * s),
+                "max, target logit, Σ exp", 3, unit=""),
+            Row("  bytes sent per rank / step", yours["sent_bytes"], "3·b·s·4·2(N−1)/N",
+                3 * b * s * 4 * 2 * (N - 1) / N)]
+
+
+@exercise("vocab_parallel_cross_entropy",
+          "equals the full cross-entropy and its gradient at 2 and 3 ranks (padding ignored, large "
+          "logits finite) from 3 numbers per position, nothing in backward; strategy 'tensor' with "
+          "it trains like one process")
+def _check_vocab_parallel_cross_entropy(fn) -> str | None:
+    from .inside import inside
+    return (on_clusters(_vocab_ce_rank, fn, sizes=(2, 3), trouble=rank_trouble)
+            or inside("vocab_parallel_cross_entropy", fn, _tensor_config(), measure=_loss_rows))

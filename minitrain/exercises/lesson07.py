@@ -1,9 +1,11 @@
 """Lesson 07: the fp32-master mixed-precision step, a block recomputed in backward, and the dynamic
-loss-scale update — the first two checked alone, then inside the real strategy through their seams
-(``ddp``'s ``mixed_precision_step`` and ``recompute_block``)."""
+loss-scale update — each checked alone, then inside the real strategy through its seam (``ddp``'s
+``mixed_precision_step`` and ``recompute_block``; the loss-scale rule driving a real fp16-mixed run
+of ``single``, its scale at every step against the package's rule's)."""
 
 from __future__ import annotations
 
+import math
 import traceback
 
 import torch
@@ -141,6 +143,16 @@ def _step_problem(fn) -> str | None:
                         "gradient in fp32 (master.grad) and call optimizer.step()")
             if not all(torch.allclose(m, r, rtol=1e-6, atol=1e-12)
                        for m, r in zip(masters, ref_masters)):
+                off = [(m - r) for m, r in zip(masters, ref_masters)]
+                rounding = [b16.float() - b for b16, b in zip(before16, before)]
+                if any(x.abs().max() > 0 for x in rounding) and all(
+                        torch.allclose(o, x, rtol=1e-3, atol=1e-7) for o, x in zip(off, rounding)):
+                    worst = max(float(x.abs().max()) for x in rounding)
+                    return (f"{case}: each master ends the step off the fp32-master step by exactly "
+                            f"its own rounding to {low} (up to {worst:.2e}): the masters were "
+                            f"overwritten with the {low} weights' values, so their fp32 digits are "
+                            "lost at every step. The masters are the fp32 truth: copy masters into "
+                            "the parameters after the step, never the parameters into the masters")
                 ratio = (mine[nz] / ref[nz]).median().item() if nz.any() else float("nan")
                 if scale and abs(ratio / scale - 1) < 0.01:
                     return (f"{case}: the step is {ratio:,.0f}× too large — the gradients still "
@@ -162,12 +174,13 @@ def _step_problem(fn) -> str | None:
 
 
 def _mp_cfg(precision: str, **more):
-    from .. import GPTConfig, TrainConfig
+    from ..model import GPTConfig
+    from ..strategies import TrainConfig
     return TrainConfig(strategy="ddp", world_size=2, steps=4, batch_size=8, precision=precision,
                        model=GPTConfig(**_MODEL), **more)
 
 
-def _model_states(summary: dict, cfg) -> list:
+def _model_states(summary: dict, cfg, package) -> list:
     """Rank 0's model states from the ledger beside the ZeRO paper's 2Ψ + 2Ψ + 4Ψ + 8Ψ = 16Ψ."""
     mem, psi = summary["memory"][0], summary["params"]
     b, state = mem["bytes"], mem["by_state"]
@@ -181,7 +194,7 @@ def _model_states(summary: dict, cfg) -> list:
                 + adam, "16Ψ (ZeRO)", 16 * psi)]
 
 
-def _skips(summary: dict, cfg) -> list:
+def _skips(summary: dict, cfg, package) -> list:
     return [Row("fp16-mixed: steps skipped (overflow)", summary["loss_scaler"]["skipped_steps"],
                 unit=" steps")]
 
@@ -242,17 +255,22 @@ def _run_block(block, call, rng_seed: int):
         x = w * 1.5  # an activation of the layer before, so gradients must flow on through x
         with meter.measure():
             y = call(block, x)
+        after_forward = torch.get_rng_state()
         torch.manual_seed(rng_seed + 1)  # the RNG has moved on by the time backward runs
         if torch.is_tensor(y) and y.requires_grad:
             (y * upstream).sum().backward()
-    return y, meter.last, w.grad, [p.grad for p in block.parameters()], x.numel() * x.element_size()
+        after_backward = torch.get_rng_state()  # what the next layer's dropout draws from
+    rng = (after_forward, after_backward)
+    return (y, meter.last, w.grad, [p.grad for p in block.parameters()],
+            x.numel() * x.element_size(), rng)
 
 
 def _recompute_problem(fn) -> str | None:
     for what, block in _blocks():
-        want, plain_bytes, want_w, want_p, x_bytes = _run_block(block, lambda b, x: b(x), 7)
+        want, plain_bytes, want_w, want_p, x_bytes, want_rng = _run_block(
+            block, lambda b, x: b(x), 7)
         try:
-            got, kept, got_w, got_p, _ = _run_block(block, fn, 7)
+            got, kept, got_w, got_p, _, got_rng = _run_block(block, fn, 7)
         except Exception as exc:  # noqa: BLE001 - the learner's code may raise anything
             msg = f"on {what}: {type(exc).__name__}: {str(exc).splitlines()[0]}{_where(exc, fn)}"
             if "does not require grad" in str(exc):
@@ -266,11 +284,19 @@ def _recompute_problem(fn) -> str | None:
             return f"on {what}: returned {getattr(got, 'shape', got)!r}, expected block(x), shape {tuple(want.shape)}"
         if not torch.allclose(got, want, atol=1e-6):
             return f"on {what}: the output differs from block(x): return the block's output"
-        if kept > 2 * x_bytes:
-            return (f"on {what}: autograd kept {kept:,} bytes for backward, as the plain block does "
-                    f"({plain_bytes:,}): a recomputed block keeps only its input ({x_bytes:,} bytes)"
-                    " — run the forward without recording (torch.no_grad(), or inside a "
-                    "torch.autograd.Function's forward) and save only x")
+        if kept > x_bytes:
+            if kept >= 0.9 * plain_bytes:
+                return (f"on {what}: autograd kept {kept:,} bytes for backward, as the plain block "
+                        f"does ({plain_bytes:,}): a recomputed block keeps only its input "
+                        f"({x_bytes:,} bytes) — run the forward without recording (torch.no_grad(),"
+                        " or inside a torch.autograd.Function's forward) and save only x")
+            extra = kept - x_bytes
+            same = (" — exactly the size of one more tensor like x (the block's output is one)"
+                    if extra % x_bytes == 0 else "")
+            return (f"on {what}: autograd kept {kept:,} bytes for backward, {kept / x_bytes:.2g}× "
+                    f"the {x_bytes:,} bytes of the block's input (the plain block keeps "
+                    f"{plain_bytes:,}): {extra:,} bytes more than x{same}. A recomputed block keeps "
+                    "only x; whatever else backward needs, it recomputes from x")
         if not got.requires_grad:
             return (f"on {what}: the output does not require grad, so backward never reaches the "
                     "block: make it the output of a torch.autograd.Function whose backward "
@@ -298,11 +324,21 @@ def _recompute_problem(fn) -> str | None:
                         "(torch.random.fork_rng(), torch.set_rng_state)")
             return (f"on {what}: the gradients differ from the plain block's (of x or of the "
                     "parameters): backpropagate the incoming gradient through the recomputed block")
+        if not torch.equal(got_rng[1], want_rng[1]):
+            at = ("the state right after the block's forward, so the random numbers drawn after "
+                  "backward repeat those drawn after the forward (the next dropout masks repeat)"
+                  if torch.equal(got_rng[1], want_rng[0]) else
+                  "a state the plain block's backward does not leave")
+            return (f"on {what}: the gradients are right, but after backward the random-number "
+                    f"generator is at {at} — your backward changed the generator's state and left "
+                    "it so: replay the saved state inside torch.random.fork_rng(devices=[]), which "
+                    "puts the generator back when it ends")
     return None
 
 
 def _recompute_cfg():
-    from .. import GPTConfig, TrainConfig
+    from ..model import GPTConfig
+    from ..strategies import TrainConfig
     return TrainConfig(strategy="ddp", world_size=2, steps=4, batch_size=8,
                        checkpoint_activations=True, model=GPTConfig(**_MODEL))
 
@@ -324,10 +360,10 @@ def _block_saves(cfg) -> int:
     return meter.last
 
 
-def _activations(summary: dict, cfg) -> list:
+def _activations(summary: dict, cfg, package) -> list:
     """Activation peaks with and without recomputation (an extra run), what recomputation saved
     beside one block's saved tensors, and the step-time cost beside one more forward."""
-    from .. import train
+    from ..train import train
 
     plain = train(cfg.with_(checkpoint_activations=False), cluster=ranks(cfg.world_size))["summary"]
     m = cfg.model
@@ -336,12 +372,17 @@ def _activations(summary: dict, cfg) -> list:
     peak1 = summary["memory"][0]["bytes"]["activations_peak"]
     t0, t1 = plain["step_time_s"], summary["step_time_s"]
     block = _block_saves(cfg)
+
+    def spread(s):  # the steps after the first: (lowest, highest) in ms
+        times = (s.get("step_times_s") or [s["step_time_s"]])[1:] or [s["step_time_s"]]
+        return f"{min(times) * 1e3:.0f}–{max(times) * 1e3:.0f} ms over {len(times)} steps"
     return [Row("activation peak, no recomputation", peak0),
             Row("activation peak, your recomputation", peak1),
             Row("saved by recomputing", peak0 - peak1, f"L·(A_block − 4sbh), A_block {block:,} B",
                 m.n_layer * (block - 4 * sbh)),
-            Row("step time, your recomputation", t1, "4/3 × plain (one more forward)", 4 / 3 * t0,
-                "s")]
+            Row(f"step time, plain ({spread(plain)})", t0, unit="s"),
+            Row(f"step time, your recomputation ({spread(summary)})", t1,
+                "4/3 × plain (one more forward)", 4 / 3 * t0, "s")]
 
 
 @exercise("recompute_block",
@@ -357,9 +398,12 @@ def _check_recompute_block(fn) -> str | None:
 # --------------------------------------------------------------------------------------------------
 
 
-@exercise('loss_scale_update',
-          "halves on overflow and skips the step, doubles after a run of good steps")
-def _check_loss_scale_update(fn) -> str | None:
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) or (
+        torch.is_tensor(x) and x.numel() == 1)
+
+
+def _rule_alone(fn) -> str | None:
     """The learner's rule, step by step, against DynamicLossScaler on an overflow pattern."""
     from ..precision import DynamicLossScaler
 
@@ -368,21 +412,73 @@ def _check_loss_scale_update(fn) -> str | None:
     pattern = [True, True, False, False, False, False, True, False, False, False, False]
     for step, found_inf in enumerate(pattern):
         ref.update(found_inf)
+        call = f"step {step}: {getattr(fn, '__name__', 'your rule')}({scale:g}, {good}, {found_inf}, 3)"
         try:
             out = fn(scale, good, found_inf, 3)
         except Exception as exc:  # noqa: BLE001 - the learner's code may raise anything
-            return raised(f"step {step}: {fn.__name__}(...)", exc, fn)
+            return raised(call, exc, fn)
         if not isinstance(out, tuple) or len(out) != 3:
-            return "return a tuple (new_scale, new_good_steps, take_step)"
-        scale, good, take = out
+            got = f"a tuple of {len(out)}" if isinstance(out, tuple) else repr(out)[:60]
+            return f"{call} returned {got}: return a tuple (new_scale, new_good_steps, take_step)"
+        new_scale, new_good, take = out
+        if not _number(new_scale) or not _number(new_good):
+            return (f"{call} returned {out!r}: new_scale and new_good_steps must be numbers "
+                    "(take_step True or False)")
+        new_scale, new_good = float(new_scale), int(new_good)
         if bool(take) == found_inf:
-            return (f"step {step}: found_inf={found_inf} but take_step={take}: skip the optimizer "
+            return (f"{call}: found_inf={found_inf} but take_step={take}: skip the optimizer "
                     "step exactly when a gradient overflowed")
-        if scale != ref.scale:
-            return (f"step {step} (found_inf={found_inf}): scale {scale:g}, expected {ref.scale:g} "
+        if new_scale != ref.scale:
+            return (f"{call}: scale {new_scale:g}, expected {ref.scale:g} "
                     "(halve on overflow; double after growth_interval good steps in a row)")
-        if good != ref.good_steps:
-            return (f"step {step}: good_steps {good}, expected {ref.good_steps} (reset it to 0 on "
+        if new_good != ref.good_steps:
+            return (f"{call}: good_steps {new_good}, expected {ref.good_steps} (reset it to 0 on "
                     "overflow and whenever the scale grows)")
+        scale, good = new_scale, new_good
     return None
 
+
+#: the real fp16 run the rule drives: from a scale that overflows, growing every 3 good steps
+_FP16_START, _FP16_GROWTH, _FP16_STEPS = 2.0 ** 24, 3, 12
+
+
+def _fp16_cfg():
+    from ..model import GPTConfig
+    from ..strategies import TrainConfig
+    return TrainConfig(strategy="single", world_size=1, steps=_FP16_STEPS, batch_size=8,
+                       precision="fp16-mixed", loss_scale=_FP16_START,
+                       loss_scale_growth=_FP16_GROWTH, model=GPTConfig(**_MODEL))
+
+
+def _scales(summary: dict, cfg, package) -> list:
+    """The scale the run used at each step (and the steps skipped) beside the package's rule's."""
+    mine, ref = summary["loss_scaler"], package["loss_scaler"]
+    log2 = lambda h: "·".join(f"{math.log2(s):g}" for s, _ in h["history"])  # noqa: E731
+    return [Row("steps skipped (overflow)", mine["skipped_steps"], "the package's rule",
+                ref["skipped_steps"], unit=" steps"),
+            Row("scale at the end", mine["scale"], "the package's rule", ref["scale"], unit=""),
+            Row(f"scale per step, log2: {log2(mine)}", len(mine["history"]), unit=" steps")]
+
+
+@exercise('loss_scale_update',
+          "halves on overflow and skips the step, doubles after a run of good steps, and drives a "
+          "real fp16-mixed run (from 2^24, growing every 3 good steps) as the package's rule does")
+def _check_loss_scale_update(fn) -> str | None:
+    """Alone against DynamicLossScaler, then driving the loss scale of a real fp16-mixed run."""
+    found = _rule_alone(fn)
+    if found:
+        return found
+    cfg = _fp16_cfg()
+    found = inside("loss_scale_update", fn, cfg, reference="package", measure=_scales)
+    if found:
+        return found
+    run = RUNS["loss_scale_update"]
+    mine, ref = run.summary["loss_scaler"]["history"], run.package["loss_scaler"]["history"]
+    for step, ((s, skipped), (t, ref_skipped)) in enumerate(zip(mine, ref)):
+        if s != t or skipped != ref_skipped:
+            RUNS.pop("loss_scale_update")
+            return (f"inside strategy 'single' (fp16-mixed from 2^{math.log2(_FP16_START):g}, "
+                    f"growing every {_FP16_GROWTH} good steps) step {step} ran with scale {s:g}"
+                    f"{' and was skipped' if skipped else ''} where the package's rule gives "
+                    f"{t:g}{' (skipped)' if ref_skipped else ''}")
+    return None

@@ -4,8 +4,9 @@ Lesson 02.  Paper: Li et al., 2020, "PyTorch Distributed: Experiences on Acceler
 Parallel Training" (VLDB) — buckets, overlap, ``no_sync``.  Every rank holds a full replica and a
 slice of the batch; after backward the gradients are averaged, so every replica takes the step one
 process would take on the whole batch.  :class:`NaiveDataParallel` all-reduces each gradient after
-backward; :class:`DistributedDataParallel` packs them into buckets (:mod:`.flat`) whose all-reduces
-start from autograd hooks while backward goes on.  Both wrap a module as PyTorch's do.
+backward (:func:`average_gradients`); :class:`DistributedDataParallel` packs them into buckets
+(:mod:`.flat`) whose all-reduces start from autograd hooks (:class:`BucketHooks`) while backward goes
+on.  Both wrap a module as PyTorch's do.
 """
 
 from __future__ import annotations
@@ -21,11 +22,10 @@ import torch.nn as nn
 
 from ..comm import Comm
 from .compression import as_error_feedback, compressed_all_reduce
-from .flat import (Done, FlatUnit, GradientReducer, Slot, bucket_caps, copy_into_bucket,
-                   make_buckets)
+from .flat import Done, FlatUnit, Slot, bucket_caps, copy_into_bucket, make_buckets
 
 __all__ = ["NaiveDataParallel", "DistributedDataParallel", "BucketHooks", "BucketComm",
-           "launch_when_full", "wait_for_buckets", "broadcast_module", "overlap_fraction",
+           "average_gradients", "launch_when_full", "wait_for_buckets", "broadcast_module",
            "mean_over_ranks", "comm_for"]
 
 
@@ -51,18 +51,28 @@ def mean_over_ranks(loss: torch.Tensor, comm: Comm) -> float:
     return t.item() / comm.size
 
 
+@torch.no_grad()
+def average_gradients(model: nn.Module, comm: Comm) -> None:
+    """Naive DP's gradient average (the package's ``sync``; lesson 02's warm-up exercise writes
+    it): divide each gradient by N, all-reduce the sum."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad.div_(comm.size)
+            comm.all_reduce(p.grad, tag="grad")
+
+
 class NaiveDataParallel(nn.Module):
     """Replicas kept equal by one all-reduce per gradient, after backward (call ``sync_gradients``).
 
-    ``sync``: ``sync(model, comm)`` averages the gradients instead of the package's own code (the
-    lesson-02 exercise).
+    ``sync``: ``sync(model, comm)`` averages the gradients (default :func:`average_gradients`; the
+    lesson-02 exercise writes one).
     """
 
     def __init__(self, module: nn.Module, comm: Comm | None = None, process_group=None, sync=None):
         super().__init__()
         self.module = module
         self.comm = comm_for(comm, process_group)
-        self.sync = sync
+        self.sync = sync or average_gradients
         broadcast_module(module, self.comm)
 
     def forward(self, *args, **kwargs):
@@ -70,22 +80,15 @@ class NaiveDataParallel(nn.Module):
 
     @torch.no_grad()
     def sync_gradients(self) -> None:
-        """Average every gradient over the ranks: divide by N, all-reduce the sum.
+        """Average every gradient over the ranks with ``sync``.
 
         A parameter without a gradient on this rank contributes zeros, so that every rank makes
         the same sequence of calls (a missing call would leave the others waiting).
         """
-        n = self.comm.size
         for p in self.module.parameters():
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if self.sync is not None:
-            self.sync(self.module, self.comm)
-            return
-        for p in self.module.parameters():
-            if p.requires_grad:
-                p.grad.div_(n)
-                self.comm.all_reduce(p.grad, tag="grad")
+        self.sync(self.module, self.comm)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -111,65 +114,30 @@ def wait_for_buckets(buckets: list) -> None:
 class BucketHooks(NamedTuple):
     """DDP's two hooks.  ``grad_ready(bucket, i, grad, comm)`` runs during backward each time a
     parameter's gradient is ready (``bucket`` a :class:`.flat.Slot`: ``buffer``, ``views[i]``,
-    ``ready``, ``work``, ``index``); ``end_of_backward(buckets)`` runs once backward has finished,
-    and when it returns every ``bucket.buffer`` holds the mean gradient over the ranks."""
+    ``ready``, ``work``, ``index``; ``comm`` the bucket's :class:`BucketComm`);
+    ``end_of_backward(buckets)`` runs once backward has finished, and when it returns every
+    ``bucket.buffer`` holds the mean gradient over the ranks."""
 
     grad_ready: typing.Callable = launch_when_full
     end_of_backward: typing.Callable = wait_for_buckets
 
 
 class BucketComm:
-    """The ``comm`` DDP's hooks get: ``size``, ``rank`` and ``all_reduce(tensor, async_op=False)``.
+    """The ``comm`` DDP's ``grad_ready`` gets with one bucket: ``size``, ``rank`` and
+    ``all_reduce(tensor, async_op=False)``, which sums ``tensor`` with the DDP's bucket reduction
+    ``reduce(tensor, index, async_op) -> work or None`` and keeps, for the timeline, when it was
+    launched (``launched_at``) and its handle (``work``: ``wait()``, and ``end`` once done)."""
 
-    A bucket's buffer is all-reduced by the DDP's communicator (traced as ``bucket<k>``), or, when
-    the DDP was given ``all_reduce=`` or ``compression=``, by that replacement (blocking: the handle
-    it returns is already done).  It notes when each bucket was launched, for the timeline."""
-
-    def __init__(self, ddp: "DistributedDataParallel"):
-        self.ddp, self.comm = ddp, ddp.comm
-        self.size, self.rank = ddp.comm.size, ddp.comm.rank
-
-    def _slot_of(self, tensor: torch.Tensor):
-        for s in self.ddp.reducer.slots:
-            if s.buffer is not None and s.buffer.data_ptr() == tensor.data_ptr() \
-                    and s.buffer.numel() == tensor.numel():
-                return s
-        return None
+    def __init__(self, reduce, index: int, comm: Comm):
+        self.reduce, self.index = reduce, index
+        self.size, self.rank = comm.size, comm.rank
+        self.launched_at: float | None = None
+        self.work = None
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
-        s = self._slot_of(tensor)
-        if s is None:  # not a bucket: a plain all-reduce
-            return self.comm.all_reduce(tensor, async_op=async_op, tag="grad")
-        s.launched_at = time.perf_counter()
-        ddp = self.ddp
-        if ddp.ef is None and ddp.all_reduce is None:
-            return self.comm.all_reduce(tensor, async_op=async_op, tag=f"bucket{s.index}")
-        if ddp.ef is not None:  # the sum of the ranks' payloads of g/N is the mean
-            compressed_all_reduce(tensor, self.comm, ddp.ef, key=s.index, average=False)
-        else:
-            out = ddp.all_reduce(tensor, self.comm)
-            if out is not None and out is not tensor:
-                tensor.copy_(out)
-        return Done() if async_op else None
-
-
-class _Reducer(GradientReducer):
-    """The gradient machine's buckets and autograd hooks, driven by DDP's two hooks."""
-
-    def __init__(self, ddp: "DistributedDataParallel", units: list):
-        super().__init__(units, ddp.comm.size, None, None, keep_grads=True, persistent=True,
-                         on_begin=ddp._begin)
-        self.ddp = ddp
-
-    @torch.no_grad()
-    def _grad_ready(self, s: Slot, i: int, p: torch.Tensor) -> None:
-        if self.enabled:
-            self.begin()
-            self.ddp._grad_ready(s, i, p)
-
-    def _end_backward(self) -> None:
-        self.in_backward = False
-        self.ddp._end_backward()
+        self.launched_at = time.perf_counter()
+        self.work = self.reduce(tensor, self.index, async_op)
+        return self.work if async_op else None
 
 
 class DistributedDataParallel(nn.Module):
@@ -193,12 +161,12 @@ class DistributedDataParallel(nn.Module):
             ``ErrorFeedback`` (residuals keyed by bucket index), blocking.  Default None.
         error_feedback: keep what compression leaves out for the next step (ignored when
             ``compression`` is already an ``ErrorFeedback``).
-        all_reduce: ``all_reduce(buffer, comm)`` sums a full bucket over the ranks (in place or
-            returned; blocking), e.g. :func:`minitrain.comm.ring_all_reduce`.  The buffer holds
-            g/N, so the sum is the mean.  Default None: ``comm.all_reduce``, asynchronous.
+        all_reduce: ``all_reduce(buffer, comm) -> the sum`` sums a full bucket over the ranks
+            (blocking), e.g. :func:`minitrain.comm.ring_all_reduce`.  The buffer holds g/N, so the
+            sum is the mean.  Default None: ``comm.all_reduce``, asynchronous.
         bucket_hooks: :class:`BucketHooks` ``(grad_ready, end_of_backward)`` (default
-            :func:`launch_when_full`, :func:`wait_for_buckets`).  Their ``comm`` is a
-            :class:`BucketComm`.
+            :func:`launch_when_full`, :func:`wait_for_buckets`).  Each bucket's ``comm`` is a
+            :class:`BucketComm` that sums as the three arguments above say.
     """
 
     def __init__(self, module: nn.Module, comm: Comm | None = None, bucket_cap_mb: float | None = None,
@@ -221,15 +189,36 @@ class DistributedDataParallel(nn.Module):
         self._pos = {id(p): k for k, p in enumerate(self._params)}
         self._names = [names[id(p)] for p in self._params]
         self.buckets: list[FlatUnit] = make_buckets(self._params, cap, first)
+        self.slots = [Slot(k, unit) for k, unit in enumerate(self.buckets)]
+        reduce = self._bucket_reduction()
+        self.comms = [BucketComm(reduce, s.index, self.comm) for s in self.slots]
+        self.require_sync = True  # False inside no_sync()
+        self._in_backward = False
         self._step: dict = {}
         self._forward_end = None
         self._got: set = set()  # (bucket, i) whose gradient arrived in this backward
-        self.reducer = _Reducer(self, self.buckets)
-        self.bucket_comm = BucketComm(self)
+        for s in self.slots:
+            for i, p in enumerate(s.unit.params):
+                p.register_post_accumulate_grad_hook(lambda p, s=s, i=i: self._grad_ready(s, i, p))
 
-    @property
-    def require_sync(self) -> bool:
-        return self.reducer.enabled
+    def _bucket_reduction(self):
+        """How a bucket is summed, ``reduce(tensor, index, async_op) -> work or None``: the
+        backend's all-reduce (asynchronous when asked), or — blocking, its handle already done —
+        the compressed average or the given ``all_reduce``."""
+        comm, ef, all_reduce = self.comm, self.ef, self.all_reduce
+        if ef is not None:  # the sum of the ranks' payloads of g/N is the mean
+            def blocking(t, k):
+                compressed_all_reduce(t, comm, ef, key=k, average=False)
+        elif all_reduce is not None:
+            def blocking(t, k):
+                t.copy_(all_reduce(t, comm))
+        else:
+            return lambda t, k, async_op: comm.all_reduce(t, async_op=async_op, tag=f"bucket{k}")
+
+        def reduce(t, k, async_op):
+            blocking(t, k)
+            return Done() if async_op else None
+        return reduce
 
     def forward(self, *args, **kwargs):
         self._forward_end = None
@@ -241,32 +230,49 @@ class DistributedDataParallel(nn.Module):
     def no_sync(self):
         """Backward passes inside this block accumulate gradients locally, with no communication;
         the first backward after it all-reduces the accumulated sum."""
-        was, self.reducer.enabled = self.reducer.enabled, False
+        was, self.require_sync = self.require_sync, False
         try:
             yield
         finally:
-            self.reducer.enabled = was
+            self.require_sync = was
 
     # -- during backward, and at its end ------------------------------------------------------------
 
     def _begin(self) -> None:
+        """The first gradient of a backward: fresh buckets, and the end-of-backward callback."""
+        self._in_backward = True
         self._got = set()
         self._step = dict(backward_start=self._forward_end or time.perf_counter(), ready={},
                           buckets=[])
+        for s, c in zip(self.slots, self.comms):
+            s.ready.clear()
+            s.work = s.out = None
+            c.launched_at = c.work = None
+            if s.buffer is None:  # one buffer per bucket for the whole run
+                p0 = s.unit.params[0]
+                s.buffer = torch.empty(s.unit.total, dtype=p0.dtype, device=p0.device)
+                s.views = s.unit.views(s.buffer)
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
+    @torch.no_grad()
     def _grad_ready(self, s: Slot, i: int, p: torch.Tensor) -> None:
+        if not self.require_sync:
+            return
+        if not self._in_backward:
+            self._begin()
         self._got.add((s.index, i))
         if not self.find_unused_parameters:
             self._hook(s, i, p.grad)
 
     def _hook(self, s: Slot, i: int, grad: torch.Tensor) -> None:
-        self.hooks.grad_ready(s, i, grad, self.bucket_comm)
+        self.hooks.grad_ready(s, i, grad, self.comms[s.index])
         if self.record_timeline:
             self._step["ready"][self._names[self._pos[id(s.unit.params[i])]]] = time.perf_counter()
 
     @torch.no_grad()
     def _end_backward(self) -> None:
-        slots = self.reducer.slots
+        self._in_backward = False
+        slots = self.slots
         self._step["backward_end"] = time.perf_counter()
         used = self._agree_on_unused()
         if self.find_unused_parameters:  # every rank the same hooks, in bucket order
@@ -275,18 +281,11 @@ class DistributedDataParallel(nn.Module):
                     got = (s.index, i) in self._got and p.grad is not None
                     self._hook(s, i, p.grad if got else torch.zeros_like(p))
         self.hooks.end_of_backward(slots)
-        for s in slots:
-            if s.work is None:
-                raise RuntimeError(
-                    f"bucket {s.index}'s all-reduce was never launched (bucket.work is None at "
-                    "the end of backward): start it once the bucket's last gradient is in")
-            if not getattr(s.work, "waited", True):
-                raise RuntimeError(
-                    f"bucket {s.index}'s all-reduce was launched but not waited for by the end "
-                    "of backward: its sum may not have arrived when the optimizer reads it")
+        for s, c in zip(slots, self.comms):
+            end = c.work.end if c.work is not None else None  # when the sum completed
             self._step["buckets"].append(dict(index=s.index, bytes=s.unit.nbytes,
-                                              start=s.launched_at or self._step["backward_end"],
-                                              end=getattr(s.work, "end", None) or time.perf_counter()))
+                                              start=c.launched_at or self._step["backward_end"],
+                                              end=end or time.perf_counter()))
             self._copy_back(s, used)
         self._step["synced"] = time.perf_counter()
         if self.record_timeline:
@@ -306,7 +305,7 @@ class DistributedDataParallel(nn.Module):
                 p.grad.copy_(b.views[i])
 
     def _agree_on_unused(self) -> dict:
-        slots = self.reducer.slots
+        slots = self.slots
         missing = [(s, i) for s in slots for i in range(len(s.unit.params))
                    if (s.index, i) not in self._got]
         if not self.find_unused_parameters:
@@ -322,11 +321,3 @@ class DistributedDataParallel(nn.Module):
             used[self._pos[id(s.unit.params[i])]] = 0
         self.comm.all_reduce(used, tag="unused-map")
         return {id(p): bool(used[k] > 0) for k, p in enumerate(self._params)}
-
-
-def overlap_fraction(step: dict) -> float:
-    """Share of a step's all-reduce time that ran while backward was still computing."""
-    start, end = step["backward_start"], step["backward_end"]
-    total = sum(b["end"] - b["start"] for b in step["buckets"])
-    hidden = sum(max(0.0, min(b["end"], end) - max(b["start"], start)) for b in step["buckets"])
-    return hidden / total if total > 0 else 0.0

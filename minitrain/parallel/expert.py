@@ -6,8 +6,10 @@ Automatic Sharding") and Switch Transformers (Fedus et al., 2021): each rank rou
 (the dense parts are data-parallel), sends every (token, expert) assignment to the rank that owns
 the expert, the owner runs its experts and sends the results back.  Both exchanges are an
 all-to-all with uneven splits, written here from point-to-point sends
-(:func:`all_to_all`); ``torch.distributed.all_to_all_single`` is the reference.  The capacity rule
-is applied by the owner, to the assignments in global token order — the rule one process applies.
+(:func:`all_to_all`); ``torch.distributed.all_to_all_single`` is the reference.  Capacity is per
+group of tokens, as in GShard and Switch: a group is one sequence, so each rank (holding whole
+sequences) drops what its experts' queues cannot take *before* the all-to-all — a dropped
+assignment never travels — by the rule one process applies (:func:`~minitrain.model.moe_router`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..comm import Comm
-from ..model import MoE, aux_loss_share, expert_capacity, route
+from ..model import MoE, expert_capacity, moe_router
 
 __all__ = ["all_to_all", "all_to_all_reference", "AllToAll", "ExpertParallelMoE",
            "expert_parallel_", "expert_owner", "all_to_all_bytes"]
@@ -77,13 +79,15 @@ class ExpertParallelMoE(nn.Module):
     """A :class:`~minitrain.model.MoE` whose experts live on their owners: the same router and
     the local experts under the same names (``experts.<e>``), this rank's tokens in and out.
 
-    ``dispatch``: the all-to-all function (the seam; default :func:`all_to_all`).  ``tokens``: the
-    global batch's token count (for the capacity and the load-balancing loss)."""
+    ``dispatch``: the all-to-all function (the seam; default :func:`all_to_all`).  ``route``: the
+    routing rule (the seam; default :func:`~minitrain.model.moe_router`).  ``groups``: the global
+    batch's number of groups (sequences), for this rank's share of the load-balancing loss."""
 
-    def __init__(self, moe: MoE, comm: Comm, tokens: int, dispatch=None):
+    def __init__(self, moe: MoE, comm: Comm, groups: int, dispatch=None, route=None):
         super().__init__()
-        self.cfg, self.comm, self.tokens = moe.cfg, comm, tokens
+        self.cfg, self.comm, self.groups = moe.cfg, comm, groups
         self.dispatch = dispatch or all_to_all
+        self.route = route or moe_router
         self.owner = expert_owner(self.cfg.n_expert, comm.size)
         self.local = [e for e, o in enumerate(self.owner) if o == comm.rank]
         self.router = moe.router
@@ -93,42 +97,42 @@ class ExpertParallelMoE(nn.Module):
         self.rows_moved = 0  # rows this rank sent to other ranks in forwards so far (x2 with backward)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        cfg, comm, n = self.cfg, self.comm, flat.shape[0]
-        probs, experts, gates = route(self.router, flat, cfg.top_k)
-        tokens = torch.arange(n, device=x.device).repeat_interleave(cfg.top_k)
+        cfg, comm, d = self.cfg, self.comm, x.shape[-1]
+        groups = x.reshape(-1, x.shape[-2], d)  # this rank's sequences: its groups
+        experts, gates, keep, aux = self.route(self.router(groups), cfg.top_k,
+                                               expert_capacity(cfg, groups.shape[1]))
+        flat = groups.reshape(-1, d)
+        tokens = torch.arange(flat.shape[0], device=x.device).repeat_interleave(cfg.top_k)
+        experts, gates, keep = experts.reshape(-1), gates.reshape(-1), keep.reshape(-1)
+        routed = torch.bincount(experts, minlength=cfg.n_expert)
+        self.dropped = int((~keep).sum())  # dropped here, before the all-to-all: never sent
+        tokens, experts, gates = tokens[keep], experts[keep], gates[keep]
         order = torch.argsort(experts, stable=True)
         counts = torch.bincount(experts, minlength=cfg.n_expert)
-        every = counts.new_empty(comm.size * cfg.n_expert)  # rows per (source rank, expert)
-        comm.all_gather(every, counts, tag="moe counts")
-        every = every.view(comm.size, cfg.n_expert)
+        every = counts.new_empty(comm.size * 2 * cfg.n_expert)  # (source rank, kept/routed, expert)
+        comm.all_gather(every, torch.cat([counts, routed]), tag="moe counts")
+        every = every.view(comm.size, 2, cfg.n_expert)
+        kept_by = every[:, 0]
         to_rank = [int(counts[self.local_of(p)].sum()) for p in range(comm.size)]
-        from_rank = [int(every[p, self.local].sum()) for p in range(comm.size)]
+        from_rank = [int(kept_by[p, self.local].sum()) for p in range(comm.size)]
         got = AllToAll.apply(flat[tokens[order]], from_rank, to_rank, comm, self.dispatch,
                              "moe dispatch")
-        # got: by source rank, then by expert, token order within; one expert's rows over all
-        # sources in rank order are its assignments in global token order
-        per_source = [seg.split(every[p, self.local].tolist())
+        # got: by source rank, then by expert, token order within
+        per_source = [seg.split(kept_by[p, self.local].tolist())
                       for p, seg in enumerate(got.split(from_rank))]
-        cap = expert_capacity(cfg, self.tokens)
         outs = [[None] * len(self.local) for _ in range(comm.size)]
-        self.dropped = 0
         for i, e in enumerate(self.local):
             rows = torch.cat([per_source[p][i] for p in range(comm.size)])
-            kept = rows if cap is None else rows[:cap]
-            y = self.experts[str(e)](kept)
-            if kept.shape[0] < rows.shape[0]:
-                self.dropped += rows.shape[0] - kept.shape[0]
-                y = torch.cat([y, y.new_zeros(rows.shape[0] - kept.shape[0], y.shape[1])])
-            for p, part in enumerate(y.split(every[:, e].tolist())):
+            y = self.experts[str(e)](rows)
+            for p, part in enumerate(y.split(kept_by[:, e].tolist())):
                 outs[p][i] = part
         back_in = torch.cat([t for row in outs for t in row]) if got.shape[0] else got
         back = AllToAll.apply(back_in, to_rank, from_rank, comm, self.dispatch, "moe combine")
-        out = torch.zeros_like(flat).index_add_(0, tokens[order],
-                                                 back * gates[order].unsqueeze(-1))
-        total = every.sum(0)
-        self.aux_loss = aux_loss_share(probs, total, self.tokens, cfg.top_k)
-        self.tokens_per_expert = total.tolist()
+        out = torch.zeros_like(flat).index_add_(
+            0, tokens[order], back * gates[order].unsqueeze(-1).to(flat.dtype))
+        # this rank's share of the mean over all groups, so that the ranks' shares add up to it
+        self.aux_loss = aux * (groups.shape[0] / self.groups)
+        self.tokens_per_expert = every[:, 1].sum(0).tolist()
         self.rows_moved += sum(to_rank) - to_rank[comm.rank] + sum(from_rank) - from_rank[comm.rank]
         return out.view_as(x)
 
@@ -136,11 +140,13 @@ class ExpertParallelMoE(nn.Module):
         return [e for e, o in enumerate(self.owner) if o == rank]
 
 
-def expert_parallel_(model: nn.Module, comm: Comm, tokens: int, dispatch=None) -> nn.Module:
+def expert_parallel_(model: nn.Module, comm: Comm, groups: int, dispatch=None,
+                     route=None) -> nn.Module:
     """Swap every MoE block for :class:`ExpertParallelMoE` in place (the experts this rank does not
-    own are dropped; state_dict names of the rest unchanged); returns the model."""
+    own are dropped; state_dict names of the rest unchanged); ``groups``: the global batch's
+    sequences; returns the model."""
     for block in model.blocks:
-        block.mlp = ExpertParallelMoE(block.mlp, comm, tokens, dispatch)
+        block.mlp = ExpertParallelMoE(block.mlp, comm, groups, dispatch, route)
     return model
 
 

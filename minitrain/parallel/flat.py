@@ -1,15 +1,17 @@
-"""Flat buffers, gradient buckets and the gradient-hook machine shared by DDP and ZeRO (lessons 02, 04).
+"""Flat buffers, gradient buckets and ZeRO's gradient-hook machine (lessons 02, 04).
 
 Papers: Li et al., 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel Training"
 (buckets filled in backward order, launched from autograd hooks); Rajbhandari et al., 2020, "ZeRO:
 Memory Optimizations Toward Training Trillion Parameter Models" (the flat, padded partition).
 
 * :class:`FlatUnit` — parameters laid end to end in one vector, zero-padded to a multiple of N;
-  rank r owns ``[r·S, (r+1)·S)`` (:func:`shard_layout` describes it for a widget).
+  rank r owns ``[r·S, (r+1)·S)`` (:func:`minitrain.analysis.shard_layout` describes it for a widget).
 * :func:`make_buckets` — parameters grouped, in reverse order, into units of about a byte cap.
-* :class:`GradientReducer` — the one "gradient ready → pre-divided copy into its unit's flat buffer
-  → asynchronous launch once the unit is full → wait at the end of backward" machine: DDP
-  all-reduces with it, ZeRO-2 and ZeRO-3 reduce-scatter with it.
+* :class:`Slot` and :func:`copy_into_bucket` — a bucket during one backward, and its gradient
+  hook: DDP's hooks (:mod:`.data_parallel`) fill and launch slots.
+* :class:`GradientReducer` — the "gradient ready → pre-divided copy into its unit's flat buffer
+  → asynchronous launch once the unit is full → wait at the end of backward" machine that
+  ZeRO-2 and ZeRO-3 reduce-scatter with.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["FlatUnit", "ShardLayout", "shard_layout", "make_buckets", "bucket_caps", "MIB",
+__all__ = ["FlatUnit", "make_buckets", "bucket_caps", "MIB",
            "DEFAULT_BUCKET_MB", "FIRST_BUCKET_BYTES", "GradientReducer", "Slot", "copy_into_bucket",
            "Done"]
 
@@ -98,38 +100,6 @@ class FlatUnit:
         return flat
 
 
-@dataclass
-class ShardLayout:
-    """Who owns what, for a sharding widget: ``owned[r] = (start, end)`` in the padded flat vector of
-    ``total`` elements (``padding`` of them zeros at the end); ``params[r]`` lists ``(name, start,
-    end)`` element ranges of the parameters rank r owns; ``boundaries`` each parameter's
-    ``(name, start, end)`` in the flat vector."""
-
-    world_size: int
-    numel: int
-    total: int
-    shard_size: int
-    padding: int
-    owned: list
-    params: list
-    boundaries: list
-
-
-def shard_layout(params, world_size: int) -> ShardLayout:
-    """The ZeRO partition of ``params`` (tensors, or ``(name, tensor)`` pairs) over ``world_size``
-    ranks: flattened in order, padded to a multiple of N, rank r owns ``[r·S, (r+1)·S)``."""
-    params = list(params)
-    if params and isinstance(params[0], tuple):
-        names, tensors = [n for n, _ in params], [p for _, p in params]
-    else:
-        names, tensors = list(range(len(params))), params
-    unit = FlatUnit(tensors, world_size, names)
-    return ShardLayout(world_size, unit.numel, unit.total, unit.shard_size, unit.padding,
-                       [unit.owned_range(r) for r in range(world_size)],
-                       [unit.owned_params(r) for r in range(world_size)],
-                       [(n, o, o + k) for n, o, k in zip(names, unit.offsets, unit.numels)])
-
-
 def bucket_caps(bucket_cap_mb: float | None) -> tuple[float, float | None]:
     """(cap, first bucket's cap) in bytes: PyTorch's 25 MiB and 1 MiB first bucket for None."""
     if bucket_cap_mb is None:
@@ -187,6 +157,7 @@ class Slot:
     work: object = None
     launched_at: float | None = None
     out: object = None
+    grad_shard: torch.Tensor | None = None  # ZeRO-2's hooks: this rank's shard of the bucket's sum
 
     @property
     def full(self) -> bool:
@@ -213,53 +184,57 @@ class Done:
 
 
 class GradientReducer:
-    """Gradients reduced unit by unit while backward runs, from post-accumulate-grad hooks.
+    """Gradients reduced unit by unit while backward runs, from post-accumulate-grad hooks (ZeRO).
 
     For each unit (a :class:`FlatUnit`; one :class:`Slot` each, in ``units`` order): when a
-    parameter's gradient is accumulated, ``hook(slot, i, grad, world_size)`` (default
-    :func:`copy_into_bucket`) copies it, pre-divided by N, into the unit's flat buffer; once the
-    unit is full, ``launch(slot)`` starts its collective and returns a work handle.  The end of
-    backward (an autograd callback) launches what is left, waits, and calls ``finish(slot)`` for
-    each launched unit, in order.
+    parameter's gradient is accumulated, :func:`copy_into_bucket` copies it, pre-divided by N, into
+    the unit's flat buffer (zeros allocated at the unit's first gradient) and drops ``p.grad`` (the
+    full gradient is not kept); once the unit is full, ``launch(slot)`` starts its collective and
+    returns a work handle.  The end of backward (an autograd callback) launches what is left,
+    waits, calls ``finish(slot)`` for each launched unit, in order, and frees its buffer.
 
     Arguments:
         units: the flat units, in launch order.
         world_size: N, what each gradient is divided by.
         launch: ``launch(slot) -> work`` (anything with ``wait()``); may keep results in ``slot.out``.
         finish: ``finish(slot)`` once its work is done.
-        keep_grads: leave ``p.grad`` (DDP copies the result back into it); False drops it once
-            copied (ZeRO-2, ZeRO-3: the full gradient is not kept).
-        persistent: one buffer per unit for the whole run (DDP); False: zeros allocated at the
-            unit's first gradient and freed after ``finish`` (ZeRO), so untouched entries are 0.
         ordered: launch full units strictly in unit order (every rank must issue the same
             collectives in the same order, whatever order its hooks fired in); False: each unit
             as it fills (ZeRO-3, whose units fill in the model's own backward order).
         max_in_flight: None, or 1: finish the unit in flight before launching the next (ZeRO-3:
             at most one unit's gradient buffer waits on the network).
-        flush_untouched: at the end of backward also launch units no gradient reached (zeros);
-            False leaves them out; a function ``flush_untouched(slot) -> bool`` decides per unit
-            (ZeRO-3: only the units still gathered for a backward).
-        on_begin, before_flush, after_flush, on_full: optional callbacks (no argument, no argument,
-            no argument, ``on_full(slot)``) at the first hook of a backward, at its end before and
-            after the remaining launches and waits, and when a unit's last gradient is in.
-        hook: the bucket hook, ``hook(slot, i, grad, world_size) -> bool`` (full?).
+        flush_untouched: ``flush_untouched(slot) -> bool``: at the end of backward, also launch this
+            unit, which no gradient reached (zeros)?  Default: every such unit (ZeRO-2); ZeRO-3
+            only the units still gathered for a backward.
+        after_flush: called (no argument) at the end of backward, after the last waits.
+        dtype: the buffers' dtype (default: the unit's parameters').
+        hooks: ``(grad_ready(slot, i, grad, comm), end_of_backward(slots))`` (ZeRO-2's exercise,
+            lesson 04): they put the gradients in and launch the collectives instead of
+            ``launch`` (``comm``: ``hook_comm(slot)``); each slot also gets ``grad_shard``, an
+            empty tensor of the unit's shard size.  A unit none of whose gradients came is fed
+            zeros through ``grad_ready`` at the end of backward.  ``finish`` then runs as usual.
+        record_timeline: keep, per backward, when it started and ended and when each unit's
+            collective was launched and completed (``timeline``: DDP's timeline form).
 
-    ``enabled = False`` (DDP's ``no_sync``) makes the hooks do nothing.
+    ``begin()`` starts a backward early (ZeRO-3 calls it before a unit's first gradient).
     """
 
     def __init__(self, units: list[FlatUnit], world_size: int, launch, finish, *,
-                 keep_grads: bool = False, persistent: bool = False, ordered: bool = True,
-                 max_in_flight: int | None = None, flush_untouched: bool = True,
-                 on_begin=None, before_flush=None, after_flush=None, on_full=None, hook=None):
+                 ordered: bool = True, max_in_flight: int | None = None,
+                 flush_untouched=lambda slot: True, after_flush=None,
+                 dtype: torch.dtype | None = None, hooks=None, hook_comm=None,
+                 record_timeline: bool = False):
         self.slots = [Slot(k, u) for k, u in enumerate(units)]
         self.world_size = world_size
         self.launch, self.finish = launch, finish
-        self.keep_grads, self.persistent, self.ordered = keep_grads, persistent, ordered
-        self.max_in_flight, self.flush_untouched = max_in_flight, flush_untouched
-        self.on_begin, self.before_flush, self.after_flush = on_begin, before_flush, after_flush
-        self.on_full = on_full
-        self.hook = hook or copy_into_bucket
-        self.enabled = True
+        self.ordered, self.max_in_flight = ordered, max_in_flight
+        self.flush_untouched, self.after_flush = flush_untouched, after_flush
+        self.dtype = dtype
+        self.hooks, self.hook_comm = hooks, hook_comm
+        self.record_timeline = record_timeline
+        self.timeline: list[dict] = []
+        self._step: dict = {}
+        self._arrived: dict = {}  # slot index -> the gradients handed to the hooks this backward
         self.in_backward = False
         self._next = 0
         for s in self.slots:
@@ -272,37 +247,37 @@ class GradientReducer:
             return
         self.in_backward = True
         self._next = 0
+        self._step = dict(backward_start=time.perf_counter(), buckets=[])
+        self._arrived = {s.index: set() for s in self.slots}
         for s in self.slots:
             s.ready.clear()
             s.work, s.launched_at, s.out = None, None, None
-            if self.persistent and s.buffer is None:
-                self._allocate(s, torch.empty)
-        if self.on_begin is not None:
-            self.on_begin()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
-    def _allocate(self, s: Slot, make=torch.zeros) -> None:
+    def _allocate(self, s: Slot) -> None:
         p0 = s.unit.params[0]
-        s.buffer = make(s.unit.total, dtype=p0.dtype, device=p0.device)
+        s.buffer = torch.zeros(s.unit.total, dtype=self.dtype or p0.dtype, device=p0.device)
         s.views = s.unit.views(s.buffer)
+        if self.hooks is not None:
+            s.grad_shard = torch.empty(s.unit.shard_size, dtype=s.buffer.dtype, device=p0.device)
 
     @torch.no_grad()
     def _grad_ready(self, s: Slot, i: int, p: torch.Tensor) -> None:
-        if not self.enabled:
-            return
         self.begin()
         if s.buffer is None:
             self._allocate(s)
-        full = self.hook(s, i, p.grad, self.world_size)
-        if not self.keep_grads:
+        if self.hooks is not None:
+            self._arrived[s.index].add(i)
+            self.hooks[0](s, i, p.grad, self.hook_comm(s))
             p.grad = None
+            return
+        full = copy_into_bucket(s, i, p.grad, self.world_size)
+        p.grad = None
         if full:
             if self.ordered:
                 self._launch_ready()
             else:
                 self._launch(s)
-            if self.on_full is not None:
-                self.on_full(s)
 
     def _launch_ready(self) -> None:
         """Launch every full unit, strictly in unit order."""
@@ -322,26 +297,56 @@ class GradientReducer:
 
     def _finish(self, s: Slot) -> None:
         s.work.wait()
+        self._note(s)
         self.finish(s)
         s.work, s.out = None, None
         s.ready.clear()
-        if not self.persistent:
-            s.buffer, s.views = None, []
+        s.buffer, s.views, s.grad_shard = None, [], None
+
+    def _note(self, s: Slot) -> None:
+        """The timeline's bar of slot ``s`` (its collective done): launched, completed."""
+        if self.record_timeline and s.launched_at is not None:
+            end = getattr(s.work, "end", None) or time.perf_counter()
+            self._step["buckets"].append(dict(index=s.index, bytes=s.unit.nbytes,
+                                              start=s.launched_at, end=end))
 
     @torch.no_grad()
     def _end_backward(self) -> None:
         self.in_backward = False
-        if self.before_flush is not None:
-            self.before_flush()
+        self._step["backward_end"] = time.perf_counter()
+        if self.hooks is not None:
+            self._end_with_hooks()
+        else:
+            self._end_launching()
+        if self.record_timeline:
+            self.timeline.append(self._step)
+        if self.after_flush is not None:
+            self.after_flush()
+
+    def _end_with_hooks(self) -> None:
+        """The hooks' end of backward: units left unfilled are fed zeros, ``end_of_backward`` waits,
+        then each unit is finished."""
+        for s in self.slots:
+            if s.buffer is None:
+                self._allocate(s)
+            for i, p in enumerate(s.unit.params):
+                if i not in self._arrived.setdefault(s.index, set()):
+                    self._arrived[s.index].add(i)
+                    self.hooks[0](s, i, torch.zeros_like(p, dtype=s.buffer.dtype),
+                                  self.hook_comm(s))
+        self.hooks[1](self.slots)
+        for s in self.slots:
+            if s.work is None:
+                raise RuntimeError(f"bucket {s.index}'s collective was never launched (bucket.work "
+                                   "is None at the end of backward)")
+            self._finish(s)
+
+    def _end_launching(self) -> None:
         if self.ordered:
             self._launch_ready()
         for s in self.slots[self._next if self.ordered else 0:]:
-            untouched = (self.flush_untouched(s) if callable(self.flush_untouched)
-                         else self.flush_untouched)
-            if s.work is None and (s.ready or untouched):
+            if s.work is None and (s.ready or self.flush_untouched(s)):
                 self._launch(s)
         for s in self.slots:
             if s.work is not None:
                 self._finish(s)
-        if self.after_flush is not None:
-            self.after_flush()

@@ -7,8 +7,9 @@ Parallel" (VLDB).  Each unit (the embedding, each block, the head) all-gathers i
 before its forward and again before its backward, frees them after, and reduce-scatters its
 gradients once they are in (:class:`~minitrain.parallel.flat.GradientReducer`): 3Ψ per step, 1.5×
 DDP's traffic.  What happens around a unit's compute is one function, :func:`zero3_hook` (lesson
-04's exercise writes it); the wrapper calls it at the four moments and issues the next unit's gather
-ahead (prefetch), so it runs behind this unit's compute.
+04's exercise writes it); the wrapper calls it at the four moments, offering it the units that run
+next: the package's hook issues their gathers ahead (prefetch), so they run behind this unit's
+compute.
 """
 
 from __future__ import annotations
@@ -23,12 +24,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..comm import Comm, all_reduce_coalesced
 from .data_parallel import broadcast_module, comm_for
 from .flat import Done, FlatUnit, GradientReducer
-from .fsdp_timeline import hidden_fraction
 from .fsdp_unit import MOMENTS, Unit, _Unit, all_gather_unit, zero3_hook
 from .zero import master_shard
 
 __all__ = ["FullyShardedDataParallel", "MixedPrecisionPolicy", "MOMENTS", "Unit", "zero3_hook",
-           "default_units", "all_gather_unit", "hidden_fraction"]
+           "default_units", "all_gather_unit"]
 
 
 @dataclass(frozen=True)
@@ -81,17 +81,6 @@ class _BeforeBackward(torch.autograd.Function):
         return None, None, grad
 
 
-class _Reducer(GradientReducer):
-    """The gradient machine with its flat buffers in ``dtype`` (the policy's reduce_dtype)."""
-
-    dtype: torch.dtype | None = None
-
-    def _allocate(self, s, make=torch.zeros) -> None:
-        p0 = s.unit.params[0]
-        s.buffer = make(s.unit.total, dtype=self.dtype or p0.dtype, device=p0.device)
-        s.views = s.unit.views(s.buffer)
-
-
 class FullyShardedDataParallel(nn.Module):
     """ZeRO stage 3, shaped like PyTorch's FSDP2 (``fully_shard``).
 
@@ -104,12 +93,12 @@ class FullyShardedDataParallel(nn.Module):
             :class:`Unit` at "before forward", "after forward", "before backward" (the unit must
             then be gathered) and "after backward" (its gradient is complete: reduce it into
             ``unit.grad_shard``; it may return the work of an asynchronous collective).  Default
-            None: :func:`zero3_hook`, the only one the wrapper prefetches for.
+            None: :func:`zero3_hook`, which prefetches the units ``unit.ahead`` lists.
         mp_policy: a :class:`MixedPrecisionPolicy` (default: compute in the parameters' dtype).
         replicate: parameters left whole on every rank (e.g. the norms), gradients averaged.
-        prefetch: how many units ahead to issue all-gathers (forward: the next units in the last
-            forward's order; backward: the previous ones).  0: gather when needed (always, with a
-            hook of one's own).
+        prefetch: how many units ahead the hook is offered (``unit.ahead``) before a unit computes
+            (forward: the next units in the last forward's order; backward: the previous ones).
+            0: none (every unit gathered when needed).
         record_timeline: keep ``timeline`` (gather, compute, free, reduce-scatter per unit).
 
     After wrapping, ``module.parameters()`` are this rank's shards (1-D: each parameter's piece of
@@ -135,7 +124,7 @@ class FullyShardedDataParallel(nn.Module):
         self.module = module
         self.comm = comm_for(comm, process_group)
         self.hook = hook or zero3_hook
-        self.prefetch = prefetch if self.hook is zero3_hook else 0
+        self.prefetch = prefetch
         self.gathered_peak = 0  # bytes of full parameters held at once, at most
         self.policy = mp_policy or MixedPrecisionPolicy()
         self.replicated = list(replicate)
@@ -178,12 +167,12 @@ class FullyShardedDataParallel(nn.Module):
             u.show(False)
         for p in self.replicated:
             p.register_hook(lambda g, p=p: self._replicated_grad(p, g))
-        self.reducer = _Reducer(
+        self.reducer = GradientReducer(
             [u.layout for u in self._sharded], self.comm.size, self._launch, self._finish,
             ordered=False, max_in_flight=1,
             flush_untouched=lambda slot: self._sharded[slot.index].refs > 0,  # gathered, no grad
-            after_flush=self._end_backward)
-        self.reducer.dtype = self.policy.reduce_dtype or self.policy.param_dtype
+            after_flush=self._end_backward,
+            dtype=self.policy.reduce_dtype or self.policy.param_dtype)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -216,30 +205,24 @@ class FullyShardedDataParallel(nn.Module):
         """This rank's shard in the dtype the unit computes in (the policy's param_dtype)."""
         return u.shard if u.shard.dtype == u.full.dtype else u.shard.to(u.full.dtype)
 
-    def _call(self, u: _Unit, moment: str, grad=None, grad_shard=None):
+    def _call(self, u: _Unit, moment: str, grad=None, grad_shard=None, ahead=()):
         """The hook at ``moment`` for unit ``u``; what it returned (the work of a collective)."""
-        work = self.hook(Unit(u, self._source(u), grad, grad_shard), self.comm, moment)
+        ahead = [Unit(v, self._source(v)) for v in ahead
+                 if v.refs == 0 and v.pending is None and not v.gathered]
+        work = self.hook(Unit(u, self._source(u), grad, grad_shard, ahead), self.comm, moment)
         held = sum(v.full.untyped_storage().nbytes() for v in self._sharded)
         self.gathered_peak = max(self.gathered_peak, held)
         return work
 
-    def _issue(self, u: _Unit) -> None:
-        """Prefetch (the package's hook only): allocate ``u``'s buffer and start its all-gather."""
-        u.allocate()
-        src = self._source(u)
-        u.pending = (all_gather_unit(u.full, src, self.comm, u.index, async_op=True),
-                     time.perf_counter(), src)
-        held = sum(v.full.untyped_storage().nbytes() for v in self._sharded)
-        self.gathered_peak = max(self.gathered_peak, held)
-
-    def _acquire(self, u: _Unit, phase: str) -> None:
+    def _acquire(self, u: _Unit, phase: str, ahead: list) -> None:
+        """Before a forward or backward that uses ``u``: "before <phase>" (offering ``ahead``) unless
+        a running forward or backward already holds it gathered."""
         if u.refs == 0:
-            start, end = time.perf_counter(), None
-            if u.pending is not None:  # issued ahead: wait for it
-                work, start, _ = u.pending
-                work.wait()
-                end, u.pending = work.end, None
-            self._call(u, f"before {phase}")
+            issued, start = u.pending, time.perf_counter()
+            if issued is not None:  # a hook started this gather ahead: it began then
+                start = u.issued_at
+            self._call(u, f"before {phase}", ahead=ahead)
+            end = issued.end if issued is not None else None
             self._event(u, "gather", start, end or time.perf_counter())
             if not u.gathered:
                 raise RuntimeError(
@@ -257,13 +240,16 @@ class FullyShardedDataParallel(nn.Module):
             self._call(u, "after forward")
             self._event(u, "free", time.perf_counter())
 
-    def _prefetch(self, order: list[int], at: int) -> None:
-        """Issue the gathers of the ``prefetch`` units after position ``at`` of ``order``."""
+    def _ahead(self, u: _Unit, order: list[int]) -> list[_Unit]:
+        """The units the ``prefetch`` modules after ``u`` in ``order`` need (not ``u``'s own)."""
+        if u.index not in order:
+            return []
+        at = order.index(u.index)
+        out = []
         for k in order[at + 1:at + 1 + self.prefetch]:
-            for i in self.units[k].needs:
-                v = self.units[i]
-                if v.refs == 0 and v.pending is None and not v.gathered:
-                    self._issue(v)
+            out += [self.units[i] for i in self.units[k].needs
+                    if i not in u.needs and self.units[i] not in out]
+        return out
 
     def _start_forward(self) -> None:
         if self._running:
@@ -273,10 +259,9 @@ class FullyShardedDataParallel(nn.Module):
     def _before_forward(self, u: _Unit, args):
         if u.index not in self._running:
             self._running.append(u.index)
+        ahead = self._ahead(u, self._order)
         for k in u.needs:
-            self._acquire(self.units[k], "forward")
-        if u.index in self._order:
-            self._prefetch(self._order, self._order.index(u.index))
+            self._acquire(self.units[k], "forward", ahead)
         u.compute_start = time.perf_counter()
         dtype = self.policy.param_dtype
         if dtype is not None:  # FSDP2's cast_forward_inputs
@@ -297,11 +282,9 @@ class FullyShardedDataParallel(nn.Module):
         self.reducer.begin()
         if not u.held_for_backward:
             u.held_for_backward = True
+            ahead = self._ahead(u, (self._running or self._order)[::-1])
             for k in u.needs:
-                self._acquire(self.units[k], "backward")
-            backward_order = (self._running or self._order)[::-1]
-            if u.index in backward_order:
-                self._prefetch(backward_order, backward_order.index(u.index))
+                self._acquire(self.units[k], "backward", ahead)
             u.compute_start = time.perf_counter()
 
     def _launch(self, slot):
@@ -329,8 +312,8 @@ class FullyShardedDataParallel(nn.Module):
             u.held_for_backward = False
         for u in self._sharded:  # a gather issued ahead that no unit used
             if u.pending is not None:
-                u.pending[0].wait()
-                u.pending = None
+                u.pending.wait()
+                u.pending = u.issued_at = u.issued_from = None
                 u.free()
         if self._running:
             self._order, self._running = self._running, []
@@ -393,10 +376,6 @@ class FullyShardedDataParallel(nn.Module):
     def memory_tensors(self) -> tuple[dict, list]:
         shards = self.sharded_parameters()
         return {"parameters": shards, "gradients": [s.grad for s in shards]}, []
-
-    def hidden_fraction(self) -> float | None:
-        """The share of all-gather time (recorded timeline) hidden behind compute."""
-        return hidden_fraction(self.timeline or [])
 
 
 def _map_tensors(out, fn):

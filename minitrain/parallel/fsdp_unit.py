@@ -1,10 +1,15 @@
 """ZeRO-3's unit (lesson 04): one module's parameters as a shard always and as full parameters only
 while in use, and what happens around its compute — :func:`zero3_hook`, the function
 :class:`~minitrain.parallel.fsdp.FullyShardedDataParallel` calls before and after each unit's forward
-and backward (lesson 04's exercise writes it).
+and backward (lesson 04's exercise writes it), with the :class:`Unit` it is given.
+
+Paper: Rajbhandari et al., 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models" (stage 3); prefetch as in Zhao et al., 2023, "PyTorch FSDP".
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn as nn
@@ -28,15 +33,23 @@ def zero3_hook(unit: "Unit", comm: Comm, moment: str):
     """What ZeRO-3 does around one unit's compute (the package's; lesson 04's exercise writes it).
 
     Before the unit computes (forward or backward) its full parameters are gathered into
-    ``unit.full`` from every rank's shard; after, they are freed; after its backward, this rank's
-    gradient ``unit.grad`` (already divided by N) is reduce-scattered into ``unit.grad_shard``.
-    The package's reduce-scatter is asynchronous: the work is returned and the wrapper waits for
-    it when the next unit's gradients are in.  A unit whose gather was issued ahead (prefetch) is
-    already gathered."""
+    ``unit.full`` from every rank's shard — unless an earlier unit's hook already started that
+    gather (``unit.pending``): then it is only waited for.  The gathers of the units that run next
+    (``unit.ahead``) are started then, asynchronously, so they travel while this unit computes
+    (prefetch).  After the unit computes, its full parameters are freed; after its backward, this
+    rank's gradient ``unit.grad`` (already divided by N) is reduce-scattered into
+    ``unit.grad_shard``, asynchronously: the work is returned and the wrapper waits for it when the
+    next unit's gradients are in."""
     if moment.startswith("before"):
-        if not unit.gathered:
+        if unit.pending is not None:  # issued ahead by an earlier unit's hook
+            unit.pending.wait()
+            unit.pending = None
+        elif not unit.gathered:
             unit.allocate()
             all_gather_unit(unit.full, unit.shard, comm, unit.index)
+        for nxt in unit.ahead:  # prefetch: the next units' gathers run behind this unit's compute
+            nxt.allocate()
+            nxt.pending = all_gather_unit(nxt.full, nxt.shard, comm, nxt.index, async_op=True)
         return None
     work = None
     if moment == "after backward":
@@ -58,7 +71,9 @@ class _Unit:
         self.needs: list[int] = []  # the units whose parameters this module's forward uses
         self.refs = 0               # how many running forwards/backwards hold it gathered
         self.held_for_backward = False
-        self.pending = None         # (work, start, cast input) of a gather issued ahead
+        self.pending = None         # the work of a gather a hook issued ahead (prefetch)
+        self.issued_at: float | None = None  # ... when it was issued
+        self.issued_from = None     # ... and the shard it reads (kept alive until it is done)
         self.full = self.shard = None
         self.sharded: list[nn.Parameter] = []
         self.ranges: list[tuple] = []  # each registered shard's [start, end) in ``shard``
@@ -117,22 +132,33 @@ class Unit:
     the module's parameters are views of it, and it has memory only between ``allocate()`` (its
     contents are then undefined) and ``free()``; ``gathered`` says whether it has.  At "after
     backward": ``grad``, this rank's gradient of ``full`` (already divided by N), and
-    ``grad_shard``, where this rank's shard of their sum over the ranks goes."""
+    ``grad_shard``, where this rank's shard of their sum over the ranks goes.  At "before forward"
+    and "before backward": ``ahead``, the units expected to run next whose parameters are neither
+    gathered nor being gathered (a hook may start their gathers: prefetch), and ``pending``, the
+    work of this unit's gather if a hook started it ahead (set it on a unit of ``ahead``)."""
 
-    def __init__(self, unit: _Unit, shard: torch.Tensor, grad=None, grad_shard=None):
+    def __init__(self, unit: _Unit, shard: torch.Tensor, grad=None, grad_shard=None, ahead=()):
         self._unit, self.shard, self.grad, self.grad_shard = unit, shard, grad, grad_shard
         self.name, self.index = unit.name, unit.index
+        self.ahead: list[Unit] = list(ahead)
 
     @property
     def full(self) -> torch.Tensor:
-        if not self._unit.gathered:  # a collective into a tensor without memory would crash
-            raise RuntimeError(f"unit.full of {self.name!r} has no memory now (it is freed): "
-                               "unit.allocate() gives it memory (its contents undefined)")
         return self._unit.full
 
     @property
     def gathered(self) -> bool:
         return self._unit.gathered
+
+    @property
+    def pending(self):
+        return self._unit.pending
+
+    @pending.setter
+    def pending(self, work) -> None:
+        self._unit.pending = work
+        self._unit.issued_at = time.perf_counter() if work is not None else None
+        self._unit.issued_from = self.shard if work is not None else None
 
     def allocate(self) -> None:
         self._unit.allocate()

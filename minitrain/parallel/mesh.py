@@ -17,14 +17,13 @@ order of Megatron-LM's ``tp-cp-dp-pp``.  With ``cp = 1`` it is the 3D numbering 
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from ..comm import Comm
 
-__all__ = ["Coords", "MeshShape", "Mesh", "groups_take_cp"]
+__all__ = ["Coords", "MeshShape", "Mesh"]
 
 
 @dataclass(frozen=True)
@@ -85,15 +84,6 @@ class MeshShape:
         return next(g for g in self.groups(axis) if rank in g)
 
 
-def groups_take_cp(groups) -> bool:
-    """Whether a ``groups(dp, pp, tp, axis)`` function also takes ``cp=`` (a 4D mesh's)."""
-    try:
-        inspect.signature(groups).bind(1, 1, 1, "cp", cp=2)
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
 class Mesh:
     """This rank's place in a ``dp × pp × tp`` mesh (``× cp``) and a :class:`Comm` for each axis.
 
@@ -101,25 +91,24 @@ class Mesh:
     group, in the same order).  The communicators share ``comm``'s tracer, named "dp", "pp", "tp"
     (and "cp"; with ``cp = 1`` no context groups are built and ``self.cp`` is None).
     ``groups(dp, pp, tp, axis) -> [[ranks], ...]`` replaces :meth:`MeshShape.groups` (lesson 08's
-    exercise); in a mesh with ``cp > 1`` it is called as ``groups(dp, pp, tp, axis, cp=cp)``, and a
-    function without that parameter is refused (its ranks would be numbered for three axes).
+    exercise) in a 3D mesh; a mesh with ``cp > 1`` numbers its ranks over four axes, so it builds
+    its own groups and refuses ``groups``.
     """
 
     def __init__(self, shape: MeshShape, comm: Comm, groups=None):
         if shape.size != comm.size:
             raise ValueError(f"a {_sizes(shape)} mesh needs {shape.size} ranks, "
                              f"the group has {comm.size}")
-        if groups is not None and shape.cp > 1 and not groups_take_cp(groups):
-            raise ValueError(f"groups(dp, pp, tp, axis) numbers the ranks of a 3D mesh; this mesh "
-                             f"has --cp {shape.cp}: give a function that also takes cp= (rank = "
-                             f"((p·dp + d)·cp + c)·tp + t), or leave the groups to the mesh")
+        if groups is not None and shape.cp > 1:
+            raise ValueError(f"groups(dp, pp, tp, axis) numbers the ranks of a 3D mesh and this "
+                             f"mesh has cp={shape.cp}: leave groups=None (the mesh numbers its "
+                             f"ranks ((p·dp + d)·cp + c)·tp + t), or use cp=1")
         self.shape, self.coords = shape, shape.coords(comm.rank)
         self.cp = None
-        extra = {"cp": shape.cp} if shape.cp > 1 else {}
+        groups = groups or (lambda dp, pp, tp, axis: shape.groups(axis))
         for axis in self.axes:
             mine = None
-            every = (groups(shape.dp, shape.pp, shape.tp, axis, **extra) if groups is not None
-                     else shape.groups(axis))
+            every = groups(shape.dp, shape.pp, shape.tp, axis)
             for ranks in every:
                 group = dist.new_group([comm.global_rank(r) for r in ranks])
                 if comm.rank in ranks:

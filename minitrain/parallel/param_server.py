@@ -3,12 +3,15 @@
 Papers: Li et al., 2014, "Scaling Distributed Machine Learning with the Parameter Server" (OSDI);
 Dean et al., 2012, "Large Scale Distributed Deep Networks" (Downpour SGD, asynchronous updates);
 Ho et al., 2013, "More Effective Distributed ML via a Stale Synchronous Parallel Parameter Server"
-(SSP); Zheng et al., 2017, "Asynchronous SGD with Delay Compensation" (DC-ASGD).  Ranks 0..S-1
+(SSP); Zheng et al., 2017, "Asynchronous SGD with Delay Compensation" (DC-ASGD); Zhang et al.,
+2016, "Staleness-aware Async-SGD for Distributed Deep Learning" (the learning rate divided by
+the gradient's staleness).  Ranks 0..S-1
 are servers owning a partition of the parameters (:func:`partition`) and their Adam state; the
 others are workers that push gradients (a header on ``HEADER``, the gradient on ``GRAD``) and pull
 weights (``PARAMS``) with real point-to-point messages.  Modes: ``sync`` (average all W gradients
 per clock), ``ssp`` with bound s (a pull is answered when clock − version ≤ s; s = 0 is sync),
-``async`` (each gradient applied on arrival, with its staleness logged; optional delay compensation).
+``async`` (each gradient applied on arrival, with its staleness logged; optional delay compensation
+and staleness-aware learning rate).
 """
 
 from __future__ import annotations
@@ -58,13 +61,17 @@ class ParameterServer:
 
     def __init__(self, comm: Comm, params: list[torch.Tensor], workers: list[int], lr: float,
                  mode: str = "sync", staleness: int | None = None, delay_comp: float = 0.0,
-                 compressor=None):
+                 compressor=None, staleness_lr: bool = False):
         if mode not in ("sync", "ssp", "async"):
             raise ValueError(f"mode must be 'sync', 'ssp' or 'async', got {mode!r}")
         if mode == "ssp" and (staleness is None or staleness < 0):
             raise ValueError(f"mode 'ssp' needs a staleness bound >= 0, got {staleness}")
         self.comm, self.workers, self.mode = comm, workers, mode
         self.bound, self.delay_comp, self.compressor = staleness, delay_comp, compressor
+        if staleness_lr and mode != "async":
+            raise ValueError("staleness_lr divides each arriving gradient's step by its staleness: "
+                             "mode 'async' only")
+        self.staleness_lr = staleness_lr
         self.params = [nn.Parameter(p.detach().clone()) for p in params]
         self.unit = FlatUnit(self.params)  # the keys laid end to end: what goes on the wire
         self.optimizer = torch.optim.Adam(self.params, lr=lr)
@@ -112,11 +119,18 @@ class ParameterServer:
             return g
         return delay_compensated(g, self.unit.flatten(), self.sent_to[worker], self.delay_comp)
 
-    def apply(self, g: torch.Tensor) -> None:
-        """One Adam step on this server's keys with flat gradient ``g``; a new version."""
+    def apply(self, g: torch.Tensor, lr_scale: float = 1.0) -> None:
+        """One Adam step on this server's keys with flat gradient ``g`` (its learning rate times
+        ``lr_scale``); a new version."""
         for p, view in zip(self.params, self.unit.views(g)):
             p.grad = view.clone()
+        groups = self.optimizer.param_groups
+        base = [group["lr"] for group in groups]
+        for group in groups:
+            group["lr"] *= lr_scale
         self.optimizer.step()
+        for group, lr in zip(groups, base):
+            group["lr"] = lr
         self.version += 1
 
     def record(self, worker, clock, used, loss) -> None:
@@ -182,11 +196,14 @@ class ParameterServer:
                     del waiting[v]
 
     def serve_async(self, steps: int) -> None:
-        """Apply each gradient the moment it arrives; the sender pulls the result at once."""
+        """Apply each gradient the moment it arrives; the sender pulls the result at once.  With
+        ``staleness_lr``, a gradient τ versions stale steps with the learning rate divided by τ
+        (τ ≥ 1; Zhang et al., 2016: the staler the gradient, the smaller its step)."""
         for _ in range(len(self.workers) * steps):
             w, clock, used, loss = self.recv_header(None)
             g = self.compensate(self.recv_grad(w), w)
-            self.apply(g)
+            stale = self.version - used
+            self.apply(g, 1.0 / max(1, stale) if self.staleness_lr else 1.0)
             self.record(w, clock, used, loss)
             if clock + 1 < steps:
                 self.send_params(w)

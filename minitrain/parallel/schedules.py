@@ -8,7 +8,8 @@ Papers: GPipe — Huang et al., 2019; 1F1B — Narayanan et al., 2019 (PipeDream
 A schedule is a :data:`Table`: for each rank the ordered :class:`Action` s it runs (``F``, ``B``, or
 for zero bubble ``I`` then ``W``), ``None`` for one unit of idle time.  :func:`make_schedule` writes
 it, :func:`validate` checks it, :func:`simulate` times it with :data:`COSTS`;
-:class:`~minitrain.parallel.pipeline.PipelineExecutor` runs it on real ranks.
+:class:`~minitrain.parallel.pipeline.PipelineExecutor` runs it on real ranks.  What a timeline says
+(the bubble, the activations in flight) is :mod:`minitrain.analysis`.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import re
 from dataclasses import dataclass
 
 __all__ = ["Action", "COSTS", "SCHEDULES", "Table", "ScheduleError", "split_layers",
-           "check_schedule", "orders", "make_schedule", "with_idles", "dependencies", "simulate",
-           "validate", "bubble_fraction", "bubble_formula", "peak_in_flight", "as_action"]
+           "check_schedule", "one_f_one_b", "orders", "make_schedule", "with_idles", "dependencies", "simulate",
+           "validate", "as_action"]
 
 
 @dataclass(frozen=True, order=True)
@@ -101,6 +102,12 @@ def _one_f_one_b(P: int, M: int, r: int, backward: str = "B") -> list[Action]:
     return order + [Action(backward, m, r) for m in range(M - warmup, M)]
 
 
+def one_f_one_b(rank: int, P: int, M: int) -> list[str]:
+    """1F1B's order on ``rank`` of ``P`` stages for ``M`` micro-batches, as strings ("F0", "B0"):
+    the shape of :func:`orders`'s ``order`` (the package's; lesson 05's exercise writes one)."""
+    return [f"{a.kind}{a.microbatch}" for a in _one_f_one_b(P, M, rank)]
+
+
 def _interleaved(P: int, M: int, V: int, r: int) -> list[Action]:
     """Megatron's interleaved 1F1B order on rank r (M a multiple of P).
 
@@ -162,19 +169,19 @@ def orders(name: str, stages: int, microbatches: int, chunks: int = 1, *,
            order=None) -> list[list[Action]]:
     """Each rank's actions in the order it runs them (no idles): the heart of each schedule.
 
-    ``order(rank, P, M) -> ["F0", "F1", "B0", ...]`` replaces the package's 1F1B order (lesson
-    05's exercise): each string is an action of micro-batch N on the rank's own stage."""
+    ``order(rank, P, M) -> ["F0", "F1", "B0", ...]`` is 1F1B's order (default :func:`one_f_one_b`;
+    lesson 05's exercise writes one): each string is an action of micro-batch N on the rank's own
+    stage."""
     check_schedule(name, stages, microbatches, chunks)
     P, M = stages, microbatches
-    if order is not None:
-        if name != "1f1b":
-            raise ScheduleError(f"order= replaces the 1f1b order only, got schedule={name!r}")
+    if order is not None and name != "1f1b":
+        raise ScheduleError(f"order= replaces the 1f1b order only, got schedule={name!r}")
+    if name == "1f1b":
+        order = order or one_f_one_b
         return [[as_action(a, r) for a in order(r, P, M)] for r in range(P)]
     if name in ("naive", "gpipe"):  # all forwards, then all backwards
         return [[Action("F", m, r) for m in range(M)] + [Action("B", m, r) for m in range(M)]
                 for r in range(P)]
-    if name == "1f1b":
-        return [_one_f_one_b(P, M, r) for r in range(P)]
     if name == "interleaved":
         return [_interleaved(P, M, chunks, r) for r in range(P)]
     return _zb_h1(P, M)
@@ -303,47 +310,6 @@ def validate(table: Table, stages: int, microbatches: int, chunks: int = 1) -> N
             if where[d][0] == r and where[d][1] > i:
                 raise ScheduleError(f"rank {r}: {a} comes before {d}")
     simulate(table)
-
-
-# --------------------------------------------------------------------------------------------------
-# What a timeline says: bubble and activations in flight
-# --------------------------------------------------------------------------------------------------
-
-
-def bubble_fraction(timeline: list[dict], stages: int) -> float:
-    """Idle share of the step: 1 − busy / (stages · makespan), makespan from the first start to the
-    last end.  Works for ideal (:func:`simulate`) and measured (executor) timelines."""
-    if not timeline:
-        return 0.0
-    span = max(e["end"] for e in timeline) - min(e["start"] for e in timeline)
-    total = stages * span
-    busy = sum(e["end"] - e["start"] for e in timeline)
-    return (total - busy) / total if total > 0 else 0.0
-
-
-def bubble_formula(stages: int, microbatches: int, chunks: int = 1) -> float:
-    """(p−1)/(v·m + p−1): GPipe and 1F1B (v = 1), interleaved 1F1B with v chunks per rank."""
-    return (stages - 1) / (chunks * microbatches + stages - 1)
-
-
-def peak_in_flight(table_or_timeline) -> dict[int, int]:
-    """Per rank, the most (micro-batch, stage) pairs forwarded and not yet backwarded at any time
-    — what sets activation memory.  Under zero-bubble a pair is held until its W (the weight
-    gradient still needs the stashed layer inputs).  Accepts a table or a timeline."""
-    rows: dict[int, list[Action]] = {}
-    if table_or_timeline and isinstance(table_or_timeline[0], dict):
-        for e in sorted(table_or_timeline, key=lambda e: (e["rank"], e["start"])):
-            rows.setdefault(e["rank"], []).append(as_action(e["action"]))
-    else:
-        rows = {r: [a for a in row if a is not None] for r, row in enumerate(table_or_timeline)}
-    peaks = {}
-    for r, acts in rows.items():
-        held = peak = 0
-        for a in acts:
-            held += {"F": 1, "B": -1, "W": -1}.get(a.kind, 0)
-            peak = max(peak, held)
-        peaks[r] = peak
-    return peaks
 
 
 def as_action(a, stage: int | None = None) -> Action:

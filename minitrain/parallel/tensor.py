@@ -224,8 +224,9 @@ class ColumnParallelLinear(nn.Module):
     from a full layer.
 
     ``function``: an autograd Function whose ``apply(x, weight, bias, comm)`` is this layer with
-    its f (lesson 06's exercise) in place of the package's ``f`` then ``F.linear``; not with
-    sequence parallelism (its f is an all-gather).
+    its f (lesson 06's exercise).  Default: the package's, :meth:`linear` — ``f`` (or, sequence
+    parallel, the all-gather) then ``F.linear``; a function of one's own not with sequence
+    parallelism (its f is an all-gather).
     """
 
     def __init__(self, in_features: int, out_features: int, comm: Comm, bias: bool = True, *,
@@ -236,7 +237,7 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError("function= replaces f and the linear; sequence parallelism gathers the "
                              "sequence instead: use one or the other")
         self.comm, self.sequence_parallel, self.tag = comm, sequence_parallel, "column"
-        self.function = function
+        self.apply_function = function.apply if function is not None else self.linear
         self.in_features, self.out_features = in_features, out_features
         self.split = Split(0, parts, out_features if pad else None)
         padded = padded_size(out_features, comm.size) if pad else out_features
@@ -260,13 +261,16 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.function is not None:
-            return self.function.apply(x, self.weight, self.bias, self.comm)
+        return self.apply_function(x, self.weight, self.bias, self.comm)
+
+    def linear(self, x, weight, bias, comm: Comm) -> torch.Tensor:
+        """The package's column-parallel linear, in the shape of ``function.apply``: f (the input
+        whole on every rank; its gradient summed in backward), then X·A_iᵀ + b_i."""
         if self.sequence_parallel:
-            x = gather_from_sequence_parallel(x, self.comm, self.tag)
+            x = gather_from_sequence_parallel(x, comm, self.tag)
         else:
-            x = f(x, self.comm, self.tag)
-        return F.linear(x, self.weight, self.bias)
+            x = f(x, comm, self.tag)
+        return F.linear(x, weight, bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -280,8 +284,8 @@ class RowParallelLinear(nn.Module):
     sum (added before, it would be counted N times).
 
     ``function``: an autograd Function whose ``apply(x, weight, bias, comm)`` is this layer with
-    its g — X_r B_rᵀ all-reduced forward, plus the bias; identity on dL/dZ backward — in place of
-    the package's ``F.linear``, ``g`` and bias; not with sequence parallelism.
+    its g — X_r B_rᵀ all-reduced forward, plus the bias; identity on dL/dZ backward.  Default: the
+    package's, :meth:`linear`; a function of one's own not with sequence parallelism.
     """
 
     def __init__(self, in_features: int, out_features: int, comm: Comm, bias: bool = True, *,
@@ -291,7 +295,7 @@ class RowParallelLinear(nn.Module):
             raise ValueError("function= replaces the linear and g; sequence parallelism "
                              "reduce-scatters instead: use one or the other")
         self.comm, self.sequence_parallel, self.tag = comm, sequence_parallel, "row"
-        self.function = function
+        self.apply_function = function.apply if function is not None else self.linear
         self.in_features, self.out_features = in_features, out_features
         if in_features % comm.size:
             raise ValueError(f"in_features={in_features} does not split over {comm.size} ranks")
@@ -313,14 +317,17 @@ class RowParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.function is not None:
-            return self.function.apply(x, self.weight, self.bias, self.comm)
-        partial = F.linear(x, self.weight)
+        return self.apply_function(x, self.weight, self.bias, self.comm)
+
+    def linear(self, x, weight, bias, comm: Comm) -> torch.Tensor:
+        """The package's row-parallel linear, in the shape of ``function.apply``: X_r·B_rᵀ, g (or,
+        sequence parallel, the reduce-scatter) sums the ranks' partial products, then the bias."""
+        partial = F.linear(x, weight)
         if self.sequence_parallel:
-            out = reduce_scatter_to_sequence_parallel(partial, self.comm, self.tag)
+            out = reduce_scatter_to_sequence_parallel(partial, comm, self.tag)
         else:
-            out = g(partial, self.comm, self.tag)
-        return out if self.bias is None else out + self.bias
+            out = g(partial, comm, self.tag)
+        return out if bias is None else out + bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -407,8 +414,11 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, voc
 
 
 def vocab_parallel_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                        comm: Comm) -> torch.Tensor:
+                        comm: Comm, function=None) -> torch.Tensor:
     """Mean cross-entropy of (t, b, V/N) logits, this rank's slice of the vocabulary, against
-    (b, t) targets."""
-    return vocab_parallel_cross_entropy(logits, targets.t(), logits.shape[-1] * comm.rank,
-                                        vocab_size, comm).mean()
+    (b, t) targets.  ``function``: an autograd Function whose ``apply(logits, target,
+    vocab_start, vocab_size, comm)`` is the per-position loss (default: the package's)."""
+    start = logits.shape[-1] * comm.rank
+    if function is not None:
+        return function.apply(logits, targets.t(), start, vocab_size, comm).mean()
+    return vocab_parallel_cross_entropy(logits, targets.t(), start, vocab_size, comm).mean()

@@ -161,13 +161,15 @@ class TensorParallelGPT(nn.Module):
     Parameter names are the single-process ones (``blocks.0.attn.qkv.weight`` …), holding shards.
     ``forward(idx, targets)`` returns the mean loss — the same number on every rank; without
     targets, this rank's slice of the logits, (t, b, V/N).  Collectives are tagged by layer
-    (:func:`tag_collectives`).  ``column``/``row``: the linears' ``function``.
+    (:func:`tag_collectives`).  ``column``/``row``: the linears' ``function``; ``loss``: the
+    vocabulary-parallel cross-entropy's (:func:`~minitrain.parallel.tensor.vocab_parallel_loss`).
     """
 
     def __init__(self, model: GPT, comm: Comm, sequence_parallel: bool = False, *, column=None,
-                 row=None):
+                 row=None, loss=None):
         super().__init__()
         self.cfg, self.comm, self.sequence_parallel = model.cfg, comm, sequence_parallel
+        self.loss = loss
         self.embed = ParallelEmbedding(model.embed, comm, sequence_parallel)
         self.blocks = nn.ModuleList(ParallelBlock(b, comm, sequence_parallel, column=column, row=row)
                                     for b in model.blocks)
@@ -183,7 +185,7 @@ class TensorParallelGPT(nn.Module):
         logits = self.head(x, idx.shape[1])
         if targets is None:
             return logits
-        return vocab_parallel_loss(logits, targets, self.cfg.vocab_size, self.comm)
+        return vocab_parallel_loss(logits, targets, self.cfg.vocab_size, self.comm, self.loss)
 
     def all_reduce_sequence_parallel_grads(self) -> None:
         all_reduce_sequence_parallel_grads(self, self.comm)

@@ -12,6 +12,8 @@ one dtype; fp16 loss scaling is not supported (an overflow verdict would need ev
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..comm import Comm
@@ -19,7 +21,8 @@ from ..precision import MixedPrecisionOptimizer
 from .data_parallel import comm_for
 from .flat import FlatUnit, GradientReducer, bucket_caps, make_buckets
 
-__all__ = ["zero1_step", "master_shard", "shard_optimizer", "HostOffload", "ZeroRedundancyOptimizer"]
+__all__ = ["zero1_step", "master_shard", "shard_optimizer", "HostOffload", "ZeroRedundancyOptimizer",
+           "reduce_scatter_when_full", "wait_for_shards", "ShardComm"]
 
 
 def _trainable(params) -> tuple[list, list]:
@@ -166,6 +169,44 @@ def zero1_step(flat_params: torch.Tensor, flat_grads: torch.Tensor, shard: torch
     comm.all_gather(flat_params, shard.clone(), tag="params")  # the input must not alias the output
 
 
+# --------------------------------------------------------------------------------------------------
+# Stage 2's two hooks: each bucket reduce-scattered as soon as it is full (the lesson-04 exercise)
+# --------------------------------------------------------------------------------------------------
+
+
+def reduce_scatter_when_full(bucket, i: int, grad: torch.Tensor, comm) -> None:
+    """ZeRO-2's gradient hook, called during backward as soon as parameter ``i``'s gradient is
+    ready: put it, divided by N, in its place in the bucket; once the bucket is full, start its
+    reduce-scatter without waiting (``bucket.work``), into ``bucket.grad_shard`` — this rank keeps
+    only its shard of the bucket's mean gradient, and the full one is dropped (the hooks' caller
+    sets ``p.grad = None``)."""
+    torch.mul(grad, 1.0 / comm.size, out=bucket.views[i])
+    bucket.ready.add(i)
+    if len(bucket.ready) == len(bucket.views):
+        bucket.work = comm.reduce_scatter(bucket.grad_shard, bucket.buffer, async_op=True)
+
+
+def wait_for_shards(buckets: list) -> None:
+    """ZeRO-2's end of backward: wait until every bucket's reduce-scatter has completed."""
+    for bucket in buckets:
+        bucket.work.wait()
+
+
+class ShardComm:
+    """The ``comm`` ZeRO-2's ``grad_ready`` gets with one bucket: ``size``, ``rank`` and
+    ``reduce_scatter(output, input, async_op=False)`` (traced as the bucket's ``grad-bucketK``),
+    which notes when it was launched, for the timeline."""
+
+    def __init__(self, comm: Comm, slot):
+        self.comm, self.slot = comm, slot
+        self.size, self.rank = comm.size, comm.rank
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        self.slot.launched_at = time.perf_counter()
+        return self.comm.reduce_scatter(output, input, async_op=async_op,
+                                        tag=f"grad-bucket{self.slot.index}")
+
+
 class _Bucket:
     """One unit of ZeroRedundancyOptimizer: a flat parameter buffer, its shard, its gradient shard."""
 
@@ -198,6 +239,13 @@ class ZeroRedundancyOptimizer(_WrappedOptimizer):
             :func:`~minitrain.precision.cast_model_`.  16-bit parameters are reduced and gathered in
             16 bits and stepped on fp32 master *shards* cut from these (:func:`shard_optimizer`);
             without it a 16-bit parameter's master starts from its rounded value.
+        bucket_hooks: stage 2's hooks ``(grad_ready(bucket, i, grad, comm), end_of_backward(buckets))``
+            (:func:`reduce_scatter_when_full`, :func:`wait_for_shards`: the lesson-04 exercise),
+            in place of the package's own launch, which reduce-scatters full buckets strictly in
+            order.  ``bucket``: ``buffer``, ``views[i]``, ``ready``, ``work``, ``index``,
+            ``grad_shard``; ``comm``: a :class:`ShardComm`.
+        record_timeline: stage 2: keep, per backward, when it ran and when each bucket's
+            reduce-scatter was launched and completed (``.timeline``, DDP's form).
         step_shard: stage 1's step, ``step_shard(flat_params, flat_grads, shard, optimizer, comm)``
             with this rank's own flat gradient (:func:`zero1_step`'s contract; the lesson-04
             exercise).  Default None: :func:`zero1_step`.  Not with ``shard_gradients`` (stage 2
@@ -211,12 +259,15 @@ class ZeroRedundancyOptimizer(_WrappedOptimizer):
     def __init__(self, params, optimizer_class, comm: Comm | None = None, process_group=None, *,
                  reduce_gradients: bool = True, shard_gradients: bool = False,
                  bucket_cap_mb: float | None = None, offload: bool = False,
-                 master_weights: dict | None = None, step_shard=None, **defaults):
+                 master_weights: dict | None = None, step_shard=None, bucket_hooks=None,
+                 record_timeline: bool = False, **defaults):
         self.comm = comm_for(comm, process_group)
         self.stage = 2 if shard_gradients else 1
         if step_shard is not None and (shard_gradients or not reduce_gradients):
             raise ValueError("step_shard= is stage 1's step from each rank's own gradients; stage 2 "
                              "reduces in backward, and reduce_gradients=False has nothing to reduce")
+        if (bucket_hooks is not None or record_timeline) and not shard_gradients:
+            raise ValueError("bucket_hooks= and record_timeline= are stage 2's (shard_gradients=True)")
         self.step_shard = step_shard or zero1_step
         self.reduce_gradients = reduce_gradients or shard_gradients
         self.offload = offload
@@ -238,7 +289,21 @@ class ZeroRedundancyOptimizer(_WrappedOptimizer):
         self.optim = shard_optimizer([b.shard for b in self.buckets], optimizer_class, masters,
                                      offload, **defaults)
         if shard_gradients:
-            self.reducer = GradientReducer(layouts, n, self._launch, self._finish)
+            comms: dict = {}
+
+            def hook_comm(slot):
+                if slot.index not in comms:
+                    comms[slot.index] = ShardComm(self.comm, slot)
+                return comms[slot.index]
+            self.reducer = GradientReducer(layouts, n, self._launch, self._finish,
+                                           hooks=tuple(bucket_hooks) if bucket_hooks else None,
+                                           hook_comm=hook_comm, record_timeline=record_timeline)
+
+    @property
+    def timeline(self) -> list[dict]:
+        """Stage 2 with ``record_timeline``: per backward, its start and end and each bucket's
+        reduce-scatter (launched, completed)."""
+        return self.reducer.timeline if self.stage == 2 else []
 
     # -- what torch.optim users expect (state, param_groups: _WrappedOptimizer) ----------------------
 
@@ -295,7 +360,8 @@ class ZeroRedundancyOptimizer(_WrappedOptimizer):
 
     def _finish(self, slot) -> None:
         b = self.buckets[slot.index]
-        b.grad_shard = slot.out if b.grad_shard is None else b.grad_shard.add_(slot.out)
+        out = slot.grad_shard if self.reducer.hooks is not None else slot.out
+        b.grad_shard = out if b.grad_shard is None else b.grad_shard.add_(out)
 
     # -- for reports and the ledger ------------------------------------------------------------------
 

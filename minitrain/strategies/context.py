@@ -11,11 +11,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..comm import all_reduce_coalesced
-from ..memory import ActivationMeter
 from ..parallel.context import (balanced_layout, context_parallel_, contiguous_layout,
                                 local_forward, ring_bytes_per_layer, ring_work, sequence_piece)
 from .base import (ConfigError, Lockstep, Options, Replicas, TrainConfig, at_least, option,
                    register)
+from .single import Replica
 
 __all__ = ["ContextAxis", "ContextOptions", "ContextParallel"]
 
@@ -50,8 +50,8 @@ class ContextParallel(Lockstep):
             "for causal masking; world/cp data-parallel replicas beside")
     options = ContextOptions
     seams = ("online_softmax_merge",)
-    checkpointing = False  # recomputing a block would run its ring again; not supported
-    checkpoint_refusal = None  # identical replicas: the base's defaults
+    recomputes = False  # recomputing a block would run its ring again; not supported
+    checkpointer = Replica()  # identical replicas (resumed on their own layout only)
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:
@@ -90,7 +90,6 @@ class ContextParallel(Lockstep):
         self.padded, self.positions = balanced_layout(cfg.model.seq_len, self.cp)
         self.model = context_parallel_(self.build_model(), self.cp_comm,
                                        self.seams.online_softmax_merge)
-        self.meter = ActivationMeter(self.model)
         self.optimizer = self.make_optimizer(self.model.parameters())
 
     def local(self, x: torch.Tensor, y: torch.Tensor):

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..analysis import overlap_fraction
 from ..data import shard
-from ..memory import ActivationMeter
 from ..parallel.compression import FORMS, as_error_feedback, parse_compressor
-from ..parallel.data_parallel import (DistributedDataParallel, NaiveDataParallel, mean_over_ranks,
-                                      overlap_fraction)
+from ..parallel.data_parallel import DistributedDataParallel, NaiveDataParallel, mean_over_ranks
 from .base import ConfigError, Lockstep, NoOptions, Options, TrainConfig, option, positive, register
+from .single import Replica
 
-__all__ = ["Buckets", "Compression", "DDPOptions", "NaiveDDP", "DDP", "DataParallel",
+__all__ = ["Buckets", "Compression", "Timeline", "DDPOptions", "NaiveDDP", "DDP", "DataParallel",
            "check_batch_split", "check_compression"]
 
 
@@ -37,9 +37,14 @@ class Compression(Options):
 
 
 @dataclass(frozen=True)
-class DDPOptions(Buckets, Compression):
-    timeline: bool = option(False, "record each step's backward and bucket all-reduce times "
-                                   "(lesson 02)")
+class Timeline(Options):
+    timeline: bool = option(False, "record each step's backward and each bucket's collective, "
+                                   "launched and completed (lessons 02, 04)")
+
+
+@dataclass(frozen=True)
+class DDPOptions(Buckets, Compression, Timeline):
+    """ddp's: buckets, compression, the timeline."""
 
 
 def check_batch_split(cfg: TrainConfig, parts: int, what: str = "ranks") -> None:
@@ -54,8 +59,8 @@ def check_compression(cfg: TrainConfig) -> None:
     """Raise :class:`ConfigError`, naming the fix, for a bad ``compress`` / ``error_feedback``."""
     try:
         compressor = parse_compressor(cfg.options.compress)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    except ValueError as exc:  # "compress='zip'" in the CLI's words
+        raise ConfigError(str(exc).replace("compress=", "--compress ", 1)) from None
     if compressor is None and not cfg.options.error_feedback:
         raise ConfigError("--no-error-feedback only applies to compressed gradients; add "
                           "--compress SPEC (e.g. --compress topk:0.01) or leave it out")
@@ -65,7 +70,7 @@ class DataParallel(Lockstep):
     """A replica per rank, each on its slice of the global batch; the mean loss over the ranks."""
 
     precisions = ("fp32", "bf16-mixed", "fp16-mixed")
-    checkpoint_refusal = None  # identical replicas: the base's defaults (rank 0 writes the replica)
+    checkpointer = Replica(reshards=True)  # identical replicas: rank 0 writes the replica
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:
@@ -91,11 +96,12 @@ class DataParallel(Lockstep):
         """Build the replica, its wrapper and the optimizer (ZeRO: the sharded ones)."""
         self.model = self.build_model()
         self.wrapper = self.wrap(self.model)
-        self.meter = ActivationMeter(self.model)
         self.optimizer = self.make_optimizer(self.model.parameters())
 
     def train_step(self, x, y) -> float:
         loss = self.optimizer_step(self.wrapper, *self.local(x, y), self.after_backward)
+        if getattr(self.seams, "mean_loss", None) is not None:  # lesson 01b's fix, every rank
+            return float(self.seams.mean_loss(loss.detach().clone()))
         return mean_over_ranks(loss, self.comm)
 
 
@@ -104,9 +110,7 @@ class NaiveDDP(DataParallel):
     name = "ddp-naive"
     help = "data parallel: one all-reduce per gradient after backward"
     options = NoOptions
-    seams = ("sync_gradients", "mixed_precision_step", "recompute_block")
-    checkpoint_refusal = None
-    reshardable = True
+    seams = ("sync_gradients", "mixed_precision_step", "recompute_block", "mean_loss")
 
     def wrap(self, model):
         return NaiveDataParallel(model, self.comm, sync=self.seams.sync_gradients)
@@ -122,9 +126,7 @@ class DDP(DataParallel):
             "(--bucket-mb, --compress)")
     options = DDPOptions
     seams = ("ring_all_reduce", "bucket_hooks", "topk_error_feedback", "mixed_precision_step",
-             "recompute_block")
-    checkpoint_refusal = None
-    reshardable = True
+             "recompute_block", "mean_loss")
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:

@@ -12,11 +12,12 @@ import torch.nn.functional as F
 
 from ..comm import all_reduce_coalesced
 from ..data import shard
-from ..memory import ActivationMeter
+from ..model import GPT
 from ..parallel.expert import all_to_all_bytes, expert_parallel_
-from .base import ConfigError, Lockstep, Options, TrainConfig, at_least, option, register
+from .base import (Checkpointer, ConfigError, Lockstep, Options, TrainConfig, at_least, option,
+                   register)
 
-__all__ = ["ExpertOptions", "ExpertParallel"]
+__all__ = ["ExpertOptions", "ExpertParallel", "ExpertShards"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,35 @@ class ExpertOptions(Options):
     ep: int | None = option(None, "expert-parallel ranks: each owns n_expert/ep experts of every "
                             "MoE block; the dense parts are data-parallel over them (default: the "
                             "world size)", check=at_least(1))
+
+
+def _state_names(cfg: TrainConfig) -> list[str]:
+    """The single-process state_dict's keys, in its order."""
+    with torch.device("meta"):
+        return list(GPT(cfg.model).state_dict().keys())
+
+
+class ExpertShards(Checkpointer):
+    """Each rank saves the dense part (a replica), its own experts and their Adam states; resumed
+    on the same number of ranks (each expert on its owner again)."""
+
+    def layout(self, cfg: TrainConfig) -> dict:
+        return {"ep": cfg.options.ep or cfg.world_size}
+
+    def save(self, strategy) -> dict:
+        return {"model": strategy.model.state_dict(), "optimizer": strategy.optimizer.state_dict()}
+
+    def load(self, strategy, read) -> None:
+        state = read(strategy.comm.rank)
+        strategy.model.load_state_dict(state["model"])
+        strategy.optimizer.load_state_dict(state["optimizer"])
+
+    def consolidate(self, cfg: TrainConfig, read) -> dict:
+        """The dense part from rank 0, every expert from its owner, in one process's order."""
+        state = dict(read(0)["model"])
+        for r in range(1, cfg.world_size):
+            state.update({k: v for k, v in read(r)["model"].items() if ".experts." in k})
+        return {k: state[k] for k in _state_names(cfg)}
 
 
 @register
@@ -34,8 +64,9 @@ class ExpertParallel(Lockstep):
     name = "expert"
     help = "expert parallel (MoE): experts spread over --ep ranks, tokens moved by all-to-all"
     options = ExpertOptions
-    seams = ("all_to_all_dispatch",)
-    checkpointing = False
+    seams = ("all_to_all_dispatch", "moe_router")
+    recomputes = False
+    checkpointer = ExpertShards()
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:
@@ -56,10 +87,8 @@ class ExpertParallel(Lockstep):
 
     def __init__(self, cfg: TrainConfig, comm, seams=None):
         super().__init__(cfg, comm, seams)
-        tokens = cfg.batch_size * cfg.model.seq_len
-        self.model = expert_parallel_(self.build_model(), comm, tokens,
-                                      self.seams.all_to_all_dispatch)
-        self.meter = ActivationMeter(self.model)
+        self.model = expert_parallel_(self.build_model(), comm, cfg.batch_size,
+                                      self.seams.all_to_all_dispatch, self.seams.moe_router)
         self.optimizer = self.make_optimizer(self.model.parameters())
         self.dense = [p for n, p in self.model.named_parameters() if ".experts." not in n]
         self.routing: list[list[list[int]]] = []  # per step, per layer: tokens per expert
@@ -97,38 +126,7 @@ class ExpertParallel(Lockstep):
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         for part in parts:
             state.update(part)
-        names = self._names(self.cfg)
-        return {k: state[k] for k in names}
-
-    # -- checkpoints: each rank saves the dense part (a replica), its own experts and their Adam
-    # states; resumed on the same number of ranks (each expert on its owner again)
-    checkpoint_refusal = None
-
-    @classmethod
-    def checkpoint_layout(cls, cfg: TrainConfig) -> dict:
-        return {"ep": cfg.options.ep or cfg.world_size}
-
-    def checkpoint_state(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def load_checkpoint_state(self, read) -> None:
-        state = read(self.comm.rank)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-
-    @classmethod
-    def consolidate_checkpoint(cls, cfg: TrainConfig, read) -> dict:
-        """The dense part from rank 0, every expert from its owner, in one process's order."""
-        state = dict(read(0)["model"])
-        for r in range(1, cfg.world_size):
-            state.update({k: v for k, v in read(r)["model"].items() if ".experts." in k})
-        return {k: state[k] for k in cls._names(cfg)}
-
-    @staticmethod
-    def _names(cfg: TrainConfig):
-        from ..model import GPT
-        with torch.device("meta"):
-            return list(GPT(cfg.model).state_dict().keys())
+        return {k: state[k] for k in _state_names(self.cfg)}
 
     def report(self) -> dict:
         """Tokens per expert per step (per layer), dropped assignments, and the all-to-all bytes

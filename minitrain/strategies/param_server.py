@@ -4,6 +4,7 @@ gradients and pull weights (lesson 03).  The ranks do not step together: the str
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -12,7 +13,6 @@ import torch
 import torch.nn as nn
 
 from ..data import shard
-from ..memory import ActivationMeter
 from ..parallel.compression import as_error_feedback, parse_compressor
 from ..parallel.flat import FlatUnit
 from ..parallel.param_server import FINAL, ParameterServer, Worker, partition
@@ -23,7 +23,7 @@ __all__ = ["PSOptions", "PSSync", "PSAsync", "parse_slow_workers", "parse_crash_
 
 
 def _non_negative(value) -> str | None:
-    return None if value is None or value >= 0 else "must be >= 0"
+    return None if value is None or 0 <= value < math.inf else "must be >= 0 (and finite)"
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,8 @@ class PSOptions(Compression):
                                          "ahead (SSP; 0 = synchronous) (default: no bound)",
                                    check=_non_negative)
     delay_comp: float = option(0.0, "ps-async: DC-ASGD's lambda (0: off)", check=_non_negative)
+    staleness_lr: bool = option(False, "ps-async: divide a gradient's learning rate by its "
+                                       "staleness (staleness-aware async SGD)")
     slow_worker: str | None = option(None, "WORKER:SECONDS[,...] sleep added to those workers' "
                                            "steps (default: none)", metavar="W:S")
     crash_worker: str | None = option(None, "WORKER:STEP: that worker exits at that step (fault "
@@ -54,7 +56,7 @@ def parse_slow_workers(spec) -> dict[int, float]:
         except ValueError:
             raise ConfigError(f"bad --slow-worker {part!r}; use WORKER:SECONDS, e.g. 1:0.05 "
                               "(several separated by commas)") from None
-        if not sep or out[int(worker)] < 0:
+        if not sep or not 0 <= out[int(worker)] < math.inf:
             raise ConfigError(f"bad --slow-worker {part!r}; use WORKER:SECONDS with SECONDS >= 0")
     return out
 
@@ -76,9 +78,9 @@ class _ParameterServerStrategy(FreeRunning):
     mode = "sync"
     options = PSOptions
     seams = ("topk_error_feedback",)
-    checkpoint_refusal = ("the parameter server's ranks do not step in lockstep (a server applies "
-                          "whichever worker's gradient comes first), so no step has one consistent "
-                          "state to save; use ddp or zero1-3 for checkpoints")
+    checkpointer = ("the parameter server's ranks do not step in lockstep (a server applies "
+                    "whichever worker's gradient comes first), so no step has one consistent state "
+                    "to save; use ddp or zero1-3 for checkpoints")
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:
@@ -89,12 +91,20 @@ class _ParameterServerStrategy(FreeRunning):
                               f"{o.servers} of --world-size {cfg.world_size} leaves {workers} "
                               f"workers; use --world-size {o.servers + 1} or fewer --servers")
         check_batch_split(cfg, workers, "workers")
-        if cls.mode == "sync" and (o.staleness is not None or o.delay_comp):
-            raise ConfigError("--staleness and --delay-comp apply to ps-async; use "
+        if cls.mode == "sync" and (o.staleness is not None or o.delay_comp or o.staleness_lr):
+            raise ConfigError("--staleness, --delay-comp and --staleness-lr apply to ps-async; use "
                               "--strategy ps-async (--staleness 0 behaves as ps-sync)")
-        for w in parse_slow_workers(o.slow_worker):
+        if o.staleness_lr and o.staleness is not None:
+            raise ConfigError("--staleness-lr scales each gradient applied on arrival; with "
+                              "--staleness (SSP) a clock's gradients are averaged in one step: "
+                              "leave out one of the two")
+        for w, seconds in parse_slow_workers(o.slow_worker).items():
             if not 0 <= w < workers:
                 raise ConfigError(f"--slow-worker {w}: workers are numbered 0..{workers - 1}")
+            if seconds >= cfg.timeout:  # (issue 28: 0:1e9 ran until killed)
+                raise ConfigError(f"--slow-worker {w}:{seconds:g} must be shorter than --timeout "
+                                  f"{cfg.timeout:g}: the servers wait at most that long for a "
+                                  f"worker's gradient; use fewer seconds (or a larger --timeout)")
         parse_crash_worker(o.crash_worker)
         check_compression(cfg)
 
@@ -113,7 +123,7 @@ class _ParameterServerStrategy(FreeRunning):
             mode = self.mode if o.staleness is None else "ssp"
             self.role = ParameterServer(comm, [params[k] for k in self.keys[comm.rank]],
                                         self.worker_ranks, cfg.lr, mode, o.staleness,
-                                        o.delay_comp, compressor)
+                                        o.delay_comp, compressor, o.staleness_lr)
             self.model, self.optimizer = nn.ParameterList(self.role.params), self.role.optimizer
         else:
             self.index = comm.rank - self.n_servers
@@ -121,7 +131,6 @@ class _ParameterServerStrategy(FreeRunning):
             self.role = Worker(comm, self.model, self.keys, self.server_ranks, ef,
                                delay_s=parse_slow_workers(o.slow_worker).get(self.index, 0.0))
             self.optimizer = None
-            self.meter = ActivationMeter(self.model)
         self.crash = parse_crash_worker(o.crash_worker)  # fault injection for tests and the lesson
 
     def run(self, data, on_step=None):
@@ -196,5 +205,6 @@ class PSSync(_ParameterServerStrategy):
 @register
 class PSAsync(_ParameterServerStrategy):
     name = "ps-async"
-    help = "parameter server, asynchronous (--staleness s: bounded, SSP; --delay-comp: DC-ASGD)"
+    help = ("parameter server, asynchronous (--staleness s: bounded, SSP; --delay-comp: DC-ASGD; "
+            "--staleness-lr: the step divided by the staleness)")
     mode = "async"

@@ -11,24 +11,27 @@ from dataclasses import dataclass
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..analysis import bubble_formula, bubble_fraction, peak_in_flight
 from ..comm import Comm
-from ..memory import ledger, rss_bytes
-from ..model import GPT
+from ..data import ArithmeticData
+from ..memory import ledger
+from ..model import GPT, PRESETS
 from ..parallel.pipeline import PipelineExecutor, PipelineStage, split_weight_gradients
-from ..parallel.schedules import (SCHEDULES, ScheduleError, bubble_fraction, bubble_formula,
-                                  check_schedule, make_schedule, peak_in_flight, simulate,
+from ..parallel.schedules import (SCHEDULES, ScheduleError, check_schedule, make_schedule, simulate,
                                   split_layers, validate)
-from .base import ConfigError, Lockstep, Options, TrainConfig, at_least, flag, option, register
+from .base import (Checkpointer, ConfigError, Lockstep, Options, TrainConfig, at_least,
+                   check_strategy, flag, option, register)
 
-__all__ = ["ScheduleOptions", "PipelineOptions", "Pipeline", "schedule_shape", "check_pipeline",
-           "merge_stages", "run_schedule"]
+__all__ = ["ScheduleOptions", "PipelineOptions", "Pipeline", "Stages", "schedule_shape",
+           "check_pipeline", "merge_stages", "run_schedule"]
 
 
 @dataclass(frozen=True)
 class ScheduleOptions(Options):
     """How a pipeline runs its micro-batches (strategies pipeline and 3d)."""
 
-    schedule: str = option("1f1b", f"pipeline schedule: {', '.join(SCHEDULES)}")
+    schedule: str = option("1f1b", f"pipeline schedule: {', '.join(SCHEDULES)}",
+                           choices=tuple(SCHEDULES), metavar="SCHEDULE")
     microbatches: int | None = option(None, "micro-batches per (replica's) batch (default: the "
                                       "pipeline stages; naive: 1)", check=at_least(1))
     chunks: int | None = option(None, "model chunks per rank, for interleaved (default: 2 for "
@@ -84,6 +87,26 @@ def merge_stages(states: list[dict], model) -> dict:
     return {k: merged[k] for k in GPT(model).state_dict()}
 
 
+class Stages(Checkpointer):
+    """Each rank saves its stages (under the single-process names) and their optimizer state."""
+
+    def layout(self, cfg: TrainConfig) -> dict:
+        _, stages, _, chunks = schedule_shape(cfg.options, cfg.world_size)
+        return {"stages": stages, "chunks": chunks}
+
+    def save(self, strategy) -> dict:
+        return {"model": strategy.stage_state(), "optimizer": strategy.optimizer.state_dict()}
+
+    def load(self, strategy, read) -> None:
+        state = read(strategy.comm.rank)
+        indexed = {k.split(".", 1)[1]: k for k in strategy.model.state_dict()}
+        strategy.model.load_state_dict({indexed[k]: v for k, v in state["model"].items()})
+        strategy.optimizer.load_state_dict(state["optimizer"])
+
+    def consolidate(self, cfg: TrainConfig, read) -> dict:
+        return merge_stages([read(r)["model"] for r in range(cfg.world_size)], cfg.model)
+
+
 @register
 class Pipeline(Lockstep):
     """One stage (or V chunks) per rank; the batch in micro-batches run by a schedule table."""
@@ -93,7 +116,7 @@ class Pipeline(Lockstep):
             "naive|gpipe|1f1b|interleaved|zb-h1 (--chunks for interleaved)")
     options = PipelineOptions
     seams = ("one_f_one_b", "stage_step")
-    checkpoint_refusal = None  # each rank saves its stages and their optimizer state
+    checkpointer = Stages()
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:
@@ -145,31 +168,8 @@ class Pipeline(Lockstep):
         """This rank's stages' state_dict under the single-process names (no ModuleList index)."""
         return {k.split(".", 1)[1]: v for k, v in self.model.state_dict().items()}
 
-
-    # -- checkpoints (lesson 08): each rank saves its stages and their optimizer state --------------
-
-    @classmethod
-    def checkpoint_layout(cls, cfg: TrainConfig) -> dict:
-        _, stages, _, chunks = schedule_shape(cfg.options, cfg.world_size)
-        return {"stages": stages, "chunks": chunks}
-
-    def checkpoint_state(self) -> dict:
-        return {"model": self.stage_state(), "optimizer": self.optimizer.state_dict()}
-
-    def load_checkpoint_state(self, read) -> None:
-        state = read(self.comm.rank)
-        indexed = {k.split(".", 1)[1]: k for k in self.model.state_dict()}
-        self.model.load_state_dict({indexed[k]: v for k, v in state["model"].items()})
-        self.optimizer.load_state_dict(state["optimizer"])
-
-    @classmethod
-    def consolidate_checkpoint(cls, cfg: TrainConfig, read) -> dict:
-        return merge_stages([read(r)["model"] for r in range(cfg.world_size)], cfg.model)
-
     def memory(self) -> dict:
-        out = ledger(self.model, self.optimizer, self.executor.peak_bytes)
-        out["rss_peak"] = rss_bytes(peak=True)
-        return out
+        return ledger(self.model, self.optimizer, self.executor.peak_bytes)
 
     def report(self) -> dict:
         """The schedule, its ideal table and the measured run: ``bubble_measured`` is the median of
@@ -205,16 +205,12 @@ def run_schedule(schedule: str = "1f1b", microbatches: int | None = None,
     Returns (on every rank) :meth:`Pipeline.report` plus ``"losses"``: ``timeline`` is the last
     step's measured timeline of all ranks, ``table`` the ideal table, beside their bubbles.
     """
-    from ..data import ArithmeticData
-    from ..model import PRESETS
-    from ..train import check_config, fit
-
     cfg = TrainConfig(strategy="pipeline", world_size=dist.get_world_size(), steps=steps,
                       seed=seed, batch_size=batch_size, lr=lr, model=model or PRESETS["tiny"],
                       options={"schedule": schedule, "microbatches": microbatches,
                                "chunks": chunks})
-    check_config(cfg)
-    strategy = Pipeline(cfg, Comm())
-    losses, _ = fit(strategy, ArithmeticData(cfg.model.seq_len, seed))
-    strategy.final_state()
+    check_strategy(cfg)
+    strategy, data = Pipeline(cfg, Comm()), ArithmeticData(cfg.model.seq_len, seed)
+    losses = [strategy.train_step(*data.batch(step, batch_size)) for step in range(steps)]
+    strategy.final_state()  # gathers every rank's timelines
     return {**strategy.report(), "losses": losses}

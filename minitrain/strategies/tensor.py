@@ -12,14 +12,14 @@ import torch
 import torch.nn as nn
 
 from ..comm import Comm
-from ..memory import ActivationMeter
 from ..model import GPTConfig
 from ..parallel.tensor import Split, merge_shards
 from ..parallel.tensor_gpt import TensorParallelGPT
-from .base import ConfigError, Lockstep, Options, TrainConfig, at_least, option, register
+from .base import (Checkpointer, ConfigError, Lockstep, Options, TrainConfig, at_least, option,
+                   register)
 
-__all__ = ["TensorOptions", "TensorParallel", "check_tensor_parallel", "full_state_dict",
-           "shard_checkpoint", "merge_checkpoints", "comm_per_layer"]
+__all__ = ["TensorOptions", "TensorParallel", "TensorShards", "check_tensor_parallel",
+           "full_state_dict", "shard_checkpoint", "merge_checkpoints", "comm_per_layer"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,24 @@ def merge_checkpoints(states: list[dict]) -> dict:
             for name, t in first["model"].items()}
 
 
+class TensorShards(Checkpointer):
+    """Each rank saves its shards (with how they split) and their Adam states."""
+
+    def layout(self, cfg: TrainConfig) -> dict:
+        return {"tp": cfg.options.tp or cfg.world_size}
+
+    def save(self, strategy) -> dict:
+        return {**shard_checkpoint(strategy.model), "optimizer": strategy.optimizer.state_dict()}
+
+    def load(self, strategy, read) -> None:
+        state = read(strategy.comm.rank)
+        strategy.model.load_state_dict(state["model"])
+        strategy.optimizer.load_state_dict(state["optimizer"])
+
+    def consolidate(self, cfg: TrainConfig, read) -> dict:
+        return merge_checkpoints([read(r) for r in range(cfg.world_size)])
+
+
 def comm_per_layer(events, steps: int = 1) -> dict:
     """Collectives per step, by where they were made and in which pass: ``{"blocks.0":
     {"all_reduce forward": {"calls", "bytes", "sent_bytes"}, ...}, "embed": ..., "head": ...,
@@ -116,8 +134,9 @@ class TensorParallel(Lockstep):
     help = ("tensor parallel (Megatron): heads, MLP and vocabulary split over --tp ranks "
             "(--sequence-parallel)")
     options = TensorOptions
-    seams = ("column_parallel_linear", "row_parallel_linear")
-    checkpointing = False  # recomputing a block would re-run its collectives; not supported
+    seams = ("column_parallel_linear", "row_parallel_linear", "vocab_parallel_cross_entropy")
+    recomputes = False  # recomputing a block would re-run its collectives; not supported
+    checkpointer = TensorShards()
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:
@@ -133,8 +152,8 @@ class TensorParallel(Lockstep):
         self.sequence_parallel = cfg.options.sequence_parallel
         self.model = TensorParallelGPT(self.build_model(), comm, self.sequence_parallel,
                                        column=self.seams.column_parallel_linear,
-                                       row=self.seams.row_parallel_linear)
-        self.meter = ActivationMeter(self.model)
+                                       row=self.seams.row_parallel_linear,
+                                       loss=self.seams.vocab_parallel_cross_entropy)
         self.optimizer = self.make_optimizer(self.model.parameters())
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -146,25 +165,6 @@ class TensorParallel(Lockstep):
         state = full_state_dict(self.model, self.comm)
         return state if self.comm.rank == 0 else None
 
-
-    # -- checkpoints (lesson 08): each rank saves its shards and their Adam states ----------------
-    checkpoint_refusal = None
-
-    @classmethod
-    def checkpoint_layout(cls, cfg: TrainConfig) -> dict:
-        return {"tp": cfg.options.tp or cfg.world_size}
-
-    def checkpoint_state(self) -> dict:
-        return {**shard_checkpoint(self.model), "optimizer": self.optimizer.state_dict()}
-
-    def load_checkpoint_state(self, read) -> None:
-        state = read(self.comm.rank)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-
-    @classmethod
-    def consolidate_checkpoint(cls, cfg: TrainConfig, read) -> dict:
-        return merge_checkpoints([read(r) for r in range(cfg.world_size)])
 
     def report(self) -> dict:
         """Shard shapes and the collectives per step by layer and pass (:func:`comm_per_layer`)."""

@@ -28,25 +28,26 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..analysis import bubble_formula, bubble_fraction
 from ..comm import Comm, all_reduce_coalesced
 from ..data import shard
-from ..memory import ActivationMeter, ledger, rss_bytes
+from ..memory import ledger
 from ..parallel.data_parallel import mean_over_ranks
 from ..parallel.context import balanced_layout, ring_attention, ring_bytes_per_layer, sequence_piece
-from ..parallel.mesh import Coords, Mesh, MeshShape, groups_take_cp
+from ..parallel.mesh import Coords, Mesh, MeshShape
 from ..parallel.pipeline import PipelineExecutor, PipelineStage
-from ..parallel.schedules import (bubble_fraction, bubble_formula, make_schedule, split_layers,
-                                  validate)
+from ..parallel.schedules import make_schedule, split_layers, validate
 from ..parallel.tensor_gpt import (TensorParallelParts, all_reduce_sequence_parallel_grads,
                                    tag_collectives)
 from ..parallel.zero import ZeroRedundancyOptimizer
-from .base import ConfigError, Lockstep, Replicas, Seams, TrainConfig, at_least, option, register
+from .base import (Checkpointer, ConfigError, Lockstep, Replicas, Seams, TrainConfig, at_least,
+                   option, register)
 from .context import ContextAxis
 from .pipeline import ScheduleOptions, check_pipeline, merge_stages, schedule_shape
 from .tensor import (TensorOptions, check_tensor_parallel, comm_per_layer, full_state_dict,
                      merge_checkpoints, shard_checkpoint)
 
-__all__ = ["MeshOptions", "ThreeDOptions", "ThreeD", "mesh_shape", "sequence_layout",
+__all__ = ["MeshOptions", "ThreeDOptions", "ThreeD", "MeshShards", "mesh_shape", "sequence_layout",
            "bytes_by_group"]
 
 
@@ -99,6 +100,48 @@ def bytes_by_group(events, steps: int) -> dict:
     return out
 
 
+class MeshShards(Checkpointer):
+    """Replica 0 saves its stages' tensor shards; every rank that holds Adam states of its own saves
+    them (ZeRO-1: each dp rank its 1/dp; ZeRO-0: replica 0 only).  The cp ranks of a position hold
+    replicas: only cp rank 0 saves, every cp rank loads its.  Saves run after a step, while the
+    mesh's groups live; none needs a collective."""
+
+    def layout(self, cfg: TrainConfig) -> dict:
+        s = mesh_shape(cfg)
+        _, _, _, chunks = schedule_shape(cfg.options, s.pp)
+        cp = {"cp": s.cp} if s.cp > 1 else {}  # (a 3D checkpoint's layout has no cp)
+        return {"dp": s.dp, "pp": s.pp, "tp": s.tp, **cp, "chunks": chunks,
+                "zero_stage": cfg.options.zero_stage}
+
+    @staticmethod
+    def _adam(strategy) -> torch.optim.Optimizer:
+        """The Adam whose states this rank holds (ZeRO-1: the one on its flat shard)."""
+        return strategy.optimizer.optim if strategy.zero_stage == 1 else strategy.optimizer
+
+    def save(self, strategy) -> dict:
+        c = strategy.mesh.coords
+        if c.cp != 0:
+            return {}  # a replica of cp rank 0's state
+        out = shard_checkpoint(*strategy.stages.values()) if c.dp == 0 else {}
+        if c.dp == 0 or strategy.zero_stage == 1:
+            out["optimizer"] = self._adam(strategy).state_dict()
+        return out
+
+    def load(self, strategy, read) -> None:
+        c, shape = strategy.mesh.coords, strategy.shape
+        replica0 = read(shape.rank(Coords(0, c.pp, c.tp)))
+        for stage in strategy.stages.values():  # (ZeRO-1: into the flat buffers the shards view)
+            stage.load_state_dict({k: replica0["model"][k] for k in stage.state_dict()})
+        own = read(shape.rank(Coords(c.dp, c.pp, c.tp))) if strategy.zero_stage == 1 else replica0
+        self._adam(strategy).load_state_dict(own["optimizer"])
+
+    def consolidate(self, cfg: TrainConfig, read) -> dict:
+        """Replica 0's ranks: each stage's tensor shards merged, then the stages put together."""
+        s = mesh_shape(cfg)
+        return merge_stages([merge_checkpoints([read(s.rank(Coords(0, p, t))) for t in range(s.tp)])
+                             for p in range(s.pp)], cfg.model)
+
+
 @register
 class ThreeD(Lockstep):
     """Data × pipeline × tensor parallel, ZeRO-1 over the data-parallel axis."""
@@ -110,7 +153,8 @@ class ThreeD(Lockstep):
     options = ThreeDOptions
     seams = ("mesh_groups", "one_f_one_b", "stage_step", "column_parallel_linear",
              "row_parallel_linear", "ring_all_reduce", "zero1_step", "online_softmax_merge")
-    checkpointing = False  # recomputing a block would re-run its tensor-parallel collectives
+    recomputes = False  # recomputing a block would re-run its tensor-parallel collectives
+    checkpointer = MeshShards()
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:
@@ -139,11 +183,10 @@ class ThreeD(Lockstep):
     @classmethod
     def check_seams(cls, cfg: TrainConfig, seams: Seams) -> None:
         s = mesh_shape(cfg)
-        if s.cp > 1 and seams.mesh_groups is not None and not groups_take_cp(seams.mesh_groups):
-            raise ConfigError(f"the mesh_groups function takes (dp, pp, tp, axis): it numbers the "
-                              f"ranks of a 3D mesh, and this run has --cp {s.cp}; leave out --cp "
-                              "(or the seam), or give a function that also takes cp= and the "
-                              "axis 'cp' (rank = ((p·dp + d)·cp + c)·tp + t)")
+        if s.cp > 1 and seams.mesh_groups is not None:
+            raise ConfigError(f"the mesh_groups seam (dp, pp, tp, axis) numbers the ranks of a 3D "
+                              f"mesh, and this run has --cp {s.cp}: the 4D mesh numbers its own; "
+                              "leave out --cp, or the seam")
         if seams.ring_all_reduce is not None and (cfg.options.zero_stage != 0 or s.dp == 1):
             raise ConfigError("the ring_all_reduce seam averages the replicas' gradients, which "
                               "happens with --zero-stage 0 and --dp 2 or more (ZeRO-1 "
@@ -183,7 +226,6 @@ class ThreeD(Lockstep):
         self.executor = PipelineExecutor(self.stages, self.table, pp, self.M, cfg.model.d_model,
                                          activation_shape=parts.activation_shape, loss=parts.loss,
                                          stage_step=seams.stage_step)
-        self.meter = ActivationMeter(self.model)
         if self.zero_stage == 1:
             self.optimizer = ZeroRedundancyOptimizer(self.model.parameters(), torch.optim.Adam,
                                                      self.mesh.dp, step_shard=seams.zero1_step,
@@ -235,53 +277,9 @@ class ThreeD(Lockstep):
         self.mesh.destroy()
 
 
-    # -- checkpoints (lesson 08): replica 0 saves its stages' tensor shards, every rank that holds
-    # Adam states of its own saves them (ZeRO-1: each dp rank its 1/dp; ZeRO-0: replica 0 only).
-    # The cp ranks of a position hold replicas: only cp rank 0 saves, every cp rank loads its.
-    # Saves run after a step, while the mesh's groups live; none needs a collective.
-    checkpoint_refusal = None
-
-    @classmethod
-    def checkpoint_layout(cls, cfg: TrainConfig) -> dict:
-        s = mesh_shape(cfg)
-        _, _, _, chunks = schedule_shape(cfg.options, s.pp)
-        cp = {"cp": s.cp} if s.cp > 1 else {}  # (a 3D checkpoint's layout has no cp)
-        return {"dp": s.dp, "pp": s.pp, "tp": s.tp, **cp, "chunks": chunks,
-                "zero_stage": cfg.options.zero_stage}
-
-    def _stepping_optimizer(self) -> torch.optim.Optimizer:
-        """The Adam whose states this rank holds (ZeRO-1: the one on its flat shard)."""
-        return self.optimizer.optim if self.zero_stage == 1 else self.optimizer
-
-    def checkpoint_state(self) -> dict:
-        if self.mesh.coords.cp != 0:
-            return {}  # a replica of cp rank 0's state
-        replica0 = self.mesh.coords.dp == 0
-        out = shard_checkpoint(*self.stages.values()) if replica0 else {}
-        if replica0 or self.zero_stage == 1:
-            out["optimizer"] = self._stepping_optimizer().state_dict()
-        return out
-
-    def load_checkpoint_state(self, read) -> None:
-        c = self.mesh.coords
-        replica0 = read(self.shape.rank(Coords(0, c.pp, c.tp)))
-        for stage in self.stages.values():  # (ZeRO-1: into the flat buffers the shards view)
-            stage.load_state_dict({k: replica0["model"][k] for k in stage.state_dict()})
-        own = read(self.shape.rank(Coords(c.dp, c.pp, c.tp))) if self.zero_stage == 1 else replica0
-        self._stepping_optimizer().load_state_dict(own["optimizer"])
-
-    @classmethod
-    def consolidate_checkpoint(cls, cfg: TrainConfig, read) -> dict:
-        """Replica 0's ranks: each stage's tensor shards merged, then the stages put together."""
-        s = mesh_shape(cfg)
-        return merge_stages([merge_checkpoints([read(s.rank(Coords(0, p, t))) for t in range(s.tp)])
-                             for p in range(s.pp)], cfg.model)
-
     def memory(self) -> dict:
         extra, host = self.optimizer.memory_tensors() if self.zero_stage == 1 else ({}, ())
-        out = ledger(self.model, self.optimizer, self.executor.peak_bytes, extra=extra, host=host)
-        out["rss_peak"] = rss_bytes(peak=True)
-        return out
+        return ledger(self.model, self.optimizer, self.executor.peak_bytes, extra=extra, host=host)
 
     def report(self) -> dict:
         """Where this rank sits, what it holds, and what it measured: the pipeline's bubble (its

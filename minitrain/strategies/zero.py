@@ -15,15 +15,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..memory import ActivationMeter, ledger, model_state_bytes, rss_bytes
+from ..analysis import hidden_fraction, overlap_fraction
+from ..memory import ActivationMeter, ledger, model_state_bytes
 from ..parallel.flat import FlatUnit
 from ..parallel.fsdp import FullyShardedDataParallel
 from ..parallel.zero import HostOffload, ZeroRedundancyOptimizer, shard_optimizer
-from .base import ConfigError, Options, TrainConfig, option, register
-from .data_parallel import Buckets, DataParallel, check_batch_split
+from .base import Checkpointer, ConfigError, Options, TrainConfig, option, register
+from .data_parallel import Buckets, DataParallel, Timeline, check_batch_split
 from .portable import shard_optimizer_state, unshard_optimizer
 
-__all__ = ["Offload", "ZeroOptions", "Zero2Options", "Zero1", "Zero2", "Zero3", "shard_state", "unshard_state"]
+__all__ = ["Offload", "ZeroOptions", "Zero2Options", "Zero3Options", "Zero1", "Zero2", "Zero3", "ZeroShards",
+           "shard_state", "unshard_state"]
 
 
 @dataclass(frozen=True)
@@ -34,12 +36,17 @@ class Offload(Options):
 
 @dataclass(frozen=True)
 class ZeroOptions(Offload):
-    """zero1's and zero3's (a record of its own: zero2's, which adds bucket_mb, is not one)."""
+    """zero1's (a record of its own: zero2's, which adds bucket_mb, is not one)."""
 
 
 @dataclass(frozen=True)
-class Zero2Options(Buckets, Offload):
-    """zero2's: the gradient buckets too."""
+class Zero3Options(Offload, Timeline):
+    """zero3's: offload, and the timeline of each unit's gather, compute, free, reduce-scatter."""
+
+
+@dataclass(frozen=True)
+class Zero2Options(Buckets, Offload, Timeline):
+    """zero2's: the gradient buckets too, and their timeline."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -83,6 +90,58 @@ def unshard_state(states: list[dict]) -> dict:
     return {k: params[keys[k]] if k in keys else extra[k] for k in states[0]["order"]}
 
 
+class ZeroShards(Checkpointer):
+    """Every rank writes its shard of each flat unit and its optimizer's states for it (1/N of
+    each); the model is put back together offline; another layout's portable state is cut into
+    this rank's shards (:mod:`minitrain.strategies.portable`)."""
+
+    reshards = True
+
+    def layout(self, cfg: TrainConfig) -> dict:
+        out = {"offload": cfg.options.offload}
+        if isinstance(cfg.options, Zero2Options):  # zero2: the buckets are the units
+            out["bucket_mb"] = cfg.options.bucket_mb
+        return out
+
+    def save(self, strategy) -> dict:
+        aliases = strategy.wrapper.parameter_names() if strategy.stage == 3 else None
+        return {"model": shard_state(strategy.model, strategy.shards(), strategy.comm.rank, aliases),
+                "optimizer": strategy.shard_optimizer().state_dict()}
+
+    @torch.no_grad()
+    def load(self, strategy, read) -> None:
+        state = read(strategy.comm.rank)
+        for (_, shard), saved in zip(strategy.shards(), state["model"]["units"], strict=True):
+            shard.copy_(saved["shard"])
+        strategy.shard_optimizer().load_state_dict(state["optimizer"])
+        if strategy.stage < 3:  # every rank holds the full weights: gather them, as after a step
+            with strategy.comm.tracer.paused():
+                strategy.optimizer._all_gather_parameters()
+
+    def consolidate(self, cfg: TrainConfig, read) -> dict:
+        return unshard_state([read(r)["model"] for r in range(cfg.world_size)])
+
+    def portable_optimizer(self, cfg: TrainConfig, read) -> dict:
+        return unshard_optimizer([read(r) for r in range(cfg.world_size)],
+                                 masters=cfg.precision != "fp32")
+
+    @torch.no_grad()
+    def load_portable(self, strategy, weights: dict, optim: dict) -> None:
+        rank = strategy.comm.rank
+        names = {id(p): n for n, p in strategy.model.named_parameters()}  # stages 1-2: the model's
+        units = [(layout, [names.get(id(p), name) for p, name in zip(layout.params, layout.names)])
+                 for layout, _ in strategy.shards()]  # stage 3: the names the wrapper took them under
+        if strategy.stage < 3:  # every rank holds the full weights; the shards are views of them
+            strategy.model.load_state_dict(weights)
+        else:  # the full weights exist only while gathered: write this rank's shard of each unit
+            for (layout, shard), (_, unit) in zip(strategy.shards(), units):
+                lo, hi = layout.owned_range(rank)
+                shard.copy_(layout.flatten([weights[n] for n in unit])[lo:hi])
+        optimizer = strategy.shard_optimizer()
+        optimizer.load_state_dict(shard_optimizer_state(optimizer.state_dict(), units, rank, optim,
+                                                        weights))
+
+
 # --------------------------------------------------------------------------------------------------
 # The strategies
 # --------------------------------------------------------------------------------------------------
@@ -97,7 +156,7 @@ class _ZeroStrategy(DataParallel):
     stage = 0
     precisions = ("fp32", "bf16-mixed")
     options = ZeroOptions
-    checkpoint_refusal = None
+    checkpointer = ZeroShards()
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:
@@ -119,7 +178,7 @@ class _ZeroStrategy(DataParallel):
     def shard(self, model) -> tuple:
         """(what to call forward on, the optimizer, the object holding the shards)."""
 
-    # -- checkpoints: every rank writes its shards and its optimizer states (1/N of each) -----------
+    # -- what ZeroShards saves: this rank's shards and the optimizer stepping them --------------------
 
     def shards(self) -> list[tuple[FlatUnit, torch.Tensor]]:
         """``(layout, this rank's shard)`` of every flat unit (stages 1-2: the optimizer's)."""
@@ -129,60 +188,11 @@ class _ZeroStrategy(DataParallel):
         """The optimizer stepping this rank's shards (Adam, mixed precision's, or HostOffload)."""
         return self.optimizer.optim
 
-    @classmethod
-    def checkpoint_layout(cls, cfg: TrainConfig) -> dict:
-        out = {"offload": cfg.options.offload}
-        if cls.stage == 2:  # the buckets are the units
-            out["bucket_mb"] = cfg.options.bucket_mb
-        return out
-
-    def checkpoint_state(self) -> dict:
-        aliases = self.wrapper.parameter_names() if self.stage == 3 else None
-        return {"model": shard_state(self.model, self.shards(), self.comm.rank, aliases),
-                "optimizer": self.shard_optimizer().state_dict()}
-
-    @torch.no_grad()
-    def load_checkpoint_state(self, read) -> None:
-        state = read(self.comm.rank)
-        for (_, shard), saved in zip(self.shards(), state["model"]["units"], strict=True):
-            shard.copy_(saved["shard"])
-        self.shard_optimizer().load_state_dict(state["optimizer"])
-        if self.stage < 3:  # every rank holds the full weights: gather them, as after a step
-            with self.comm.tracer.paused():
-                self.optimizer._all_gather_parameters()
-
-    @classmethod
-    def consolidate_checkpoint(cls, cfg: TrainConfig, read) -> dict:
-        return unshard_state([read(r)["model"] for r in range(cfg.world_size)])
-
-    # -- resharding (minitrain.strategies.portable): the full states cut for this rank ---------------
-
-    @classmethod
-    def consolidate_optimizer(cls, cfg: TrainConfig, read) -> dict:
-        return unshard_optimizer([read(r) for r in range(cfg.world_size)],
-                                 masters=cfg.precision != "fp32")
-
-    @torch.no_grad()
-    def load_portable_state(self, weights: dict, optim: dict) -> None:
-        names = {id(p): n for n, p in self.model.named_parameters()}  # stages 1-2: the model's own
-        units = [(layout, [names.get(id(p), name) for p, name in zip(layout.params, layout.names)])
-                 for layout, _ in self.shards()]  # stage 3: the names the wrapper took them under
-        if self.stage < 3:  # every rank holds the full weights; the shards are views of them
-            self.model.load_state_dict(weights)
-        else:  # the full weights exist only while gathered: write this rank's shard of each unit
-            for (layout, shard), (_, unit) in zip(self.shards(), units):
-                lo, hi = layout.owned_range(self.comm.rank)
-                shard.copy_(layout.flatten([weights[n] for n in unit])[lo:hi])
-        optimizer = self.shard_optimizer()
-        optimizer.load_state_dict(shard_optimizer_state(optimizer.state_dict(), units,
-                                                        self.comm.rank, optim, weights))
-
     def memory(self) -> dict:
         """The ledger; stage 3 adds ``gathered_peak``, the most bytes of full (gathered)
         parameters held at once beside the shards."""
         extra, host = self.sharded.memory_tensors()
         out = ledger(self.model, self.optimizer, self.meter.peak, extra=extra, host=host)
-        out["rss_peak"] = rss_bytes(peak=True)
         if self.stage == 3:
             out["gathered_peak"] = self.wrapper.gathered_peak
         return out
@@ -218,8 +228,6 @@ class Zero1(_ZeroStrategy):
     help = "ZeRO stage 1: optimizer states sharded; reduce-scatter, step the shard, all-gather (--offload)"
     stage = 1
     seams = ("zero1_step",)
-    checkpoint_refusal = None
-    reshardable = True
 
     def shard(self, model):
         opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, self.comm,
@@ -234,15 +242,26 @@ class Zero2(_ZeroStrategy):
     help = "ZeRO stage 2: gradients too, reduce-scattered in buckets during backward (--offload, --bucket-mb)"
     stage = 2
     options = Zero2Options
-    checkpoint_refusal = None
-    reshardable = True
+    seams = ("zero2_hooks",)
 
     def shard(self, model):
         opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, self.comm,
                                       shard_gradients=True, offload=self.offload,
                                       bucket_cap_mb=self.cfg.options.bucket_mb,
-                                      master_weights=self.master_weights, lr=self.cfg.lr)
+                                      master_weights=self.master_weights, lr=self.cfg.lr,
+                                      bucket_hooks=self.seams.zero2_hooks,
+                                      record_timeline=self.cfg.options.timeline)
         return model, opt, opt
+
+    def report(self) -> dict:
+        """The stages' report, and with ``timeline`` each step's buckets and the share of their
+        reduce-scatter time hidden behind backward (``overlap``), as ddp's."""
+        out = super().report()
+        out["bucket_bytes"] = [u.nbytes for u in self.optimizer.layouts()]
+        if self.cfg.options.timeline:
+            out["timeline"] = self.optimizer.timeline
+            out["overlap"] = [overlap_fraction(s) for s in self.optimizer.timeline]
+        return out
 
 
 @register
@@ -250,19 +269,38 @@ class Zero3(_ZeroStrategy):
     name = "zero3"
     help = "ZeRO stage 3 (FSDP): parameters too, gathered per block for forward and backward (--offload)"
     stage = 3
+    options = Zero3Options
     seams = ("zero3_hook",)
-    checkpointing = False  # recomputation would re-enter the gather hooks; not supported yet
-    checkpoint_refusal = None
-    reshardable = True
+    recomputes = False  # recomputation would re-enter the gather hooks; not supported yet
 
     def shard(self, model):
-        fsdp = FullyShardedDataParallel(model, self.comm, hook=self.seams.zero3_hook)
+        self.steps_timeline: list[list[dict]] = []
+        fsdp = FullyShardedDataParallel(model, self.comm, hook=self.seams.zero3_hook,
+                                        record_timeline=self.cfg.options.timeline)
         opt = shard_optimizer(fsdp.sharded_parameters(), torch.optim.Adam,
                               fsdp.master_shards(self.master_weights), self.offload, lr=self.cfg.lr)
         return fsdp, opt, _Zero3Memory(fsdp, opt if self.offload else None)
 
     def shards(self):
         return [(u.layout, u.shard) for u in self.wrapper.units if u.shard is not None]
+
+    def train_step(self, x, y) -> float:
+        """The step; with ``timeline``, its gather/compute/free/reduce-scatter events kept apart."""
+        mark = len(self.wrapper.timeline) if self.wrapper.timeline is not None else 0
+        loss = super().train_step(x, y)
+        if self.wrapper.timeline is not None:
+            self.steps_timeline.append(self.wrapper.timeline[mark:])
+            del self.wrapper.timeline[:]
+        return loss
+
+    def report(self) -> dict:
+        """The stages' report; with ``timeline`` each step's unit events and the share of the
+        all-gather time hidden behind compute (``hidden``: :func:`~minitrain.analysis.hidden_fraction`)."""
+        out = super().report()
+        if self.cfg.options.timeline:
+            out["timeline"] = self.steps_timeline
+            out["hidden"] = [hidden_fraction(t) for t in self.steps_timeline]
+        return out
 
     def shard_optimizer(self):
         return self.optimizer

@@ -9,7 +9,7 @@ unit's gather runs under the current unit's compute.
 
 from __future__ import annotations
 
-from ..parallel.fsdp_timeline import hidden_fraction
+from ..analysis import hidden_fraction
 
 __all__ = ["unit_timeline_rows", "plot_fsdp_timeline"]
 
@@ -27,9 +27,11 @@ def unit_timeline_rows(timelines: list[list[dict]]) -> list[dict]:
             for rank, tl in enumerate(timelines)]
 
 
-def plot_fsdp_timeline(timelines: list[list[dict]], unit_names: dict[int, str] | None = None):
+def plot_fsdp_timeline(timelines: list[list[dict]], unit_names: dict[int, str] | None = None,
+                       title: str | None = None):
     """Gather, compute and reduce-scatter lanes per rank (one colour per unit, named in a legend
-    beside the axis by ``unit_names`` — unit index → name — or "unit 3"), frees as ticks."""
+    beside the axis by ``unit_names`` — unit index → name — or "unit 3"), frees as ticks; a real
+    run's, or its projection's (:func:`minitrain.projection.fsdp_timeline`)."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
@@ -58,6 +60,6 @@ def plot_fsdp_timeline(timelines: list[list[dict]], unit_names: dict[int, str] |
     ax.set_yticks([y for y, _ in labels], [t for _, t in labels], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("ms (hatched: backward; black ticks: full parameters freed)")
-    ax.set_title("ZeRO-3: gather → compute → free per unit (colour), next gather issued ahead")
+    ax.set_title(title or "ZeRO-3: gather → compute → free per unit (colour), next gather issued ahead")
     fig.tight_layout()
     return fig

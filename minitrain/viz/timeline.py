@@ -22,12 +22,18 @@ def timeline_rows(reports: list[dict], step: int = -1) -> list[dict]:
             for rank, s in enumerate(steps)]
 
 
-def plot_ddp_timeline(reports: list[dict], step: int = -1):
-    """Backward compute and each bucket's all-reduce, per rank, for one step of a real run."""
+def plot_ddp_timeline(reports: list[dict], step: int = -1, ax=None, title: str | None = None,
+                      legend: bool = True, what: str = "all-reduce"):
+    """Backward compute and each bucket's collective (``what``), per rank, for one step of a real
+    run — or of its projection (:func:`minitrain.projection.ddp_timeline`), drawn by the same
+    function; ``ax`` to draw beside another."""
     import matplotlib.pyplot as plt
 
     rows = timeline_rows(reports, step)
-    fig, ax = plt.subplots(figsize=(10, 1.4 + 0.9 * len(rows)))
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(10, 1.4 + 0.9 * len(rows)))
+    else:
+        fig = ax.figure
     colors = plt.get_cmap("tab10")
     for row in rows:
         y = row["rank"]
@@ -36,12 +42,16 @@ def plot_ddp_timeline(reports: list[dict], step: int = -1):
                 label="backward (compute)" if y == 0 else None)
         for index, b0, b1, nbytes in row["buckets"]:
             first = y == 0 and index == 0
-            ax.barh(y - 0.18, max(b1 - b0, 0.05), left=b0, height=0.32, color=colors(index % 10),
-                    label="all-reduce of a bucket (one colour each)" if first else None)
+            span = max(row["backward"][1], max((b[2] for b in row["buckets"]), default=0)) or 1
+            ax.barh(y - 0.18, max(b1 - b0, span / 400), left=b0, height=0.32,
+                    color=colors(index % 10),
+                    label=f"{what} of a bucket (one colour each)" if first else None)
     ax.set_yticks(range(len(rows)), [f"rank {r['rank']}" for r in rows])
     ax.invert_yaxis()
     ax.set_xlabel("ms since backward started")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)  # off the bars
-    ax.set_title("DDP: buckets are all-reduced while backward is still running")
+    if legend:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    ax.set_title(title or "DDP: buckets are all-reduced while backward is still running",
+                 fontsize=10 if title else None)
     fig.tight_layout()
     return fig

@@ -45,6 +45,17 @@ def mean_loss_reduce_to_0(loss):
     return loss
 
 
+def mean_loss_divides_by_4(loss):  # the notebook's 4 ranks, written in
+    dist.all_reduce(loss)
+    return loss / 4
+
+
+def mean_loss_drops_the_division(loss):  # the quotient is computed and thrown away
+    dist.all_reduce(loss)
+    loss / dist.get_world_size()
+    return loss
+
+
 # -- 2. send/send -----------------------------------------------------------------------------------
 
 
@@ -96,6 +107,37 @@ def pass_right_returns_its_own(mine):
     return mine
 
 
+def pass_right_sends_the_receive_buffer(mine):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % size, (rank - 1) % size
+    theirs = torch.zeros_like(mine)
+    work = dist.isend(theirs, right)
+    dist.recv(theirs, left)
+    work.wait()
+    return theirs
+
+
+def pass_right_never_waits_for_the_receive(mine):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % size, (rank - 1) % size
+    theirs = torch.zeros_like(mine)
+    dist.irecv(theirs, left)
+    work = dist.isend(mine, right)
+    work.wait()
+    return theirs
+
+
+def pass_right_both_ways_to_the_right(mine):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    right = (rank + 1) % size
+    theirs = torch.empty_like(mine)
+    sending = dist.isend(mine, right)
+    receiving = dist.irecv(theirs, right)
+    sending.wait()
+    receiving.wait()
+    return theirs
+
+
 # -- 3. collectives in a different order on each rank -----------------------------------------------
 
 
@@ -124,6 +166,12 @@ def sum_stats_by_size(stats):  # ties (loss, tokens: one element each) keep each
     return stats
 
 
+def sum_stats_over_a_set(stats):  # a set's order: each process's string hashes
+    for name in set(stats):
+        dist.all_reduce(stats[name])
+    return stats
+
+
 # -- 4. a collective on the wrong group -------------------------------------------------------------
 
 
@@ -144,6 +192,12 @@ def tp_sum_on_the_world(partial, groups):
 
 def tp_sum_first_group(partial, groups):
     dist.all_reduce(partial, group=groups[0])
+    return partial
+
+
+def tp_sum_broadcast(partial, groups):  # the right group, the wrong collective
+    pair = dist.get_rank() // 2
+    dist.broadcast(partial, src=2 * pair, group=groups[pair])
     return partial
 
 
@@ -191,25 +245,32 @@ def grad_norm_reduces_in_half(grad):
 ANSWERS = {
     "lab_skipped_collective": Answers(mean_loss, [
         (mean_loss_broken, "rank 0 waited in all_reduce (line 3 of your mean_loss_broken"),
-        (mean_loss_nobody_reduces, "returned its own loss"),
-        (mean_loss_divides_on_rank_0, "the sum of the losses, not their mean"),
-        (mean_loss_reduce_to_0, "all_reduce gives it to every rank"),
+        (mean_loss_nobody_reduces, "returned each its own loss (2, 2.375, 3, 3.875)"),
+        (mean_loss_divides_on_rank_0, "every rank must divide the sum by the world size, not only rank 0"),
+        (mean_loss_reduce_to_0, "a reduce leaves the sum on its destination (rank 0) only"),
+        (mean_loss_divides_by_4, "the sum 7.375 divided by 4"),
+        (mean_loss_drops_the_division, "none returned the sum divided by the world size"),
     ]),
     "lab_send_send": Answers(pass_right, [
         (pass_right_broken, "Every rank is in a blocking send"),
         (pass_right_receives_first, "Every rank is receiving and none is sending"),
-        (pass_right_the_wrong_way, "(its right neighbour's); it should get its left neighbour's"),
+        (pass_right_the_wrong_way, "rank 0 sent to rank 3; it should send to its right neighbour, rank 1"),
         (pass_right_returns_its_own, "returned its own tensor"),
+        (pass_right_sends_the_receive_buffer, "not its own tensor"),
+        (pass_right_never_waits_for_the_receive, "never waited for it"),
+        (pass_right_both_ways_to_the_right, "Every rank waits on the handle of an asynchronous send or receive"),
     ]),
     "lab_mismatched_order": Answers(sum_stats, [
-        (sum_stats_broken, "Your loop follows each rank's own dict order"),
-        (sum_stats_sorted_on_rank_0, "not on some ranks only"),
-        (sum_stats_by_size, "the ranks summed different entries together"),
+        (sum_stats_broken, "Your loop follows an order that differs from rank to rank"),
+        (sum_stats_sorted_on_rank_0, "the order must not depend on anything that differs between processes"),
+        (sum_stats_by_size, "The ranks all-reduced in different orders"),
+        (sum_stats_over_a_set, "whose dicts all list the names in the same order"),
     ]),
     "lab_wrong_group": Answers(tp_sum, [
         (tp_sum_broken, "the launcher found a deadlock"),
         (tp_sum_on_the_world, "the sum over all 4 ranks (the whole world)"),
-        (tp_sum_first_group, "got only its own partial back"),
+        (tp_sum_first_group, "which it is not a member of"),
+        (tp_sum_broadcast, "a broadcast does not sum"),
     ]),
     "lab_fp16_overflow": Answers(grad_norm, [
         (grad_norm_broken, "the all_reduce's float16 sum overflowed"),
@@ -219,5 +280,23 @@ ANSWERS = {
     ]),
 }
 
+def sum_stats_in_a_written_order(stats):  # one order, written out: right on every rank
+    out = {}
+    for name in ("histogram", "loss", "tokens"):
+        dist.all_reduce(stats[name])
+        out[name] = stats[name]
+    return out
+
+
+def mean_loss_even_ranks_print(loss):  # prints elsewhere too: the mean is what counts
+    dist.all_reduce(loss)
+    loss /= dist.get_world_size()
+    if dist.get_rank() % 2 == 0:
+        print(loss.item())
+    return loss
+
+
 #: fixes other than the one in the notebook that must pass too
-ALSO_RIGHT = {"lab_fp16_overflow": [grad_norm_scaled]}
+ALSO_RIGHT = {"lab_fp16_overflow": [grad_norm_scaled],
+              "lab_mismatched_order": [sum_stats_in_a_written_order],
+              "lab_skipped_collective": [mean_loss_even_ranks_print]}

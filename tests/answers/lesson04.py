@@ -62,6 +62,26 @@ def zero1_without_stepping(flat_params, flat_grads, shard, optimizer, comm):
     comm.all_gather(flat_params, shard.detach().clone())
 
 
+def zero1_all_reduce_behind_the_tracer(flat_params, flat_grads, shard, optimizer, comm):
+    """All-reduces through torch.distributed directly (the tracer never sees it), then slices."""
+    import torch.distributed as dist
+    size, r = shard.numel(), comm.rank
+    dist.all_reduce(flat_grads, group=comm.group)
+    shard.grad = flat_grads[r * size:(r + 1) * size] / comm.size
+    optimizer.step()
+    comm.all_gather(flat_params, shard.detach().clone())
+
+
+def zero1_reduce_scatter_behind_the_tracer(flat_params, flat_grads, shard, optimizer, comm):
+    """Right values, but the reduce-scatter bypasses comm: its bytes are never counted."""
+    import torch.distributed as dist
+    grad = torch.empty_like(shard)
+    dist.reduce_scatter_tensor(grad, flat_grads, group=comm.group)
+    shard.grad = grad / comm.size
+    optimizer.step()
+    comm.all_gather(flat_params, shard.detach().clone())
+
+
 # --------------------------------------------------------------------------------------------------
 # zero3_hook(unit, comm, moment)
 # --------------------------------------------------------------------------------------------------
@@ -185,14 +205,102 @@ def zero3_only_rank_0_gathers(unit, comm, moment):
         unit.free()
 
 
+def zero3_all_reduce_behind_the_tracer(unit, comm, moment):
+    """After backward: a direct torch.distributed all-reduce of the gradient, then one's slice."""
+    import torch.distributed as dist
+    if moment.startswith("before"):
+        unit.allocate()
+        comm.all_gather(unit.full, unit.shard)
+    else:
+        if moment == "after backward":
+            total = unit.grad.clone()
+            dist.all_reduce(total, group=comm.group)
+            size = unit.grad_shard.numel()
+            unit.grad_shard.copy_(total[comm.rank * size:(comm.rank + 1) * size])
+        unit.free()
+
+
+# --------------------------------------------------------------------------------------------------
+# zero2_hooks = (grad_ready(bucket, i, grad, comm), end_of_backward(buckets))
+# --------------------------------------------------------------------------------------------------
+
+
+def z2_grad_ready(bucket, i, grad, comm):
+    torch.mul(grad, 1.0 / comm.size, out=bucket.views[i])
+    bucket.ready.add(i)
+    if len(bucket.ready) == len(bucket.views):
+        bucket.work = comm.reduce_scatter(bucket.grad_shard, bucket.buffer, async_op=True)
+
+
+def z2_end_of_backward(buckets):
+    for bucket in buckets:
+        bucket.work.wait()
+
+
+def z2_all_reduce_then_slice(bucket, i, grad, comm):
+    """All-reduces the whole bucket directly through torch.distributed, then (at the end)
+    keeps its slice: right values, twice the bytes, and the tracer never sees them."""
+    import torch.distributed as dist
+    torch.mul(grad, 1.0 / comm.size, out=bucket.views[i])
+    bucket.ready.add(i)
+    if len(bucket.ready) == len(bucket.views):
+        bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
+
+
+def z2_end_taking_the_slice(buckets):
+    for bucket in buckets:
+        bucket.work.wait()
+        size = bucket.grad_shard.numel()
+        rank = __import__("torch.distributed").distributed.get_rank()
+        bucket.grad_shard.copy_(bucket.buffer[rank * size:(rank + 1) * size])
+
+
+def z2_no_divide(bucket, i, grad, comm):
+    bucket.views[i].copy_(grad)
+    bucket.ready.add(i)
+    if len(bucket.ready) == len(bucket.views):
+        bucket.work = comm.reduce_scatter(bucket.grad_shard, bucket.buffer, async_op=True)
+
+
+def z2_fill_only(bucket, i, grad, comm):
+    torch.mul(grad, 1.0 / comm.size, out=bucket.views[i])
+    bucket.comm = comm
+
+
+def z2_launch_at_the_end(buckets):
+    for bucket in buckets:
+        bucket.work = bucket.comm.reduce_scatter(bucket.grad_shard, bucket.buffer, async_op=True)
+    for bucket in buckets:
+        bucket.work.wait()
+
+
+def z2_never_waits(buckets):
+    """Returns at once: the optimizer may read a shard that has not arrived."""
+
+
+def z2_on_the_last_view(bucket, i, grad, comm):
+    torch.mul(grad, 1.0 / comm.size, out=bucket.views[i])
+    if i == len(bucket.views) - 1:
+        bucket.work = comm.reduce_scatter(bucket.grad_shard, bucket.buffer, async_op=True)
+
+
 ANSWERS = {
     "zero1_step": Answers(zero1_step, [
         (zero1_without_dividing, "divide by N"),
         (zero1_own_slice, "with its own gradient only"),
-        (zero1_all_reduce, "a reduce-scatter sends half"),
+        (zero1_all_reduce, "half an all-reduce's 2(N−1)/N"),
         (zero1_without_gather, "own shard is right but element"),
         (zero1_gather_before_step, "ran before the optimizer stepped"),
         (zero1_without_stepping, "flat_params did not change"),
+        (zero1_all_reduce_behind_the_tracer, "directly through torch.distributed (the tracer never saw it)"),
+        (zero1_reduce_scatter_behind_the_tracer, "called torch.distributed's reduce_scatter_tensor directly"),
+    ]),
+    "zero2_hooks": Answers((z2_grad_ready, z2_end_of_backward), [
+        ((z2_all_reduce_then_slice, z2_end_taking_the_slice), "each bucket needs one reduce-scatter, not an all-reduce"),
+        ((z2_no_divide, z2_end_of_backward), "N = 2 times the mean"),
+        ((z2_fill_only, z2_launch_at_the_end), "nothing overlapped: all 7 reduce-scatters started after backward ended"),
+        ((z2_grad_ready, z2_never_waits), "reduce-scatter was launched but never waited for"),
+        ((z2_on_the_last_view, z2_end_of_backward), "do not wait for one particular view"),
     ]),
     "zero3_hook": Answers(zero3_hook, [
         (zero3_never_free, "held"),
@@ -204,6 +312,7 @@ ANSWERS = {
         (zero3_reversed_order, "in the wrong order"),
         (zero3_without_reduce_scatter, "holds only rank"),
         (zero3_reduce_after_forward_too, "exist only at 'after backward'"),
-        (zero3_only_rank_0_gathers, "every rank must call each collective"),
+        (zero3_only_rank_0_gathers, "(line 6 of your zero3_only_rank_0_gathers: comm.all_gather(unit.full, unit.shard))"),
+        (zero3_all_reduce_behind_the_tracer, "directly through torch.distributed (the tracer never saw it)"),
     ]),
 }

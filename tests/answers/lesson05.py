@@ -30,6 +30,14 @@ def warm_up_one_too_many(rank, stages, microbatches):  # P − rank warm-up forw
     return actions + [f"B{m}" for m in range(microbatches - warmup, microbatches)]
 
 
+def warm_up_without_min(rank, stages, microbatches):  # P − rank − 1 warm-up forwards, even when M
+    warmup = stages - rank - 1                           # is smaller: at P = 4, M = 2 rank 0 runs F2
+    actions = [f"F{m}" for m in range(warmup)]
+    for i in range(microbatches - warmup):
+        actions += [f"F{warmup + i}", f"B{i}"]
+    return actions + [f"B{m}" for m in range(microbatches - warmup, microbatches)]
+
+
 def backwards_first(rank, stages, microbatches):  # a backward before its forward
     return one_f_one_b(rank, stages, microbatches)[::-1]
 
@@ -229,6 +237,9 @@ ANSWERS = {
         (no_warm_up, "time units where 1F1B takes"),
         (warm_up_one_too_many, "rank 0 holds 3 micro-batches' activations at once; 1F1B holds at "
                                "most P − rank = 2"),
+        (warm_up_without_min, "warm_up_without_min(0, 4, 2) returned ['F0', 'F1', 'F2', 'B-1', 'B0', 'B1']: "
+                              "micro-batches -1, 2 do not exist — with M = 2 they are 0 to 1; it ran "
+                              "3 forwards before its first backward"),
         (backwards_first, "comes before"),
         (returns_nothing, "returned None"),
         (words_not_actions, "is not an action"),

@@ -56,6 +56,16 @@ class ColumnAveraged(ColumnParallel):  # the all-reduce's sum divided by N, as f
         return grad_x, _tokens(grad_out).T @ _tokens(x), _tokens(grad_out).sum(0), None
 
 
+class ColumnBiasAveraged(ColumnParallel):  # the bias gradient averaged over the ranks, as in DP
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out @ weight
+        ctx.comm.all_reduce(grad_x)
+        grad_bias = _tokens(grad_out).sum(0) / ctx.comm.size if ctx.has_bias else None
+        return grad_x, _tokens(grad_out).T @ _tokens(x), grad_bias, None
+
+
 class ColumnAllReduceForward(ColumnParallel):  # sums the ranks' (different) columns in forward
     @staticmethod
     def forward(ctx, x, weight, bias, comm):
@@ -154,6 +164,8 @@ ANSWERS = {
         (ColumnAveraged, "the mean of the ranks' parts"),
         (ColumnAllReduceForward, "forward communicated (all_reduce)"),
         (ColumnWeightGradOfOneSample, "the weight gradient differs"),
+        (ColumnBiasAveraged, "the bias gradient is 1/2 of rows 0:4 of the full layer's bias "
+                             "gradient — divided by N = 2"),
         (ColumnNone, "forward returned NoneType"),
         (ColumnBiasAlways, "with bias=None"),
     ]),
@@ -165,3 +177,120 @@ ANSWERS = {
         (RowSlicesXAgain, "x is this rank's slice X_r"),
     ]),
 }
+
+
+# -- vocab_parallel_cross_entropy: the loss from each rank's slice of the logits ---------------------
+
+
+class VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, vocab_size, comm):
+        columns = torch.arange(vocab_start, vocab_start + logits.shape[-1])
+        logits = logits.float().masked_fill(columns >= vocab_size, float("-inf"))
+        peak = logits.max(-1).values
+        comm.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+        shifted = logits - peak.unsqueeze(-1)
+        mine = (target >= vocab_start) & (target < vocab_start + logits.shape[-1])
+        local = (target - vocab_start).clamp(0, logits.shape[-1] - 1)
+        target_logit = torch.where(mine, shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)
+        exp = shifted.exp()
+        both = torch.stack([target_logit, exp.sum(-1)])
+        comm.all_reduce(both)
+        softmax = exp / both[1].unsqueeze(-1)
+        ctx.save_for_backward(softmax, local, mine)
+        return both[1].log() - both[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, mine = ctx.saved_tensors
+        g = softmax.clone()
+        g.scatter_add_(-1, local.unsqueeze(-1), -mine.unsqueeze(-1).to(g.dtype))
+        return g * grad.unsqueeze(-1), None, None, None, None
+
+
+class CEGathersTheLogits(VocabParallelCE):  # right numbers, but the whole vocabulary travels
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, vocab_size, comm):
+        parts = logits.new_empty(comm.size * logits.shape[0], *logits.shape[1:])
+        comm.all_gather(parts, logits.contiguous())
+        full = torch.cat(parts.chunk(comm.size), -1)[..., :vocab_size]
+        ctx.save_for_backward(full.softmax(-1), target)
+        ctx.start, ctx.width = vocab_start, logits.shape[-1]
+        return torch.logsumexp(full, -1) - full.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, target = ctx.saved_tensors
+        g = softmax - torch.nn.functional.one_hot(target, softmax.shape[-1]).to(softmax.dtype)
+        g = torch.nn.functional.pad(g, (0, ctx.start + ctx.width - softmax.shape[-1]))
+        return (g * grad.unsqueeze(-1))[..., ctx.start:ctx.start + ctx.width], None, None, None, None
+
+
+class CEPaddingCounted(VocabParallelCE):  # the padded columns go into the softmax
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, vocab_size, comm):
+        logits = logits.float()
+        peak = logits.max(-1).values
+        comm.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+        shifted = logits - peak.unsqueeze(-1)
+        mine = (target >= vocab_start) & (target < vocab_start + logits.shape[-1])
+        local = (target - vocab_start).clamp(0, logits.shape[-1] - 1)
+        target_logit = torch.where(mine, shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)
+        exp = shifted.exp()
+        both = torch.stack([target_logit, exp.sum(-1)])
+        comm.all_reduce(both)
+        ctx.save_for_backward(exp / both[1].unsqueeze(-1), local, mine)
+        return both[1].log() - both[0]
+
+
+class CEWithoutTheMax(VocabParallelCE):  # exp(z) straight: overflows for large logits
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, vocab_size, comm):
+        columns = torch.arange(vocab_start, vocab_start + logits.shape[-1])
+        exp = logits.float().exp().masked_fill(columns >= vocab_size, 0.0)
+        mine = (target >= vocab_start) & (target < vocab_start + logits.shape[-1])
+        local = (target - vocab_start).clamp(0, logits.shape[-1] - 1)
+        target_logit = torch.where(mine, logits.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)
+        both = torch.stack([target_logit, exp.sum(-1)])
+        comm.all_reduce(both)
+        ctx.save_for_backward(exp / both[1].unsqueeze(-1), local, mine)
+        return both[1].log() - both[0]
+
+
+class CEOwnMax(VocabParallelCE):  # each rank shifts by its own max: the sums do not add up
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, vocab_size, comm):
+        columns = torch.arange(vocab_start, vocab_start + logits.shape[-1])
+        logits = logits.float().masked_fill(columns >= vocab_size, float("-inf"))
+        shifted = logits - logits.max(-1).values.unsqueeze(-1)
+        mine = (target >= vocab_start) & (target < vocab_start + logits.shape[-1])
+        local = (target - vocab_start).clamp(0, logits.shape[-1] - 1)
+        target_logit = torch.where(mine, shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)
+        exp = shifted.exp()
+        both = torch.stack([target_logit, exp.sum(-1)])
+        comm.all_reduce(both)
+        ctx.save_for_backward(exp / both[1].unsqueeze(-1), local, mine)
+        return both[1].log() - both[0]
+
+
+class CEGradientWithoutOneHot(VocabParallelCE):
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, mine = ctx.saved_tensors
+        return softmax * grad.unsqueeze(-1), None, None, None, None
+
+
+class CEMeanNotPerPosition(VocabParallelCE):
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, vocab_size, comm):
+        return VocabParallelCE.forward(ctx, logits, target, vocab_start, vocab_size, comm).mean()
+
+
+ANSWERS["vocab_parallel_cross_entropy"] = Answers(VocabParallelCE, [
+    (CEGathersTheLogits, "forward made all_gather"),
+    (CEPaddingCounted, "padding column(s) (ids 13..13, holding a logit of 10000 here) included"),
+    (CEWithoutTheMax, "overflows float32"),
+    (CEOwnMax, "matches sums of exponentials each shifted by its own rank's max"),
+    (CEGradientWithoutOneHot, "the target's column also gets −1"),
+    (CEMeanNotPerPosition, "the loss at every position (no mean"),
+])

@@ -83,6 +83,18 @@ def unscales_in_16_bits(params, masters, optimizer, loss_scale):
     return True
 
 
+def masters_from_the_16bit_weights(params, masters, optimizer, loss_scale):
+    for p, m in zip(params, masters):
+        m.copy_(p)  # "keep them in sync": the masters lose their fp32 digits at every step
+        m.grad = p.grad.float() / (loss_scale or 1)
+    if not all(torch.isfinite(m.grad).all() for m in masters):
+        return False
+    optimizer.step()
+    for p, m in zip(params, masters):
+        p.copy_(m)
+    return True
+
+
 def rebinds_instead_of_copying(params, masters, optimizer, loss_scale):
     for p, m in zip(params, masters):
         m.grad = p.grad.float() / (loss_scale or 1)
@@ -171,6 +183,45 @@ def only_the_input_gradient(block, x):
     return OnlyTheInput.apply(x, block)
 
 
+class RngNotForked(Recompute):  # replays the RNG state, but leaves the generator there
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_()
+        torch.set_rng_state(ctx.rng)
+        with torch.enable_grad():
+            y = ctx.block(x)
+        torch.autograd.backward(y, grad)
+        return x.grad, None
+
+
+def rng_restored_without_fork(block, x):
+    return RngNotForked.apply(x, block)
+
+
+class SavesTheOutputToo(Recompute):  # keeps the block's output beside its input
+    @staticmethod
+    def forward(ctx, x, block):
+        ctx.block, ctx.rng = block, torch.get_rng_state()
+        y = block(x)
+        ctx.save_for_backward(x, y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, _ = ctx.saved_tensors
+        x = x.detach().requires_grad_()
+        with torch.enable_grad(), torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(ctx.rng)
+            y = ctx.block(x)
+        torch.autograd.backward(y, grad)
+        return x.grad, None
+
+
+def saves_the_output_too(block, x):
+    return SavesTheOutputToo.apply(x, block)
+
+
 class NotDetached(Recompute):
     @staticmethod
     def backward(ctx, grad):
@@ -228,6 +279,8 @@ ANSWERS = {
         (skips_only_on_inf, "(a gradient holds nan): the step was taken"),
         (forgets_to_copy_back, "copy the masters back into them"),
         (unscales_in_16_bits, "convert to fp32 first, then divide by loss_scale"),
+        (masters_from_the_16bit_weights, "the masters were overwritten with the bfloat16 weights' "
+                                         "values"),
         (rebinds_instead_of_copying, "copy the masters' values into the 16-bit parameters in place"),
     ]),
     "recompute_block": Answers(recompute, [
@@ -236,6 +289,9 @@ ANSWERS = {
         (forgets_the_rng, "drew a different dropout mask"),
         (only_the_input_gradient, "the block's parameters got no gradient"),
         (recomputes_from_the_saved_x, "recompute from a detached copy of x"),
+        (rng_restored_without_fork, "after backward the random-number generator is at the state "
+                                    "right after the block's forward"),
+        (saves_the_output_too, "2× the 1,024 bytes of the block's input"),
     ]),
     "loss_scale_update": Answers(scale_update, [
         (never_grows, "double after growth_interval good steps"),

@@ -11,6 +11,12 @@ def merge(out_a, lse_a, out_b, lse_b):
             + torch.exp(lse_b - lse).unsqueeze(-1) * out_b), lse
 
 
+def naive_exp_merge(out_a, lse_a, out_b, lse_b):  # exp(lse) itself: inf in float32 at lse ~ 100
+    sa, sb = torch.exp(lse_a), torch.exp(lse_b)
+    s = sa + sb
+    return (sa.unsqueeze(-1) * out_a + sb.unsqueeze(-1) * out_b) / s.unsqueeze(-1), torch.log(s)
+
+
 def no_rescale(out_a, lse_a, out_b, lse_b):
     return out_a + out_b, torch.logaddexp(lse_a, lse_b)
 
@@ -52,6 +58,29 @@ def the_library_call(output, input, output_splits, input_splits, comm):
     return output
 
 
+def blocking_sends(output, input, output_splits, input_splits, comm):  # every rank sends first
+    r = comm.rank
+    ins, outs = input.split(input_splits), output.split(output_splits)
+    for p in range(comm.size):
+        if p != r:
+            comm.send(ins[p].contiguous(), p)
+            comm.recv(outs[p], p)
+    outs[r].copy_(ins[r])
+    return output
+
+
+def own_block_forgotten(output, input, output_splits, input_splits, comm):
+    r, works = comm.rank, []
+    ins, outs = input.split(input_splits), output.split(output_splits)
+    for p in range(comm.size):
+        if p != r:
+            works.append(comm.isend(ins[p].contiguous(), p))
+            works.append(comm.irecv(outs[p], p))
+    for w in works:
+        w.wait()
+    return output  # its own rows never copied
+
+
 def returns_nothing(output, input, output_splits, input_splits, comm):
     dispatch(output, input, output_splits, input_splits, comm)
 
@@ -62,10 +91,83 @@ ANSWERS = {
         (lse_as_max, "logaddexp"),
         (exp_without_subtracting, "NaN"),
         (only_the_output, "(out, lse)"),
+        (naive_exp_merge, "overflows float32"),
     ]),
     "all_to_all_dispatch": Answers(dispatch, [
         (splits_swapped, "not the other way round"),
         (the_library_call, "not dist.all_to_all_single"),
         (returns_nothing, "return output"),
+        (blocking_sends, "your blocking_sends: comm.send(ins[p].contiguous(), p))"),
+        (own_block_forgotten, "its own rows are wrong: copy input's block for rank 0 into output's "
+                              "block for rank 0"),
     ]),
 }
+
+
+# -- moe_router(logits (G, S, E), k, capacity) -> (experts, gates, keep, aux_loss) -------------------
+
+
+def router(logits, k, capacity):
+    G, S, E = logits.shape
+    probs = torch.softmax(logits.float(), -1)
+    top, experts = probs.topk(k, -1)
+    gates = top / top.sum(-1, keepdim=True)
+    chosen = torch.nn.functional.one_hot(experts, E)                # (G, S, k, E)
+    queue = chosen.transpose(1, 2).reshape(G, k * S, E)             # first choices first
+    position = ((queue.cumsum(1) - 1) * queue).sum(-1).view(G, k, S).transpose(1, 2)
+    keep = position < capacity if capacity is not None else torch.ones_like(position, dtype=torch.bool)
+    f = chosen.sum((1, 2)).float() / (S * k)
+    aux = (E * (f * probs.mean(1)).sum(-1)).mean()
+    return experts, gates, keep, aux
+
+
+def token_order_queue(logits, k, capacity):  # a token's second choice before later first choices
+    experts, gates, _, aux = router(logits, k, capacity)
+    G, S, E = logits.shape
+    chosen = torch.nn.functional.one_hot(experts, E).reshape(G, S * k, E)
+    position = ((chosen.cumsum(1) - 1) * chosen).sum(-1).view(G, S, k)
+    keep = position < capacity if capacity is not None else torch.ones_like(position, dtype=torch.bool)
+    return experts, gates, keep, aux
+
+
+def raw_probabilities_as_gates(logits, k, capacity):
+    experts, _, keep, aux = router(logits, k, capacity)
+    return experts, torch.softmax(logits.float(), -1).gather(-1, experts), keep, aux
+
+
+def aux_without_gradient(logits, k, capacity):
+    experts, gates, keep, aux = router(logits.detach(), k, capacity)
+    return experts, gates, keep, aux
+
+
+def aux_over_all_groups(logits, k, capacity):
+    experts, gates, keep, _ = router(logits, k, capacity)
+    G, S, E = logits.shape
+    probs = torch.softmax(logits.float(), -1)
+    f = torch.nn.functional.one_hot(experts, E).sum((0, 1, 2)).float() / (G * S * k)
+    return experts, gates, keep, E * (f * probs.mean((0, 1))).sum()
+
+
+def capacity_ignored(logits, k, capacity):
+    experts, gates, keep, aux = router(logits, k, None)
+    return experts, gates, keep, aux
+
+
+def capacity_counted_over_all_groups(logits, k, capacity):
+    experts, gates, _, aux = router(logits, k, None)
+    G, S, E = logits.shape
+    queue = torch.nn.functional.one_hot(experts, E).transpose(1, 2).reshape(1, G * k * S, E)
+    position = ((queue.cumsum(1) - 1) * queue).sum(-1).view(G, k, S).transpose(1, 2)
+    keep = position < capacity if capacity is not None else torch.ones_like(position, dtype=torch.bool)
+    return experts, gates, keep, aux
+
+
+ANSWERS["moe_router"] = Answers(router, [
+    (token_order_queue, "an expert's queue takes every token's first choice, in token order, before "
+                        "any second choice"),
+    (raw_probabilities_as_gates, "they are the chosen experts' probabilities renormalised"),
+    (aux_without_gradient, "aux_loss carries no gradient to the logits"),
+    (aux_over_all_groups, "that is the loss over all groups pooled together"),
+    (capacity_ignored, "where its capacity is 4"),
+    (capacity_counted_over_all_groups, "kept only"),
+])

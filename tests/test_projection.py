@@ -1,0 +1,329 @@
+"""The projection (issue 25): the replay's rules on hand-made event logs, the scaling of every message
+to a bigger model, the refusals, and the surfaces (train(project=...), the CLI's JSON, clusters).
+Behaviour only: no test asserts how long anything took here."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from minitrain import train
+from minitrain.clusters import PRESETS, describe, get_cluster
+from minitrain.cli import main
+from minitrain.model import GPTConfig, PRESETS as MODELS, training_flops
+from minitrain.projection import (MODEL_SIZES, Instance, Op, ReplayError, breakdown,
+                                  check_projection, ddp_timeline, pipeline_timeline, project,
+                                  rank_work, replay, target_model)
+from minitrain.viz.pipeline import bubble_summary
+from minitrain.viz.timeline import timeline_rows
+
+C = Op  # shorthand for the hand-made programs
+
+
+def compute(seconds):
+    return Op("compute", seconds)
+
+
+def issue(key):
+    return Op("issue", 0.0, key)
+
+
+def wait(key):
+    return Op("wait", 0.0, key)
+
+
+def coll(name, members, seconds):
+    return Instance("all_reduce", tuple(members), 0.0, seconds=seconds)
+
+
+# --------------------------------------------------------------------------------------------------
+# The replay's rules, on hand-made logs
+# --------------------------------------------------------------------------------------------------
+
+
+def test_a_collective_starts_when_its_last_member_issues_it():
+    key = ("c", (0, 1), 0)
+    programs = {0: [compute(1.0), issue(key), wait(key), compute(0.5)],
+                1: [compute(3.0), issue(key), wait(key), compute(0.5)]}
+    out = replay(programs, {key: coll("x", (0, 1), 0.25)})
+    assert out["comm"][key] == pytest.approx((3.0, 3.25))
+    assert out["ranks"][0]["end"] == out["ranks"][1]["end"] == pytest.approx(3.75)
+    parts = breakdown(out)
+    # rank 0 waited 2.25 s: 2 s for rank 1 (idle), 0.25 s for the all-reduce itself (exposed)
+    assert parts["exposed_comm_s"] == pytest.approx(0.25)
+    assert parts["idle_s"] == pytest.approx(1.0)  # mean over the two ranks: (2 + 0) / 2
+    assert parts["compute_s"] + parts["exposed_comm_s"] + parts["idle_s"] == pytest.approx(3.75)
+
+
+@pytest.mark.parametrize("cost, end, hidden", [(0.5, 3.0, 1.0), (5.0, 6.0, 0.4)])
+def test_a_wait_blocks_and_overlap_hides_exactly_what_the_timeline_says(cost, end, hidden):
+    """Issued at 1 s, then 2 s of compute, then waited for: a 0.5 s all-reduce is hidden entirely,
+    a 5 s one for the 2 s of compute that ran beside it."""
+    key = ("c", (0, 1), 0)
+    prog = [compute(1.0), issue(key), compute(2.0), wait(key)]
+    out = replay({0: list(prog), 1: list(prog)}, {key: coll("x", (0, 1), cost)})
+    assert out["step_time"] == pytest.approx(end)
+    assert out["comm"][key] == pytest.approx((1.0, 1.0 + cost))
+    parts = breakdown(out)
+    assert parts["hidden_comm_share"] == pytest.approx(hidden)
+    assert parts["exposed_comm_s"] == pytest.approx(max(0.0, cost - 2.0))
+    waits = [s for s in out["ranks"][0]["segments"] if s["kind"] == "wait"]
+    assert waits[0]["end"] - waits[0]["start"] == pytest.approx(max(0.0, cost - 2.0))
+
+
+def test_a_message_arrives_one_transfer_after_its_send():
+    key = ("p", 0, 1, 0, 0)
+    programs = {0: [compute(2.0), issue(key), compute(1.0), wait(key)],
+                1: [issue(key), compute(0.5), wait(key), compute(1.0)]}
+    inst = Instance("send", (0, 1), 1e6, seconds=0.75)
+    out = replay(programs, {key: inst})
+    assert out["comm"][key] == pytest.approx((2.0, 2.75))  # posted at 0 and 2: starts at 2
+    assert out["ranks"][1]["end"] == pytest.approx(3.75)  # waited from 0.5 to 2.75, then 1 s
+    assert out["ranks"][0]["end"] == pytest.approx(3.0)
+
+
+def test_a_group_runs_its_collectives_one_after_another():
+    a, b = ("c", (0, 1), 0), ("c", (0, 1), 1)
+    prog = [issue(a), issue(b), wait(a), wait(b)]
+    out = replay({0: list(prog), 1: list(prog)}, {a: coll("a", (0, 1), 1.0), b: coll("b", (0, 1), 1.0)})
+    assert out["comm"][b] == pytest.approx((1.0, 2.0))  # the stream is busy until a is done
+
+
+def test_a_wait_for_something_a_member_never_issues_is_reported_not_hung():
+    key = ("c", (0, 1), 0)
+    with pytest.raises(ReplayError, match=r"rank 0 waits for all_reduce .* rank\(s\) \[1\]"):
+        replay({0: [issue(key), wait(key)], 1: [compute(1.0)]}, {key: coll("x", (0, 1), 1.0)})
+
+
+def test_the_measured_compute_is_replayed_as_measured_and_priced_by_a_compute_function():
+    out = replay({0: [compute(1.0), compute(2.0)]}, {}, compute=lambda r, op: op.seconds / 10)
+    assert out["step_time"] == pytest.approx(0.3)
+
+
+# --------------------------------------------------------------------------------------------------
+# Clusters and model sizes
+# --------------------------------------------------------------------------------------------------
+
+
+def test_every_preset_says_where_its_numbers_come_from():
+    rows = {r["cluster"]: r for r in describe()}
+    assert {"dgx-a100", "dgx-h100", "ib-a100", "ib-h100", "eth-25g", "local", "binder"} <= set(rows)
+    for key, spec in PRESETS.items():
+        row = rows[key]
+        assert row["peak_tflops"] > 0 and 0 < row["sustained_fraction"] < 1
+        assert all(len(src) > 20 for src in row["sources"])
+    assert "datasheet" in rows["dgx-h100"]["sources"][0]
+    assert "nccl-tests" in rows["dgx-h100"]["sources"][1]
+    assert get_cluster("ib-h100x8").devices == 64
+
+
+def test_a_group_that_leaves_the_node_pays_the_network():
+    spec = get_cluster("ib-h100x2")
+    inside = spec.seconds("all_reduce", 1e9, [0] * 8)
+    across = spec.seconds("all_reduce", 1e9, [0] * 4 + [1] * 4)
+    one_per_node = spec.seconds("all_reduce", 1e9, [0, 1])
+    assert inside < across < one_per_node
+    assert spec.placement(16) == [0] * 8 + [1] * 8 and spec.placement(2) == [0, 1]
+
+
+def test_model_sizes_are_the_published_shapes():
+    assert MODEL_SIZES["1.3b"].num_params() == pytest.approx(1.3e9, rel=0.1)
+    assert MODEL_SIZES["7b"].num_params() == pytest.approx(6.7e9, rel=0.05)
+    moe = target_model("1.3b", MODELS["tiny-moe"])
+    assert (moe.n_expert, moe.top_k) == (4, 2) and moe.ff == moe.d_model * 2
+
+
+def test_training_flops_are_narayanans_formula():
+    cfg = GPTConfig(vocab_size=51200, seq_len=2048, n_layer=24, n_head=24, d_model=2304)
+    L, h, s, V = 24, 2304, 2048, 51200
+    assert training_flops(cfg, 1) == pytest.approx(72 * L * h * h * (1 + s / (6 * h) + V / (12 * L * h)))
+    assert training_flops(cfg, 1, recompute=True) == pytest.approx(
+        96 * L * h * h * (1 + s / (6 * h) + V / (16 * L * h)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Refusals, before any process starts
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("project_, as_model, kw, message", [
+    ("dgx-h200", None, {}, "unknown cluster 'dgx-h200' (did you mean 'dgx-h100'?); choose one of: dgx-a100, dgx-h100"),
+    ("dgx-h100", "70b", {}, "unknown model size '70b'; choose one of: gpt2, 1.3b"),
+    (None, "7b", {}, "--as-model needs --project"),
+    ("dgx-h100", None, {"strategy": "ps-sync", "world_size": 3}, "cannot be projected"),
+    ("dgx-h100", None, {"strategy": "ddp", "world_size": 16}, "do not fit"),
+    ("dgx-h100", "1.3b", {"strategy": "tensor", "world_size": 3}, "do not split over tensor"),
+    ("local", "1.3b", {"strategy": "pipeline", "world_size": 2,
+                       "model": GPTConfig(n_layer=2)}, None),
+])
+def test_impossible_projections_are_refused_naming_the_choices(project_, as_model, kw, message):
+    if message is None:
+        check_projection(project_, as_model, **kw)  # possible: no error
+        return
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_projection(project_, as_model, **kw)
+
+
+def test_the_cli_refuses_a_projection_before_any_process_starts(no_spawn, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--strategy", "ddp", "--world-size", "2", "--project", "nowhere"])
+    assert info.value.code == 2
+    assert "unknown cluster 'nowhere'; choose one of" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown cluster"):
+        train(strategy="ddp", world_size=2, project="nowhere")
+
+
+# --------------------------------------------------------------------------------------------------
+# Real runs: recording, scaling, the surfaces
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ddp_run(clusters):
+    return train(strategy="ddp", world_size=2, steps=3, batch_size=8, cluster=clusters(2),
+                 project="dgx-h100", as_model="1.3b")
+
+
+def test_recording_keeps_issue_order_waits_steps_and_optimizer_steps(ddp_run):
+    log = ddp_run["events"][0]
+    kinds = [k for _, k, _ in log["marks"]]
+    assert kinds.count("step") == kinds.count("step_end") == 3
+    assert kinds.count("optimizer") == kinds.count("optimizer_end") == 3
+    ids = [e["id"] for e in log["events"]]
+    assert len(set(ids)) == len(ids)
+    buckets = [e for e in log["events"] if e["tag"].startswith("bucket")]
+    assert buckets and all(e["async_op"] and e["wait_start"] is not None for e in buckets)
+    assert all(e["ranks"] == (0, 1) for e in buckets)
+    # the loss's untraced all-reduce is seen (it synchronises the ranks) but is not training traffic
+    untraced = [e for e in log["events"] if not e["traced"]]
+    assert [e["op"] for e in untraced] == ["all_reduce"] * 3
+    assert ddp_run["summary"]["comm"][0]["total"]["calls"] == len(buckets)
+
+
+def test_ddp_bytes_scale_to_the_closed_form_at_the_target_size(ddp_run):
+    """Per step each rank all-reduces 4Ψ bytes of fp32 gradients (2Ψ in bf16), Ψ the target's."""
+    for precision, item in (("fp32", 4), ("bf16-mixed", 2)):
+        p = project(ddp_run, "dgx-h100", "7b", precision=precision)
+        psi = MODEL_SIZES["7b"].num_params()
+        for rank in (0, 1):
+            sent = sum(e["bytes"] for e in p["timeline"][rank] if e.get("tag", "").startswith("bucket"))
+            assert sent == pytest.approx(item * psi, rel=1e-9)
+        n = 2
+        assert 2 * (n - 1) / n * sent == pytest.approx(item * psi)
+
+
+def test_zero3_gathers_scale_unit_by_unit(clusters):
+    run = train(strategy="zero3", world_size=2, steps=2, batch_size=8, cluster=clusters(2),
+                record_events=True)
+    target = MODEL_SIZES["1.3b"]
+    p = project(run, "dgx-h100", "1.3b", precision="fp32", steps=[1])
+    gathers = {}
+    for e in p["timeline"][0]:
+        if e.get("tag", "").startswith("params-unit"):
+            gathers.setdefault(e["tag"], e["bytes"])  # a unit's first gather (forward)
+    # the embedding and head units carry theirs; each run block stands for L'/L target blocks
+    assert gathers["params-unit0"] == pytest.approx(4 * target.embed_params(), rel=1e-3)
+    assert sum(gathers.values()) == pytest.approx(4 * target.num_params(), rel=1e-3)
+
+
+def test_tensor_parallel_activations_scale_with_batch_sequence_and_hidden(clusters):
+    run = train(strategy="tensor", world_size=2, steps=2, batch_size=4, cluster=clusters(2),
+                record_events=True)
+    target = MODEL_SIZES["1.3b"]
+    p = project(run, "dgx-h100", "1.3b", steps=[1])  # bf16: 2 bytes
+    layer = [e for e in p["timeline"][0] if e.get("tag", "").startswith("blocks.0.")]
+    assert layer
+    one = 4 * target.seq_len * target.d_model * 2  # batch 4 (the run's) x s x h, bf16
+    per_layer = target.n_layer / GPTConfig().n_layer
+    assert all(e["bytes"] == pytest.approx(one * per_layer) for e in layer)
+
+
+def test_train_adds_a_projection_beside_the_measurement(ddp_run):
+    p = ddp_run["summary"]["projection"]
+    for key in ("cluster", "model", "step_time_s", "compute_s", "exposed_comm_s", "bubble_s",
+                "hidden_comm_share", "mfu", "measured_step_s", "sources"):
+        assert key in p
+    assert p["cluster"] == "dgx-h100" and p["model"].startswith("1.3b")
+    assert 0 < p["mfu"] < 1
+    parts = p["compute_s"] + p["exposed_comm_s"] + p["bubble_s"] + p["idle_s"]
+    assert parts == pytest.approx(p["step_time_s"])
+    # compute is the rank's FLOPs at the device's sustained rate, plus Adam's 28 bytes per
+    # parameter at its memory bandwidth
+    for name in ("dgx-a100", "dgx-h100"):
+        device = get_cluster(name).device
+        work = rank_work(ddp_run["summary"], MODEL_SIZES["1.3b"], 0)
+        expected = work.flops / device.flop_rate() + 28 * work.opt_params / device.memory_bw
+        assert project(ddp_run, name, "1.3b")["compute_s"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_bigger_model_that_does_not_fit_says_so(ddp_run):
+    p = project(ddp_run, "dgx-h100", "13b")
+    assert p["fits"] is False  # 16 bytes per parameter of 13B replicated: over 80 GB
+    assert p["memory"][0]["optimizer_states"] == pytest.approx(12 * MODEL_SIZES["13b"].num_params())
+
+
+def test_the_run_replayed_on_this_machine_keeps_its_measured_compute(ddp_run):
+    p = project(ddp_run, "local")
+    assert p["compute_mode"] == "measured" and p["cluster"] == "local"
+    measured = [s for s in p["_replay"]["ranks"][0]["segments"] if s["kind"] == "compute"]
+    assert all(s["end"] - s["start"] == pytest.approx(s["measured"][1] - s["measured"][0])
+               for s in measured)
+
+
+def test_a_pipeline_projection_reports_its_bubble_and_redraws_its_timeline(clusters):
+    run = train(strategy="pipeline", world_size=2, steps=2, batch_size=8, cluster=clusters(2),
+                options={"schedule": "gpipe", "microbatches": 4}, record_events=True)
+    p = project(run, "dgx-h100", "1.3b")
+    assert p["bubble_s"] > 0 and p["exposed_comm_s"] >= 0
+    sends = [e for e in p["timeline"][0] if e["op"] == "send"]
+    assert len(sends) == 4  # one activation per micro-batch, forward
+    assert sends[0]["bytes"] == pytest.approx(2 * MODEL_SIZES["1.3b"].seq_len * 2048 * 2)
+    timeline, q = pipeline_timeline(run, "dgx-h100", "1.3b")
+    measured = run["summary"]["report"][0]["timeline"]
+    assert [e["action"] for e in timeline] == [e["action"] for e in measured]
+    assert all(e["ready"] <= e["start"] <= e["end"] <= q["step_time_s"] * (1 + 1e-9)
+               for e in timeline)
+    summary = bubble_summary(timeline, 2, 4)
+    assert 0 < summary["bubble"] < 1
+
+
+def test_even_gives_a_pipelines_equal_micro_batches_equal_time(clusters):
+    """even=True: every forward of a rank gets the same share of its FLOPs (equal micro-batches),
+    so on the cluster the first stage's forwards take the same time; the ranks' compute is kept."""
+    run = train(strategy="pipeline", world_size=2, steps=2, batch_size=8, cluster=clusters(2),
+                options={"schedule": "gpipe", "microbatches": 4}, record_events=True)
+    _, p = pipeline_timeline(run, "dgx-h100", "1.3b")
+    timeline, q = pipeline_timeline(run, "dgx-h100", "1.3b", even=True)
+    forwards = [e["end"] - e["start"] for e in q["timeline"][0]
+                if e["op"] == "compute" and e["phase"] == "forward"]
+    assert len(forwards) == 4 and max(forwards) == pytest.approx(min(forwards), rel=1e-6)
+    assert q["compute_s"] == pytest.approx(p["compute_s"], rel=1e-6)  # the same FLOPs, shared out
+
+
+def test_the_ddp_timeline_is_redrawn_on_the_cluster(clusters):
+    run = train(strategy="ddp", world_size=2, steps=3, batch_size=8, cluster=clusters(2),
+                options={"timeline": True, "bucket_mb": 0.2}, record_events=True)
+    p = project(run, "dgx-h100", "1.3b")
+    rows = timeline_rows(ddp_timeline(run, p))
+    assert len(rows) == 2 and len(rows[0]["buckets"]) == len(run["summary"]["report"][0]["bucket_bytes"])
+    start, end = rows[0]["backward"]
+    assert start < end <= p["step_time_s"] * 1e3
+    # the buckets carry the 1.3B model's gradients (bf16), all of them once
+    assert sum(b[3] for b in rows[0]["buckets"]) == pytest.approx(2 * MODEL_SIZES["1.3b"].num_params())
+
+
+def test_the_cli_prints_the_projection_in_its_json():
+    out = subprocess.run([sys.executable, "-m", "minitrain", "train", "--steps", "2", "--model",
+                          "nano", "--project", "dgx-h100", "--as-model", "gpt2", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout.splitlines()[-1])["summary"]
+    p = summary["projection"]
+    assert p["cluster"] == "dgx-h100" and p["model"].startswith("gpt2")
+    for key in ("step_time_s", "compute_s", "exposed_comm_s", "bubble_s", "hidden_comm_share", "mfu"):
+        assert key in p
+    listed = subprocess.run([sys.executable, "-m", "minitrain", "clusters"], capture_output=True,
+                            text=True, timeout=60)
+    assert listed.returncode == 0 and "dgx-h100" in listed.stdout and "source:" in listed.stdout

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from minitrain.cli import main
+from test_grade_attacks import sealed_or_skip
 
 ROOT = Path(__file__).resolve().parents[1]
 LESSON = "00_why_one_device_is_not_enough.ipynb"
@@ -21,6 +22,7 @@ def _write(nb: dict, path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def gradebook(tmp_path_factory):
+    sealed_or_skip()
     folder = tmp_path_factory.mktemp("class")
     shutil.copy(ROOT / "solutions" / LESSON, folder / "00_ada.ipynb")          # solved
     shutil.copy(ROOT / "lessons" / LESSON, folder / "00_bob.ipynb")            # blank
@@ -51,6 +53,7 @@ def test_a_blank_notebook_fails_with_the_checkers_reason(gradebook):
 
 
 def test_a_stuck_notebook_is_stopped_at_its_time_limit(tmp_path):
+    sealed_or_skip()
     stuck = json.loads((ROOT / "lessons" / LESSON).read_text())  # never finishes
     stuck["cells"].insert(0, {"cell_type": "code", "metadata": {}, "outputs": [],
                               "execution_count": None, "source": "while True:\n    pass"})

@@ -206,11 +206,9 @@ class _Cgroup:
 def _needed() -> list[Path]:
     """What a sandboxed Python needs to read: the interpreter, the environment, the packages on
     its path (this package among them)."""
-    import minitrain
-
     paths = {Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix), Path(sys.base_exec_prefix),
              Path(os.path.realpath(sys.executable)).parent.parent,
-             Path(minitrain.__file__).resolve().parent}
+             Path(__file__).resolve().parent}  # this package
     # the path a sandboxed ``python -I`` has (site-packages, what .pth files add), not this
     # process's script folder, working folder or PYTHONPATH
     own = {os.path.realpath(p) for p in [os.getcwd(), *(sys.path[:1] or []),

@@ -13,7 +13,7 @@ The layers, lowest first — each may import from itself and below:
 5. the harness: ``strategies``
 6. the loop and its files: ``train``, ``checkpoint``, ``checkpoint_checks``
 7. for learners: ``viz`` (widgets), ``exercises`` (checkers, guards, the lab)
-8. ``grade`` (grades notebooks with the exercises' checks)
+8. ``grade`` (grades notebooks with the exercises' checks) and ``sandbox`` (what it runs them in)
 9. entry points: ``cli``, ``__main__``, and the package's own ``__init__`` (a facade: no module
    inside the package imports it)
 """
@@ -34,7 +34,7 @@ LAYERS = [
     ("strategies",),
     ("train", "checkpoint", "checkpoint_checks"),
     ("viz", "exercises"),
-    ("grade",),
+    ("grade", "sandbox"),
     ("cli", "__main__", ""),  # "": the package itself (minitrain/__init__.py)
 ]
 

@@ -29,8 +29,9 @@ import socket
 import sys
 from pathlib import Path
 
-from .checkpoint import (META, STEP_DIR, CheckpointError, check_files, checkpoint_support,
-                         find_checkpoint, read_meta, step_of, unfinished_saves)
+from .checkpoint import check_files, checkpoint_support, read_meta
+from .checkpoint_format import (META, STEP_DIR, CheckpointError, find_checkpoint, size_text,
+                                step_of, unfinished_saves)
 from .strategies import TrainConfig, get_strategy, portable
 from .strategies.base import SAVED_BYTES
 
@@ -287,17 +288,10 @@ def _check_space(cfg: TrainConfig, where: Path) -> None:
         fix = (f"save less often (--save-every {-(-steps // most)} keeps {most}), " if most < saves and
                cfg.save_every else "")
         raise CheckpointError(f"--save-dir {where}: the run keeps {saves} checkpoint"
-                              f"{'s' if saves != 1 else ''} of at least {_size(each)} each "
+                              f"{'s' if saves != 1 else ''} of at least {size_text(each)} each "
                               f"({SAVED_BYTES} bytes per parameter: weight and Adam's two moments), "
-                              f"{_size(saves * each)} in all, but {where} has {_size(free)} free; "
+                              f"{size_text(saves * each)} in all, but {where} has {size_text(free)} free; "
                               f"{fix}free space, or choose another --save-dir")
-
-
-def _size(n: float) -> str:
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:,.1f} {unit}"
-    return f"{n:.0f} bytes"
 
 
 def later_steps(cfg: TrainConfig, complete_only: bool = False) -> list[str]:

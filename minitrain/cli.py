@@ -379,7 +379,8 @@ def _main(argv: list[str] | None = None) -> int:
             print(f"{name:14s} {get(name).help}")
         return 0
     if args.command == "consolidate":
-        from .checkpoint import consolidate_to, find_checkpoint, read_meta
+        from .checkpoint import find_checkpoint, read_meta
+        from .consolidate import consolidate_to
         try:
             out = consolidate_to(args.checkpoint, args.out)
             path = find_checkpoint(args.checkpoint)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from minitrain import GPT, GPTConfig, TrainConfig, train
-from minitrain.checkpoint import CheckpointError, checkpoint_support, consolidate, find_checkpoint
+from minitrain.checkpoint import CheckpointError, checkpoint_support, find_checkpoint
+from minitrain.consolidate import consolidate
 from minitrain.cli import build_parser, config_from_args, main
 from minitrain.launch import RankError
 from minitrain.model import PRESETS

@@ -11,7 +11,8 @@ The layers, lowest first — each may import from itself and below:
 4. what runs and layouts mean: ``analysis``, ``costmodel``, ``chooser``, ``clusters``, and the
    projection: ``replay``, ``recorded``, ``scaling``, ``projection``
 5. the harness: ``strategies``
-6. the loop and its files: ``train``, ``checkpoint``, ``checkpoint_checks``
+6. the loop and its files: ``train``, ``checkpoint_format``, ``checkpoint``, ``checkpoint_checks``,
+   ``consolidate``
 7. for learners: ``viz`` (widgets), ``exercises`` (checkers, guards, the lab)
 8. ``grade`` (grades notebooks with the exercises' checks) and ``sandbox`` (what it runs them in)
 9. entry points: ``cli``, ``__main__``, and the package's own ``__init__`` (a facade: no module
@@ -32,7 +33,7 @@ LAYERS = [
     ("analysis", "costmodel", "chooser", "clusters", "replay", "recorded", "scaling",
      "projection"),
     ("strategies",),
-    ("train", "checkpoint", "checkpoint_checks"),
+    ("train", "checkpoint_format", "checkpoint", "checkpoint_checks", "consolidate"),
     ("viz", "exercises"),
     ("grade", "sandbox"),
     ("cli", "__main__", ""),  # "": the package itself (minitrain/__init__.py)

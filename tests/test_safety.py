@@ -214,7 +214,7 @@ def _rank_with_full_disk(cfg, full_at_save: int):
 def test_a_full_disk_during_a_save_is_said_and_what_was_kept(tmp_path, clusters):
     """ENOSPC at a rank file's write (injected where the bytes are written): every rank stops with
     the same one-line error, the unfinished step is removed, the complete ones are kept."""
-    from minitrain.checkpoint import check_output
+    from minitrain.consolidate import check_output
     save = tmp_path / "ck"
     cfg = NANO.with_(strategy="ddp", world_size=2, steps=6, save_every=2, save_dir=str(save))
     with pytest.raises(RankError) as info:
@@ -252,7 +252,8 @@ root = Path(sys.argv[1])
 subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(root)], check=True)
 from minitrain import TrainConfig, train
 from minitrain.launch import RankError
-from minitrain.checkpoint import CheckpointError, consolidate_to
+from minitrain.checkpoint import CheckpointError
+from minitrain.consolidate import consolidate_to
 from minitrain.model import PRESETS
 
 def fill_after_the_first_save(step, loss):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from minitrain import TrainConfig, train
-from minitrain.checkpoint import consolidate
+from minitrain.consolidate import consolidate
 from minitrain.launch import descendants
 from minitrain.model import PRESETS
 

@@ -19,12 +19,9 @@ import datetime
 import importlib
 import multiprocessing as mp
 import os
-import re
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 import weakref
 from multiprocessing.connection import wait
@@ -33,12 +30,8 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-try:
-    import fcntl
-except ImportError:  # not POSIX: no folder locks, no reaping
-    fcntl = None
-
 from . import shipping
+from .rankfolder import new_folder, reap_stale_folders, remove_folder
 from .diagnostics import CollectiveTimeout, Deadlock, LaunchError, RankError, format_states
 from .torchrun import TORCHRUN_VARS, choose_backend, init_from_env, launched_by_torchrun
 from .watch import (ALL_WAITING_S, HEARTBEAT_S, REPORT_AFTER_S, STUCK_S, Watch, descendants,
@@ -116,103 +109,6 @@ def _close_all() -> None:
             cluster.close()
         except Exception:  # noqa: BLE001 - the next cluster's start reaps what is left
             pass
-
-
-# --------------------------------------------------------------------------------------------------
-# Each start's temporary folder (the ranks' native stderr): removed by close(); the folder of a
-# parent that died without closing (SIGKILL) is reaped by the next start, on this machine
-# --------------------------------------------------------------------------------------------------
-
-#: a live cluster's folder in the temporary directory: ``minitrain-ranks-<parent pid>-<random>``,
-#: holding ``owner.lock``, locked (flock) by the parent while the cluster lives: the kernel releases
-#: the lock when the parent dies, so a folder whose lock can be taken belongs to no one
-FOLDER_PREFIX, OWNER = "minitrain-ranks-", "owner.lock"
-#: files of minitrain before its folders (``minitrain-PORT-rankN.stderr``): reaped after a day
-_LEGACY = re.compile(r"^minitrain-\d+-rank\d+\.stderr$")
-_LEGACY_AGE_S = 86400.0
-_OWNED_FDS: set[int] = set()  # this process's folder locks: not inherited by a forked rank
-
-
-def _drop_owned_fds_in_child() -> None:
-    for fd in list(_OWNED_FDS):  # (closing a copy does not release the parent's lock)
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    _OWNED_FDS.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_drop_owned_fds_in_child)
-
-
-def _new_folder() -> tuple[str, int | None]:
-    """A fresh temporary folder for one start's rank files, and the descriptor holding its lock
-    (None where flock is missing).  Made under a hidden name, locked, then renamed: the reaper
-    never sees it unlocked."""
-    reap_stale_folders()
-    tmp = tempfile.mkdtemp(prefix=f".minitrain-new-{os.getpid()}-")
-    fd = None
-    if fcntl is not None:
-        fd = os.open(os.path.join(tmp, OWNER), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # a file system without locks: the folder is still removed by close()
-            os.close(fd)
-            fd = None
-    final = os.path.join(os.path.dirname(tmp),
-                         FOLDER_PREFIX + os.path.basename(tmp)[len(".minitrain-new-"):])
-    os.rename(tmp, final)
-    if fd is not None:
-        _OWNED_FDS.add(fd)
-    return final, fd
-
-
-def _remove_folder(folder: str | None, fd: int | None) -> None:
-    if folder:
-        shutil.rmtree(folder, ignore_errors=True)
-    if fd is not None:
-        _OWNED_FDS.discard(fd)
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-
-
-def reap_stale_folders(tmpdir: str | None = None) -> list[str]:
-    """Remove the temporary folders of clusters whose parent died without closing them (their
-    lock is free), and rank files of older minitrains over a day old; returns what was removed."""
-    tmpdir = tmpdir or tempfile.gettempdir()
-    removed = []
-    try:
-        entries = list(os.scandir(tmpdir))
-    except OSError:
-        return removed
-    for entry in entries:
-        try:
-            if entry.name.startswith(FOLDER_PREFIX) and entry.is_dir(follow_symlinks=False):
-                if fcntl is None:
-                    continue
-                try:
-                    fd = os.open(os.path.join(entry.path, OWNER), os.O_RDWR | os.O_CLOEXEC)
-                except OSError:
-                    continue  # not one of ours
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError:
-                    continue  # its cluster is alive
-                else:
-                    shutil.rmtree(entry.path, ignore_errors=True)
-                    removed.append(entry.path)
-                finally:
-                    os.close(fd)
-            elif _LEGACY.match(entry.name) and entry.is_file(follow_symlinks=False):
-                if time.time() - entry.stat(follow_symlinks=False).st_mtime > _LEGACY_AGE_S:
-                    os.unlink(entry.path)
-                    removed.append(entry.path)
-        except OSError:
-            continue
-    return removed
 
 
 class Cluster:
@@ -327,7 +223,7 @@ class Cluster:
         self._store = dist.TCPStore(self.host, port, self.world_size + 1, **store)
         self._task = 0
         try:
-            self.folder, self._folder_fd = _new_folder()
+            self.folder, self._folder_fd = new_folder()
         except OSError:  # no writable temporary directory: the ranks run without stderr files
             self.folder, self._folder_fd = None, None
         others = [c._listen_fd for c in _LIVE if c is not self and c._listen_fd is not None]
@@ -400,7 +296,7 @@ class Cluster:
             proc.join(5)
         for conn in self._conns:
             conn.close()
-        _remove_folder(self.folder, self._folder_fd)
+        remove_folder(self.folder, self._folder_fd)
         self.folder, self._folder_fd = None, None
         self._procs, self._conns, self.pids = [], [], []
         self._groups_stopped = set()

@@ -293,17 +293,30 @@ _JOIN = ('while [ "$#" -gt 0 ] && [ "$1" != -- ]; do echo $$ > "$1" || exit 97; 
 
 @contextmanager
 def _uninterrupted():
-    """Ctrl-C (SIGINT) and SIGTERM wait until the block is done, then arrive (main thread only)."""
+    """Ctrl-C (SIGINT) and SIGTERM wait until the block is done, then arrive (main thread only).
+
+    The signals are held by a handler of our own, not blocked: a signal the main thread blocks goes
+    to another thread (tqdm's monitor, say), and CPython then may not notice it for as long as the
+    main thread runs alone (it was lost for a whole notebook once)."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    held: list[int] = []
+    wanted = (signal.SIGINT, signal.SIGTERM)
+    old = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in wanted}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if held:
+            handler = old[held[0]]
+            if callable(handler):
+                handler(held[0], None)  # Python's SIGINT handler raises KeyboardInterrupt here
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), held[0])
 
 
 # run by root, in a mount namespace of its own: bind each folder Python needs onto a folder that

@@ -80,7 +80,8 @@ def leftovers(pid: int) -> list[str]:
     """Temporary folders and cgroups the grader in process ``pid`` made and did not remove."""
     import tempfile
 
-    tmp = [str(p) for p in Path(tempfile.gettempdir()).glob(f"minitrain-*-{pid}-*")]
+    tmp = [str(p) for kind in ("grade", "stage")  # (not minitrain-ranks-: a live Cluster's own)
+           for p in Path(tempfile.gettempdir()).glob(f"minitrain-{kind}-{pid}-*")]
     groups = [str(p) for p in Path("/sys/fs/cgroup").glob(f"**/minitrain-grade-{pid}-*")]
     return tmp + groups
 
@@ -495,3 +496,28 @@ def test_grading_refuses_to_run_unsealed_unless_asked_and_then_says_so(tmp_path,
     assert main(["grade", str(tmp_path), "--out", str(out), "--timeout", "60", "--unsealed"]) == 0
     row = next(csv.DictReader(out.open()))
     assert row["status"] == "graded (unsealed)" and row["zero_bytes_per_device"] == "pass", row
+
+
+def test_ctrl_c_during_a_boxs_cleanup_arrives_after_it_even_with_another_thread_running():
+    """A Ctrl-C held while a box starts or is cleaned up arrives when that is done. Blocking the
+    signal instead sent it to another thread (tqdm's monitor), where CPython did not pass it on: the
+    interrupted-run test once graded the whole class after its Ctrl-C."""
+    import threading
+
+    from minitrain.sandbox import _uninterrupted
+
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, daemon=True)  # a thread that is just alive
+    other.start()
+    done = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with _uninterrupted():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.2)  # still inside: the interrupt waits
+                done.append(True)
+            for _ in range(200):  # it must arrive at once, not whenever CPython looks again
+                time.sleep(0.001)
+        assert done == [True]
+    finally:
+        stop.set()

@@ -5,7 +5,7 @@ back to where it started (issue 24, item 5).
 The layers, lowest first — each may import from itself and below:
 
 1. foundation: ``shipping``, ``data``, ``model``, ``memory``, ``precision``, ``benchmarking``
-2. ranks and collectives: ``launch`` (the parent), ``worker`` (a rank), ``watch``, ``diagnostics``,
+2. ranks and collectives: ``launch`` (the parent), ``worker`` (a rank), ``watch``, ``rankfolder``, ``diagnostics``,
    ``torchrun``, ``comm``
 3. techniques: ``parallel`` (one technique per file; imports nothing from the harness)
 4. what runs and layouts mean: ``analysis``, ``costmodel``, ``chooser``, ``clusters``, and the
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1] / "minitrain"
 
 LAYERS = [
     ("shipping", "data", "model", "memory", "precision", "benchmarking"),
-    ("launch", "worker", "watch", "diagnostics", "torchrun", "comm"),
+    ("launch", "worker", "watch", "rankfolder", "diagnostics", "torchrun", "comm"),
     ("parallel",),
     ("analysis", "costmodel", "chooser", "clusters", "replay", "recorded", "scaling",
      "projection"),

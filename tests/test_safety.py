@@ -196,7 +196,7 @@ def _rank_with_full_disk(cfg, full_at_save: int):
 
     from minitrain import checkpoint
     from minitrain.train import run_rank
-    real, calls = checkpoint._write_file, [0]
+    real, calls = checkpoint.write_whole, [0]
 
     def write(path, data):
         if path.name.startswith("rank"):
@@ -204,11 +204,11 @@ def _rank_with_full_disk(cfg, full_at_save: int):
             if calls[0] >= full_at_save:
                 raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real(path, data)
-    checkpoint._write_file = write
+    checkpoint.write_whole = write
     try:
         return run_rank(cfg)
     finally:
-        checkpoint._write_file = real
+        checkpoint.write_whole = real
 
 
 def test_a_full_disk_during_a_save_is_said_and_what_was_kept(tmp_path, clusters):

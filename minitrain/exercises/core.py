@@ -7,6 +7,7 @@ import inspect
 import traceback
 
 from .kept import keep, parts
+from .trouble import rank_trouble
 
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
 PLACEHOLDER = "...  # YOUR CODE HERE"
@@ -83,20 +84,17 @@ def release() -> None:
         _RANKS.popitem()[1].close()
 
 
-def on_clusters(rank_fn, fn, sizes=(2, 3, 4), *args, trouble=None) -> str | None:
+def on_clusters(rank_fn, fn, sizes=(2, 3, 4), *args, trouble=rank_trouble) -> str | None:
     """Run ``rank_fn(fn, *args)`` on running clusters of each size; the first problem found, or None.
-    ``trouble(exc, fn, where)`` words a rank's failure from the error's fields (e.g.
-    :func:`.inside.rank_trouble`: every rank's state and the learner's line); by default its first
-    line."""
+    ``trouble(exc, fn, where)`` words a rank's failure from the error's fields; by default
+    :func:`.trouble.rank_trouble`: every rank's state and the learner's line."""
     from ..launch import RankError
 
     for n in sizes:
         try:
             problems = [p for p in ranks(n).run(rank_fn, fn, *args, timeout=60) if p]
         except RankError as exc:
-            if trouble is not None:
-                return trouble(exc, fn, f"with {n} ranks")
-            return f"with {n} ranks: {str(exc).splitlines()[0]}"
+            return trouble(exc, fn, f"with {n} ranks")
         except TimeoutError:
             return f"with {n} ranks it did not finish within 60 s (a rank waiting for a message?)"
         if problems:  # a rank may have left the group mid-message: the next check starts afresh

@@ -278,6 +278,11 @@ def _ranks(rs) -> str:
     return f"rank {rs[0]}" if len(rs) == 1 else "ranks " + ", ".join(map(str, rs))
 
 
+def _a(word: str) -> str:
+    """``word`` with its article: ``an all_gather``, ``a reduce``."""
+    return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"
+
+
 def _ops(calls: list) -> str:
     """The calls a rank made, in words: ``all_reduce on all 4 ranks``, ``reduce to rank 0``."""
     out = []
@@ -360,13 +365,14 @@ def _skipped_on(fn, n: int) -> str | None:
     r = wrong[0]
     stories = {q: _loss_story(values[q], losses, q) for q in wrong}
     kinds = {q: stories[q].split(" ")[:2] for q in wrong}
-    said = f"{where}, no deadlock, but {_ranks(wrong)} returned "
+    said = f"{where}, no deadlock, but "
     if len(set(stories.values())) == 1:
-        said += stories[r]
+        said += f"{_ranks(wrong)} returned {stories[r]}"
     elif all(k == ["its", "own"] for k in kinds.values()):
-        said += "each its own loss (" + ", ".join(f"{values[q]:g}" for q in wrong) + ")"
+        said += (f"{_ranks(wrong)} returned each its own loss ("
+                 + ", ".join(f"{values[q]:g}" for q in wrong) + ")")
     else:
-        said += "; ".join(f"rank {q} {stories[q]}" for q in wrong)
+        said += "; ".join(f"rank {q} returned {stories[q]}" for q in wrong)
     said += f" where the mean of the {n} losses is {mean:g}"
     if right:
         said += f" ({_ranks(right)} returned it)"
@@ -598,7 +604,7 @@ def _check_group(fn) -> str | None:
             return said + (f": it called all_reduce on the whole world (no group): pass the "
                            f"pair's group, groups[rank // 2]")
         if c["op"] != "all_reduce":
-            return said + (f": it called {_ops(made)} on group {c['group']} — a {c['op']} does "
+            return said + (f": it called {_ops(made)} on group {c['group']} — {_a(c['op'])} does "
                            "not sum the pair's partials into every rank; all_reduce does")
         return said + f": it called {_ops(made)} on group {c['group']}"
     return None

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from .core import exercise, on_clusters, raised
-from .inside import rank_trouble
 
 _PER, _IN, _TOKENS = 4, 6, (3, 5)  # shard width, the other side of the layer, the input's leading dims
 
@@ -261,7 +260,7 @@ def _inside_tensor(name: str, fn, which: str) -> str | None:
           "equals the full nn.Linear's output columns and gradients at 2 and 3 ranks, with one "
           "all-reduce, in backward; strategy 'tensor' with it trains like one process")
 def _check_column_parallel_linear(fn) -> str | None:
-    return (on_clusters(_column_parallel_rank, fn, sizes=(2, 3), trouble=rank_trouble)
+    return (on_clusters(_column_parallel_rank, fn, sizes=(2, 3))
             or _inside_tensor("column_parallel_linear", fn, "column"))
 
 
@@ -270,7 +269,7 @@ def _check_column_parallel_linear(fn) -> str | None:
           "bias) at 2 and 3 ranks, with one all-reduce, in forward; strategy 'tensor' with it "
           "trains like one process")
 def _check_row_parallel_linear(fn) -> str | None:
-    return (on_clusters(_row_parallel_rank, fn, sizes=(2, 3), trouble=rank_trouble)
+    return (on_clusters(_row_parallel_rank, fn, sizes=(2, 3))
             or _inside_tensor("row_parallel_linear", fn, "row"))
 
 
@@ -451,5 +450,5 @@ def _loss_rows(summary: dict, cfg, package) -> list:
           "it trains like one process")
 def _check_vocab_parallel_cross_entropy(fn) -> str | None:
     from .inside import inside
-    return (on_clusters(_vocab_ce_rank, fn, sizes=(2, 3), trouble=rank_trouble)
+    return (on_clusters(_vocab_ce_rank, fn, sizes=(2, 3))
             or inside("vocab_parallel_cross_entropy", fn, _tensor_config(), measure=_loss_rows))

@@ -11,7 +11,7 @@ import math
 import torch
 
 from .core import exercise, on_clusters, raised
-from .inside import Row, inside, rank_trouble
+from .inside import Row, inside
 
 _MODEL = dict(n_layer=1, n_head=2, d_model=16, seq_len=10)  # small: the check runs in seconds
 
@@ -216,7 +216,7 @@ def _dispatch_rank(fn):
           "equals dist.all_to_all_single with uneven splits at 2 and 3 ranks, from send/recv, "
           "and strategy 'expert' with it equals one process")
 def _check_all_to_all_dispatch(fn) -> str | None:
-    return (on_clusters(_dispatch_rank, fn, sizes=(2, 3), trouble=rank_trouble)
+    return (on_clusters(_dispatch_rank, fn, sizes=(2, 3))
             or inside("all_to_all_dispatch", fn, _tiny_cfg("expert", 2, moe=True),
                       measure=_all_to_all_bytes))
 

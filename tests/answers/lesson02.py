@@ -28,6 +28,14 @@ def sync_first_only(model, comm):
         return
 
 
+def sync_rank_0_only(model, comm):
+    """Only rank 0 all-reduces: it waits for partners that never call (a deadlock)."""
+    for p in model.parameters():
+        if comm.rank == 0:
+            comm.all_reduce(p.grad)
+        p.grad /= comm.size
+
+
 def sync_local(model, comm):
     """Divides by N but never communicates."""
     for p in model.parameters():
@@ -123,6 +131,20 @@ def grad_ready_own_counter(bucket, i, grad, comm):
         bucket.work = comm.all_reduce(bucket.buffer, async_op=True)
 
 
+def grad_ready_only_rank_0_launches(bucket, i, grad, comm):
+    """Only rank 0 launches the all-reduce: it waits for partners that never call (a deadlock)."""
+    torch.mul(grad, 1.0 / comm.size, out=bucket.views[i])
+    bucket.ready.add(i)
+    if len(bucket.ready) == len(bucket.views) and comm.rank == 0:
+        bucket.work = comm.all_reduce(bucket.buffer, async_op=True)
+
+
+def end_of_backward_if_launched(buckets):
+    for bucket in buckets:
+        if getattr(bucket, "work", None) is not None:
+            bucket.work.wait()
+
+
 def grad_ready_on_the_last_view(bucket, i, grad, comm):
     """Launches when the bucket's last view arrives, assuming views arrive in order."""
     torch.mul(grad, 1.0 / comm.size, out=bucket.views[i])
@@ -135,6 +157,7 @@ ANSWERS = {
         (sync_summed, "divide by comm.size"),
         (sync_first_only, "differs from the full batch's gradient"),
         (sync_local, "no all_reduce went through comm"),
+        (sync_rank_0_only, "(line 5 of your sync_rank_0_only: comm.all_reduce(p.grad))"),
     ]),
     "bucket_hooks": Answers((grad_ready, end_of_backward), [
         ((grad_ready_no_divide, end_of_backward), "the gradients are N = 2 times the mean"),
@@ -148,5 +171,8 @@ ANSWERS = {
         ((grad_ready_fill_only, end_of_backward_launch_then_wait), "did not go through comm"),
         ((grad_ready_own_counter, end_of_backward), "state of your own carries over"),
         ((grad_ready_on_the_last_view, end_of_backward), "do not wait for one particular view"),
+        ((grad_ready_only_rank_0_launches, end_of_backward_if_launched),
+         "rank 0 waits in a handle's wait() (the collective or message it waits for never "
+         "completed) (line 4 of your end_of_backward_if_launched: bucket.work.wait())"),
     ]),
 }

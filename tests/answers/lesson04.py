@@ -278,6 +278,20 @@ def z2_never_waits(buckets):
     """Returns at once: the optimizer may read a shard that has not arrived."""
 
 
+def z2_only_rank_0_scatters(bucket, i, grad, comm):
+    """Only rank 0 launches the reduce-scatter: it waits for partners that never call."""
+    torch.mul(grad, 1.0 / comm.size, out=bucket.views[i])
+    bucket.ready.add(i)
+    if len(bucket.ready) == len(bucket.views) and comm.rank == 0:
+        bucket.work = comm.reduce_scatter(bucket.grad_shard, bucket.buffer, async_op=True)
+
+
+def z2_end_of_backward_if_launched(buckets):
+    for bucket in buckets:
+        if getattr(bucket, "work", None) is not None:
+            bucket.work.wait()
+
+
 def z2_on_the_last_view(bucket, i, grad, comm):
     torch.mul(grad, 1.0 / comm.size, out=bucket.views[i])
     if i == len(bucket.views) - 1:
@@ -301,6 +315,8 @@ ANSWERS = {
         ((z2_fill_only, z2_launch_at_the_end), "nothing overlapped: all 7 reduce-scatters started after backward ended"),
         ((z2_grad_ready, z2_never_waits), "reduce-scatter was launched but never waited for"),
         ((z2_on_the_last_view, z2_end_of_backward), "do not wait for one particular view"),
+        ((z2_only_rank_0_scatters, z2_end_of_backward_if_launched),
+         "(line 4 of your z2_end_of_backward_if_launched: bucket.work.wait())"),
     ]),
     "zero3_hook": Answers(zero3_hook, [
         (zero3_never_free, "held"),

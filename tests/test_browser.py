@@ -13,7 +13,7 @@ the kernel logs for a failing callback into a box the test reads).  Lesson 00's 
 8 devices (a hint says why nothing changes at ZeRO stage 0), then ZeRO stage 3 (less per device);
 lesson 05's bubble widget runs on its real ranks (the button disabled meanwhile), marks the
 measurement once the controls move, and refuses V = 4 on the 4-layer model in its own words.
-Screenshots of every widget go to ``artifacts/browser/``.  Lessons 02, 03 and 07 have no widgets.
+Screenshots of every widget go to ``artifacts/browser/``.  Lessons 03 and 07 have no widgets.
 
 Needs ``chromium`` on PATH (``apt-get install chromium``), the ``playwright`` Python package (no
 ``playwright install``: the system browser is used) and JupyterLab with ``jupyterlab_widgets``.

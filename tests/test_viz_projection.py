@@ -4,12 +4,13 @@ naming the cluster, the model and the sources — the messages in place of a pro
 widget's reactions to its controls (re-projecting the one recorded run, never training again)."""
 
 import html
+import re
 
 import pytest
 
 from minitrain import train
 from minitrain.clusters import get_cluster
-from minitrain.projection import MODEL_SIZES, project
+from minitrain.projection import MODEL_SIZES, pipeline_timeline, project
 from minitrain.viz.projection import (ProjectionWidget, projection_figure, projection_view,
                                       step_parts, stream_rows, summary_html)
 
@@ -124,7 +125,7 @@ def test_the_widget_re_projects_the_recorded_run_at_every_change(runs, monkeypat
     calls = []
     real = module.projection_view
     monkeypatch.setattr(module, "projection_view",
-                        lambda *a: calls.append(a[1:]) or real(*a))
+                        lambda *a, **kw: calls.append(a[1:]) or real(*a, **kw))
     w = ProjectionWidget(runs["tensor"])
     assert (w.cluster.value, w.model.value) == ("dgx-h100", "1.3b")
     assert "local" not in w.cluster.options  # this run was not calibrated
@@ -139,6 +140,47 @@ def test_the_widget_re_projects_the_recorded_run_at_every_change(runs, monkeypat
     assert calls == [("dgx-h100", "1.3b"), ("eth-25g", "1.3b"), ("eth-25g", "own")]  # cached
     assert w.view["projection"]["step_time_s"] == pytest.approx(
         project(runs["tensor"], "dgx-h100", "1.3b")["step_time_s"])
+
+
+def test_degrees_re_project_the_run_on_a_bigger_mesh_as_the_lesson_does(runs):
+    """``degrees={"dp": 8}`` reaches the projection: the 2 ranks stand for 8 replicas, each
+    bucket's all-reduce runs over a ring of 8 (longer than over 2), and the summary says so."""
+    run = runs["ddp"]
+    plain = projection_view(run, "dgx-h100", "1.3b")
+    eight = projection_view(run, "dgx-h100", "1.3b", degrees={"dp": 8})
+    assert (plain["devices"], eight["devices"]) == (2, 8)
+    assert plain["projection"]["degrees"] is None and eight["projection"]["degrees"] == {"dp": 8}
+    assert "on 2 devices" in re.sub("<[^>]+>", "", plain["html"])
+    assert "on 8 devices (the run's 2 ranks drawn, standing for data parallelism of 8)" in \
+        html.unescape(re.sub("<[^>]+>", "", eight["html"]))
+
+    def allreduce_ms(view):
+        return sum(b1 - b0 for row in view["projected"] for _, b0, b1, _ in row["buckets"])
+    assert allreduce_ms(eight) > allreduce_ms(plain) > 0
+    # the same numbers the lesson's own call gives
+    p = project(run, "dgx-h100", "1.3b", degrees={"dp": 8})
+    assert eight["projection"]["step_time_s"] == p["step_time_s"]
+    assert eight["projection"]["exposed_comm_s"] == p["exposed_comm_s"]
+    assert "(8 devices, 2 drawn)" in projection_figure(eight).axes[1].get_title()
+    # a mesh bigger than the cluster is a sentence, not a chart
+    assert "do not fit" in projection_view(run, "dgx-h100", "1.3b", degrees={"dp": 64})["message"]
+
+
+def test_even_reaches_a_pipelines_projection(runs):
+    run = runs["pipeline"]
+    even = projection_view(run, "dgx-h100", "1.3b", even=True)
+    timeline, p = pipeline_timeline(run, "dgx-h100", "1.3b", even=True)
+    assert even["projected"] == timeline and even["projection"]["step_time_s"] == p["step_time_s"]
+    assert even["projected"] != projection_view(run, "dgx-h100", "1.3b")["projected"]
+
+
+def test_the_widget_keeps_its_projection_options_at_every_setting(runs):
+    w = ProjectionWidget(runs["ddp"], "dgx-h100", "1.3b", degrees={"dp": 8})
+    assert w.view["devices"] == 8
+    w.cluster.value, w.model.value = "ib-h100", "7b"
+    assert w.view["devices"] == 8 and w.view["projection"]["degrees"] == {"dp": 8}
+    assert w.view["projection"]["step_time_s"] == project(
+        runs["ddp"], "ib-h100", "7b", degrees={"dp": 8})["step_time_s"]
 
 
 def test_a_widget_says_why_instead_of_drawing(runs):

@@ -43,11 +43,25 @@ from minitrain.viz.tensor import TensorSplitWidget
 SETUP = {
     "00": "",
     "01": "cluster = cluster_of(4)\nframes = ring_frames(record_ring(cluster))\n",
-    "04": 'tiny = GPT(PRESETS["tiny"], seed=0)\n',
+    "02": '''\
+CLUSTER, SIZE, GPUS = "dgx-h100", "1.3b", 8
+run = train(strategy="ddp", world_size=2, steps=3, batch_size=8, cluster=cluster_of(2),
+            options={"bucket_mb": 1.0, "timeline": True}, record_events=True)
+''',
+    "04": '''\
+tiny = GPT(PRESETS["tiny"], seed=0)
+zero3_run = train(strategy="zero3", world_size=4, steps=3, batch_size=12, precision="fp32",
+                  options={"timeline": True}, cluster=cluster_of(4), record_events=True)
+Z3_CLUSTER, Z3_SIZE = "dgx-h100", "7b"
+''',
     "05": '''\
 MODEL = GPTConfig(n_layer=4, n_head=4, d_model=192, seq_len=64)
 BATCH, STEPS, P = 16, 4, 2
+CLUSTER, SIZE = "dgx-h100", "1.3b"
 cluster = cluster_of(P)
+RESULTS = {("gpipe", 4): train(strategy="pipeline", world_size=P, steps=3, batch_size=BATCH, model=MODEL,
+                               cluster=cluster, options={"schedule": "gpipe", "microbatches": 4},
+                               record_events=True)}
 
 def run(schedule, microbatches, chunks=None, steps=STEPS):
     return cluster.run(run_schedule, schedule, microbatches, chunks, model=MODEL, batch_size=BATCH, steps=steps)

@@ -6,6 +6,13 @@ One line in a lesson, under the cell that trained ``run`` with ``record_events=T
 
     from minitrain.viz.projection import ProjectionWidget
     ProjectionWidget(run)                      # or ProjectionWidget(run, "ib-h100x4", "7b")
+    ProjectionWidget(run, "dgx-h100", "1.3b", degrees={"dp": 8})  # re-projected as the lesson does
+
+The keyword options are :func:`minitrain.projection.project`'s own (``degrees``, ``even``,
+``precision``, ``compute``, ``recompute``) and apply at every setting of the controls, so the
+widget re-times the run the way the lesson's static figure beside it does — e.g. a run's 2 ranks
+standing for 8 data-parallel replicas (``degrees={"dp": 8}``), or a pipeline's equal
+micro-batches (``even=True``).
 
 Two dropdowns — the cluster (the presets of :mod:`minitrain.clusters`, and this machine when the
 run was calibrated with ``project="local"``) and the model size (the run's own, or one of
@@ -33,7 +40,7 @@ import io
 
 from . import LABEL
 
-__all__ = ["CLUSTERS", "SIZES", "projection_view", "stream_rows", "step_parts", "summary_html",
+__all__ = ["CLUSTERS", "SIZES", "devices", "projection_view", "stream_rows", "step_parts", "summary_html",
            "projection_figure", "ProjectionWidget"]
 
 #: the cluster presets the widget offers, in its order (this machine's are added when calibrated)
@@ -49,6 +56,8 @@ PHASE_NAMES = {"forward": "forward", "model": "backward and the rest",
                "optimizer": "optimizer step"}
 GROUP_COLORS = ("#dd8452", "#8172b3", "#937860", "#da8bc3", "#ccb974", "#64b5cd")
 UNTRACED = "#bbbbbb"
+#: the axes ``degrees`` re-sizes, in words
+AXES = {"dp": "data parallelism", "tp": "tensor parallelism"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -68,8 +77,24 @@ def _kind(result: dict) -> str:
     return "streams"
 
 
-def _why_not(result: dict, cluster: str, model) -> str | None:
-    """Why ``result`` cannot be projected on ``cluster`` at ``model``, in words; None if it can."""
+def devices(summary: dict, degrees: dict | None = None) -> int:
+    """How many devices the projection stands for: the run's ranks, or the mesh ``degrees``
+    re-sizes (``{"dp": 8}`` of a 2-rank DDP run: 8)."""
+    from ..scaling import layout
+
+    degrees = {k: v for k, v in (degrees or {}).items() if v}
+    world = summary["world_size"]
+    if not degrees:
+        return world
+    lay = layout(summary)
+    for axis, size in degrees.items():
+        world = world * size / lay.get(axis, 1)
+    return round(world)
+
+
+def _why_not(result: dict, cluster: str, model, degrees: dict | None = None) -> str | None:
+    """Why ``result`` cannot be projected on ``cluster`` at ``model`` (its mesh re-sized by
+    ``degrees``), in words; None if it can."""
     from ..projection import NOT_REPLAYED, check_projection
 
     if "summary" not in result or "events" not in result:
@@ -79,10 +104,13 @@ def _why_not(result: dict, cluster: str, model) -> str | None:
     if summary["strategy"] in NOT_REPLAYED:
         strategy = summary["strategy"]
         return f"A {strategy} run cannot be projected: {NOT_REPLAYED[strategy]}."
+    options = dict(summary.get("options") or {})
+    if (degrees or {}).get("tp"):
+        options["tp"] = degrees["tp"]
     try:
         check_projection(cluster, None if model == "own" else model,
-                         strategy=summary["strategy"], world_size=summary["world_size"],
-                         options=summary.get("options") or {},
+                         strategy=summary["strategy"], world_size=devices(summary, degrees),
+                         options=options,
                          model=_run_model(summary), batch_size=summary["batch_size"])
     except ValueError as exc:
         return f"This run cannot be projected there: {exc}."
@@ -134,32 +162,41 @@ def step_parts(projection: dict) -> list[dict]:
             for key, name, color in PARTS]
 
 
-def projection_view(result: dict, cluster: str = "dgx-h100", model="1.3b") -> dict:
+def projection_view(result: dict, cluster: str = "dgx-h100", model="1.3b", *,
+                    degrees: dict | None = None, even: bool = False,
+                    precision: str | None = None, compute: str | None = None,
+                    recompute: bool | None = None) -> dict:
     """Everything the widget draws for ``result`` on ``cluster`` at ``model`` ("own": the run's).
+    The keyword options are :func:`~minitrain.projection.project`'s, passed through (``degrees``:
+    the run's ranks standing for a bigger mesh, ``{"dp": 8}``; ``even``: a pipeline's equal
+    micro-batches; ``precision``, ``compute``, ``recompute``).
 
     ``{"message": why}`` when it cannot be projected; else ``kind`` ("ddp", "pipeline",
     "streams"), ``measured`` and ``projected`` (the rows of :func:`.timeline.timeline_rows`, the
-    timelines :func:`.pipeline.plot_gantt` draws, or :func:`stream_rows`), ``stages``,
+    timelines :func:`.pipeline.plot_gantt` draws, or :func:`stream_rows`), ``stages`` (the run's
+    ranks, all drawn), ``devices`` (those the projection stands for: :func:`devices`),
     ``measured_step_ms`` (the drawn step, measured here), ``projection`` (what
     :func:`~minitrain.projection.project` returned), ``parts`` (:func:`step_parts`) and ``html``
     (:func:`summary_html`)."""
     from ..projection import ddp_timeline, pipeline_timeline, project
     from .timeline import timeline_rows
 
-    why = _why_not(result, cluster, model)
+    why = _why_not(result, cluster, model, degrees)
     if why is not None:
         return {"message": why, "cluster": cluster, "model": model}
     target = None if model == "own" else model
+    options = {"degrees": degrees, "even": even, "precision": precision, "compute": compute,
+               "recompute": recompute}
     summary = result["summary"]
     kind = _kind(result)
     view = {"message": None, "cluster": cluster, "model": model, "kind": kind,
-            "stages": summary["world_size"]}
+            "stages": summary["world_size"], "devices": devices(summary, degrees)}
     try:
         if kind == "pipeline":
-            projected, p = pipeline_timeline(result, cluster, target)
+            projected, p = pipeline_timeline(result, cluster, target, **options)
             view["measured"], view["projected"] = summary["report"][0]["timeline"], projected
         else:
-            p = project(result, cluster, target)
+            p = project(result, cluster, target, **options)
             if kind == "ddp":
                 index = p["step"] - summary.get("start_step", 0)
                 view["measured"] = timeline_rows(summary["report"], step=index)
@@ -205,11 +242,18 @@ def summary_html(view: dict) -> str:
         memory = (f"{gb:,.3g} GB per device at most, of {cap:g} GB: "
                   + ("fits" if fits else "<b>does not fit</b>"))
     mfu = "" if p.get("mfu") is None else f"; MFU {p['mfu']:.1%}"
+    n, ranks = view.get("devices", view["stages"]), view["stages"]
+    where = f"{n} devices"
+    if p.get("degrees"):
+        where += (f" (the run's {ranks} ranks drawn, standing for "
+                  + " and ".join(f"{AXES.get(a, esc(a))} of {v}" for a, v in p["degrees"].items())
+                  + ")")
     sources = "".join(f"<li>{esc(s)}</li>" for s in p["sources"])
     return (
         '<div class="mt-projection-summary" style="font-family:sans-serif;line-height:1.45">'
         f'<b>Projected</b> on <b>{esc(p["cluster_title"])}</b> (<code>{esc(p["cluster"])}</code>) '
-        f'as <b>{esc(p["model"])}</b>, {esc(p["precision"])}: '
+        f'as <b>{esc(p["model"])}</b>, {esc(p["precision"])}, on <span class="mt-projection-devices">'
+        f'{where}</span>: '
         f'<b class="mt-projection-step">{_ms(p["step_time_s"])} per step</b> — beside '
         f'<b class="mt-projection-measured">{_ms(view["measured_step_ms"] / 1e3)}</b> measured here '
         f'for the same step (this machine, the run\'s own model).<br>'
@@ -293,7 +337,8 @@ def projection_figure(view: dict):
     top, mid, bottom = axes
     titles = (f"measured here: {_ms(view['measured_step_ms'] / 1e3)} per step (this machine, "
               "the run's own model)",
-              f"projected on {p['cluster']} as {p['model']}: {_ms(p['step_time_s'])} per step")
+              f"projected on {p['cluster']} as {p['model']}: {_ms(p['step_time_s'])} per step"
+              + (f" ({view['devices']} devices, {n} drawn)" if view.get("devices", n) != n else ""))
     if kind == "streams":
         colors = _group_colors([view["measured"], view["projected"]])
     for ax, rows, title, first in ((top, view["measured"], titles[0], True),
@@ -336,12 +381,20 @@ class ProjectionWidget:
     """``ProjectionWidget(run, cluster="dgx-h100", model="1.3b")``: the cluster and model-size
     dropdowns beside the run's measured timeline, its projection redrawn at every change (see the
     module's docstring).  ``run``: what ``train(..., record_events=True)`` (or ``project=...``)
-    returned.  Views are kept per setting: coming back to one redraws nothing."""
+    returned.  The keyword options (``degrees``, ``even``, ``precision``, ``compute``,
+    ``recompute``) are :func:`~minitrain.projection.project`'s, kept for every setting of the
+    controls: ``ProjectionWidget(run, "dgx-h100", "1.3b", degrees={"dp": 8})`` re-projects the run
+    as ``project(run, "dgx-h100", "1.3b", degrees={"dp": 8})`` does, on whichever cluster and model
+    size is chosen.  Views are kept per setting: coming back to one redraws nothing."""
 
-    def __init__(self, run: dict, cluster: str = "dgx-h100", model="1.3b"):
+    def __init__(self, run: dict, cluster: str = "dgx-h100", model="1.3b", *,
+                 degrees: dict | None = None, even: bool = False, precision: str | None = None,
+                 compute: str | None = None, recompute: bool | None = None):
         import ipywidgets as w
 
         self.run = run
+        self.options = {"degrees": degrees, "even": even, "precision": precision,
+                        "compute": compute, "recompute": recompute}
         calibrated = bool(((run.get("summary") or {}).get("calibration") or {}).get("flop_rate"))
         clusters = list(CLUSTERS) + (["local", "binder"] if calibrated else [])
         if cluster not in clusters:
@@ -368,7 +421,7 @@ class ProjectionWidget:
         """Re-project for what the controls say (or reuse that setting's view) and redraw."""
         key = (self.cluster.value, self.model.value)
         if key not in self._views:
-            view = projection_view(self.run, *key)
+            view = projection_view(self.run, *key, **self.options)
             fig = projection_figure(view)
             png = None
             if fig is not None:

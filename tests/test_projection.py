@@ -214,6 +214,105 @@ def test_ddp_bytes_scale_to_the_closed_form_at_the_target_size(ddp_run):
         assert 2 * (n - 1) / n * sent == pytest.approx(item * psi)
 
 
+def shapes_params(cfg) -> tuple[int, int]:
+    """(Ψ, Ψ of the experts' MLPs) counted from the shapes: token and position embeddings (V·d,
+    s·d); per block two LayerNorms (2·2d), Q, K, V without bias (3d²), the output projection
+    (d² + d) and a d→ff→d MLP with biases (2·d·ff + ff + d) — with E experts E such MLPs and a
+    router (d·E); the final LayerNorm (2d) and an untied head (V·d)."""
+    d, ff, V, s, L, E = cfg.d_model, cfg.ff, cfg.vocab_size, cfg.seq_len, cfg.n_layer, cfg.n_expert
+    mlp = 2 * d * ff + ff + d
+    experts = L * E * mlp
+    block = 4 * d + 3 * d * d + d * d + d + (E * mlp + d * E if E else mlp)
+    return V * d + s * d + L * block + 2 * d + V * d, experts
+
+
+def test_shapes_params_counts_the_models_parameters():
+    for cfg in (*MODEL_SIZES.values(), MODELS["tiny"], target_model("1.3b", MODELS["tiny-moe"])):
+        assert shapes_params(cfg)[0] == cfg.num_params()
+
+
+def step_sent(p, rank, op=None, tags=None) -> float:
+    """Bytes of the projected step's communications of ``rank``'s timeline (by op, by tag)."""
+    return sum(e["bytes"] for e in p["timeline"][rank] if e["op"] != "compute"
+               and (op is None or e["op"] == op)
+               and (tags is None or e.get("tag", "").startswith(tags)))
+
+
+def messages_sent(p, rank) -> float:
+    """Bytes of the point-to-point messages ``rank`` sent in the projected step (by the replay's
+    keys: ("p", src, dst, channel, n)), each with the layers it stands for."""
+    return sum(inst.bytes * inst.repeat for key, inst in p["_replay"]["instances"].items()
+               if key[0] == "p" and key[1] == rank)
+
+
+@pytest.mark.parametrize("strategy, options", [("zero1", {}), ("zero2", {"bucket_mb": 0.2})])
+def test_zero12_bytes_scale_to_the_closed_form_at_the_target_size(strategy, options, clusters):
+    """ZeRO-1 and -2, per step: each rank reduce-scatters the whole gradient (the tracer counts a
+    reduce-scatter's input: item·Ψ bytes; ZeRO-2 in buckets) and all-gathers the whole updated
+    parameters (its output: item·Ψ), Ψ the target's; on a ring each rank sends (n−1)/n of each,
+    2(n−1)/n·item·Ψ — what DDP's all-reduce sends."""
+    n = 2
+    run = train(strategy=strategy, world_size=n, steps=2, batch_size=8, cluster=clusters(n),
+                options=options, record_events=True)
+    if strategy == "zero2":  # buckets: each one scaled with the parameters it carries
+        assert len(run["summary"]["report"][0]["bucket_bytes"]) > 1
+    psi, _ = shapes_params(MODEL_SIZES["7b"])
+    # the flat vector is padded to a multiple of n (each bucket's, ZeRO-2): at most n−1 elements
+    # per bucket of the tiny model's, which scale with it
+    pad = 8 * (n - 1) / shapes_params(MODELS["tiny"])[0]
+    for precision, item in (("fp32", 4), ("bf16-mixed", 2)):
+        p = project(run, "dgx-h100", "7b", precision=precision)
+        for rank in range(n):
+            scattered = step_sent(p, rank, "reduce_scatter")
+            gathered = step_sent(p, rank, "all_gather")
+            assert scattered == pytest.approx(item * psi, rel=pad)
+            assert gathered == pytest.approx(item * psi, rel=pad)
+            assert (n - 1) / n * (scattered + gathered) == pytest.approx(
+                2 * (n - 1) / n * item * psi, rel=pad)
+
+
+def test_context_ring_bytes_scale_to_the_closed_form_at_the_target_size(clusters):
+    """Ring attention on cp ranks, per layer and step: each rank's K and V for its s/cp positions
+    of its b sequences (2·b·(s/cp)·d values) go cp−1 hops forward, cp−1 again in backward, and
+    cp hops carrying dK/dV (the last takes them home): (3cp−2) such blocks per layer, for each of
+    the target's L layers.  The gradients are all-reduced whole (item·Ψ)."""
+    cp = 2
+    run = train(strategy="context", world_size=cp, steps=2, batch_size=8, cluster=clusters(cp),
+                options={"cp": cp}, record_events=True)
+    cfg = MODEL_SIZES["1.3b"]
+    b = 8  # one replica (dp = 1): every sequence of the batch
+    for precision, item in (("fp32", 4), ("bf16-mixed", 2)):
+        p = project(run, "dgx-h100", "1.3b", precision=precision)
+        block = 2 * b * (cfg.seq_len // cp) * cfg.d_model * item
+        for rank in range(cp):
+            assert messages_sent(p, rank) == pytest.approx(cfg.n_layer * (3 * cp - 2) * block,
+                                                           rel=1e-9)
+            assert step_sent(p, rank, "all_reduce", "grads") == pytest.approx(
+                item * shapes_params(cfg)[0], rel=1e-9)
+
+
+def test_expert_all_to_all_bytes_scale_to_the_closed_form_at_the_target_size(clusters):
+    """Two experts, each token routed to both (top-2), one expert per rank: per layer each rank's
+    dispatch sends all its (b/ep)·s tokens to the other rank (d values each) and its combine sends
+    back as many (the other rank's tokens, through its expert); backward sends the gradients of
+    both: 4·(b/ep)·s·d·item bytes per layer, whatever the router chose.  The gradient all-reduce
+    carries the replicated parameters only (Ψ less the experts': each has one owner)."""
+    ep, b = 2, 8
+    model = GPTConfig(n_expert=2, top_k=2, d_ff=128)
+    run = train(strategy="expert", world_size=ep, steps=2, batch_size=b, cluster=clusters(ep),
+                model=model, record_events=True)
+    cfg = target_model("1.3b", model)
+    assert (cfg.n_expert, cfg.top_k) == (2, 2)
+    psi, experts = shapes_params(cfg)
+    for precision, item in (("fp32", 4), ("bf16-mixed", 2)):
+        p = project(run, "dgx-h100", "1.3b", precision=precision)
+        for rank in range(ep):
+            assert messages_sent(p, rank) == pytest.approx(
+                cfg.n_layer * 4 * (b // ep) * cfg.seq_len * cfg.d_model * item, rel=1e-9)
+            assert step_sent(p, rank, "all_reduce", "grads") == pytest.approx(
+                item * (psi - experts), rel=1e-9)
+
+
 def test_zero3_gathers_scale_unit_by_unit(clusters):
     run = train(strategy="zero3", world_size=2, steps=2, batch_size=8, cluster=clusters(2),
                 record_events=True)

@@ -56,7 +56,7 @@ from .scaling import (MODEL_SIZES, NOT_REPLAYED, RankWork, Scaler, itemsize, lay
 __all__ = ["MODEL_SIZES", "target_model", "check_projection", "project", "replay", "Op",
            "Instance", "ReplayError", "rank_work", "RankWork", "Scaler", "format_projection",
            "breakdown", "warp", "ddp_timeline", "pipeline_timeline", "fsdp_timeline", "NOT_REPLAYED",
-           "fit_run", "message_times"]
+           "fit_run", "message_times", "even_work"]
 
 #: Adam's update reads the weight, the gradient and two moments and writes three: 7 fp32 words
 ADAM_BYTES = 28
@@ -98,6 +98,18 @@ def check_projection(project: str | None, as_model=None, *, strategy: str = "", 
     if cfg.seq_len % (2 * cp if cp > 1 else 1):
         raise ValueError(f"--as-model {as_model}: its {cfg.seq_len} positions do not split over "
                          f"context parallelism {cp} (2·cp chunks)")
+
+
+def even_work(summary: dict) -> bool:
+    """Whether :func:`project`'s ``even`` holds for this run — its micro-batches do equal work:
+    a ``pipeline`` run of GPipe or 1F1B (what ``even`` is for) whose batch splits into equal
+    micro-batches (``torch.tensor_split``: otherwise their sizes differ by one sample).  The CLI
+    and ``train(project=...)`` project with it, as lesson 05 does."""
+    if summary.get("strategy") != "pipeline":
+        return False
+    report = (summary.get("report") or [{}])[0] or {}
+    m = report.get("microbatches") or 1
+    return report.get("schedule") in ("gpipe", "1f1b") and m > 1 and summary["batch_size"] % m == 0
 
 
 # --------------------------------------------------------------------------------------------------

@@ -3,7 +3,9 @@ to a bigger model, the refusals, and the surfaces (train(project=...), the CLI's
 Behaviour only: no test asserts how long anything took here."""
 
 import json
+import math
 import re
+import statistics
 import subprocess
 import sys
 
@@ -14,8 +16,8 @@ from minitrain.clusters import PRESETS, describe, get_cluster
 from minitrain.cli import main
 from minitrain.model import GPTConfig, PRESETS as MODELS, training_flops
 from minitrain.projection import (MODEL_SIZES, Instance, Op, ReplayError, breakdown,
-                                  check_projection, ddp_timeline, pipeline_timeline, project,
-                                  rank_work, replay, target_model)
+                                  check_projection, ddp_timeline, even_work, pipeline_timeline,
+                                  project, rank_work, replay, target_model)
 from minitrain.viz.pipeline import bubble_summary
 from minitrain.viz.timeline import timeline_rows
 
@@ -153,6 +155,9 @@ def test_training_flops_are_narayanans_formula():
     ("dgx-h100", "70b", {}, "unknown model size '70b'; choose one of: gpt2, 1.3b"),
     (None, "7b", {}, "--as-model needs --project"),
     ("dgx-h100", None, {"strategy": "ps-sync", "world_size": 3}, "cannot be projected"),
+    ("dgx-h100", "1.3b", {"strategy": "ps-async", "world_size": 3},
+     "strategy 'ps-async' cannot be projected: the asynchronous parameter server's workers never "
+     "step together"),
     ("dgx-h100", None, {"strategy": "ddp", "world_size": 16}, "do not fit"),
     ("dgx-h100", "1.3b", {"strategy": "tensor", "world_size": 3}, "do not split over tensor"),
     ("local", "1.3b", {"strategy": "pipeline", "world_size": 2,
@@ -173,6 +178,13 @@ def test_the_cli_refuses_a_projection_before_any_process_starts(no_spawn, capsys
     assert "unknown cluster 'nowhere'; choose one of" in capsys.readouterr().err
     with pytest.raises(ValueError, match="unknown cluster"):
         train(strategy="ddp", world_size=2, project="nowhere")
+    # the free-running parameter servers say why, from the CLI and from Python
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--strategy", "ps-async", "--world-size", "3", "--project", "dgx-h100"])
+    assert info.value.code == 2
+    assert "'ps-async' cannot be projected: the asynchronous" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="'ps-async' cannot be projected"):
+        train(strategy="ps-async", world_size=3, project="dgx-h100", as_model="1.3b")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -355,6 +367,81 @@ def test_train_adds_a_projection_beside_the_measurement(ddp_run):
         work = rank_work(ddp_run["summary"], MODEL_SIZES["1.3b"], 0)
         expected = work.flops / device.flop_rate() + 28 * work.opt_params / device.memory_bw
         assert project(ddp_run, name, "1.3b")["compute_s"] == pytest.approx(expected, rel=1e-9)
+
+
+#: every lockstep strategy (and pipeline schedule) through train(project=...), on the fewest ranks
+#: that show its communication (ddp: ddp_run above)
+LOCKSTEP = [
+    ("single", 1, {}, "tiny"),
+    ("ddp-naive", 2, {}, "tiny"),
+    ("zero1", 2, {}, "tiny"),
+    ("zero2", 2, {}, "tiny"),
+    ("zero3", 2, {}, "tiny"),
+    ("tensor", 2, {}, "tiny"),
+    ("context", 2, {"cp": 2}, "tiny"),
+    ("expert", 2, {}, "tiny-moe"),
+    ("3d", 4, {"pp": 2, "tp": 2}, "tiny"),
+    ("pipeline", 2, {"schedule": "naive"}, "tiny"),
+    ("pipeline", 2, {"schedule": "gpipe", "microbatches": 4}, "tiny"),
+    ("pipeline", 2, {"schedule": "1f1b", "microbatches": 4}, "tiny"),
+    ("pipeline", 2, {"schedule": "interleaved", "microbatches": 4}, "tiny"),
+    ("pipeline", 2, {"schedule": "zb-h1", "microbatches": 4}, "tiny"),
+]
+
+
+@pytest.mark.parametrize("strategy, world, options, model", LOCKSTEP,
+                         ids=[f"{s}-{o.get('schedule', w)}" for s, w, o, _ in LOCKSTEP])
+def test_every_lockstep_strategy_is_projected_by_train(strategy, world, options, model, clusters):
+    run = train(strategy=strategy, world_size=world, steps=2, batch_size=8, options=options,
+                model=MODELS[model], cluster=clusters(world), project="dgx-h100", as_model="1.3b")
+    p = run["summary"]["projection"]
+    assert p["cluster"] == "dgx-h100" and p["model"].startswith("1.3b")
+    parts = ("compute_s", "exposed_comm_s", "bubble_s", "idle_s")
+    for key in ("step_time_s", "mfu", "comm_s") + parts:
+        assert math.isfinite(p[key]) and p[key] >= 0, (key, p[key])
+    assert p["step_time_s"] > 0 and 0 < p["mfu"] < 1
+    # by construction (replay.breakdown): a rank's segments tile its step — compute, and waits
+    # that are exposed communication while its communication is in flight, else idle (bubble on a
+    # pipeline's messages) — and the rest to the slowest rank's end is idle (bubble in a
+    # pipeline); the parts are means over the ranks, so they add up to the step time
+    assert sum(p[k] for k in parts) == pytest.approx(p["step_time_s"], rel=1e-9)
+    pipelined = strategy == "pipeline" or "pp" in options
+    assert (p["bubble_s"] > 0) if pipelined else (p["bubble_s"] == 0)
+    if world == 1:  # nothing is sent: nothing to hide
+        assert p["hidden_comm_share"] is None and p["exposed_comm_s"] == p["comm_s"] == 0
+    else:  # exposed communication is the part of the time in flight no compute ran beside
+        assert 0 < p["comm_s"] and p["exposed_comm_s"] <= p["comm_s"] * (1 + 1e-9)
+        assert p["hidden_comm_share"] == pytest.approx(1 - p["exposed_comm_s"] / p["comm_s"],
+                                                       abs=1e-9)
+    # compute: each rank's FLOPs at the H100's sustained rate and Adam's 28 bytes per parameter
+    # it steps at its memory bandwidth, the mean over ranks; MFU: the model FLOPs at peak
+    device = get_cluster("dgx-h100").device
+    works = [rank_work(run["summary"], MODEL_SIZES["1.3b"] if model == "tiny" else
+                       target_model("1.3b", MODELS[model]), r) for r in range(world)]
+    assert p["compute_s"] == pytest.approx(statistics.fmean(
+        w.flops / device.flop_rate() + 28 * w.opt_params / device.memory_bw for w in works),
+        rel=1e-9)
+    assert p["mfu"] == pytest.approx(sum(w.model_flops for w in works) / (
+        p["step_time_s"] * world * device.peak_flops), rel=1e-9)
+    # the summary is project()'s: equal micro-batches of GPipe and 1F1B with equal work (as
+    # lesson 05 projects them), every other run as measured
+    even = strategy == "pipeline" and options["schedule"] in ("gpipe", "1f1b")
+    assert p["even"] is even
+    assert p["step_time_s"] == pytest.approx(
+        project(run, "dgx-h100", "1.3b", even=even)["step_time_s"], rel=1e-12)
+
+
+def test_even_work_is_for_gpipe_and_1f1b_of_equal_micro_batches():
+    def summary(strategy="pipeline", schedule="1f1b", m=4, batch=8):
+        return {"strategy": strategy, "batch_size": batch,
+                "report": [{"schedule": schedule, "microbatches": m}]}
+    assert even_work(summary()) and even_work(summary(schedule="gpipe"))
+    assert not even_work(summary(batch=10))  # tensor_split: micro-batches of 3, 3, 2, 2
+    assert not even_work(summary(schedule="interleaved"))  # its chunks differ (embedding, head)
+    assert not even_work(summary(schedule="zb-h1"))  # its backward is two passes of unlike work
+    assert not even_work(summary(schedule="naive", m=1))
+    assert not even_work(summary(strategy="3d"))
+    assert not even_work({"strategy": "ddp", "batch_size": 8})
 
 
 def test_a_bigger_model_that_does_not_fit_says_so(ddp_run):

@@ -143,7 +143,7 @@ def projection_view(result: dict, cluster: str = "dgx-h100", model="1.3b") -> di
     ``measured_step_ms`` (the drawn step, measured here), ``projection`` (what
     :func:`~minitrain.projection.project` returned), ``parts`` (:func:`step_parts`) and ``html``
     (:func:`summary_html`)."""
-    from ..projection import ddp_timeline, pipeline_timeline, project
+    from ..projection import ddp_timeline, even_work, pipeline_timeline, project
     from .timeline import timeline_rows
 
     why = _why_not(result, cluster, model)
@@ -156,7 +156,8 @@ def projection_view(result: dict, cluster: str = "dgx-h100", model="1.3b") -> di
             "stages": summary["world_size"]}
     try:
         if kind == "pipeline":
-            projected, p = pipeline_timeline(result, cluster, target)
+            # equal micro-batches, equal work (as the CLI and lesson 05 project them)
+            projected, p = pipeline_timeline(result, cluster, target, even=even_work(summary))
             view["measured"], view["projected"] = summary["report"][0]["timeline"], projected
         else:
             p = project(result, cluster, target)

@@ -2,6 +2,7 @@
 to a bigger model, the refusals, and the surfaces (train(project=...), the CLI's JSON, clusters).
 Behaviour only: no test asserts how long anything took here."""
 
+import functools
 import json
 import math
 import re
@@ -12,8 +13,9 @@ import sys
 import pytest
 
 from minitrain import train
-from minitrain.clusters import PRESETS, describe, get_cluster
-from minitrain.cli import main
+from minitrain import clusters as clusters_module
+from minitrain.clusters import PRESETS, calibrate_here, describe, get_cluster
+from minitrain.cli import format_clusters, main
 from minitrain.model import GPTConfig, PRESETS as MODELS, training_flops
 from minitrain.projection import (MODEL_SIZES, Instance, Op, ReplayError, breakdown,
                                   check_projection, ddp_timeline, even_work, pipeline_timeline,
@@ -119,6 +121,43 @@ def test_every_preset_says_where_its_numbers_come_from():
     assert "datasheet" in rows["dgx-h100"]["sources"][0]
     assert "nccl-tests" in rows["dgx-h100"]["sources"][1]
     assert get_cluster("ib-h100x8").devices == 64
+
+
+def test_clusters_says_how_to_measure_this_machine_and_starts_nothing(no_spawn, capsys):
+    assert main(["clusters"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for name in ("local", "binder"):
+        at = next(i for i, line in enumerate(lines) if line.startswith(name + " "))
+        assert "numbers:" in lines[at + 1] and "'minitrain clusters --calibrate'" in lines[at + 1]
+    with pytest.raises(SystemExit) as info:
+        main(["clusters", "--calibrate", "--ranks", "1"])
+    assert info.value.code == 2 and "at least 2 ranks" in capsys.readouterr().err
+
+
+def test_clusters_calibrate_lists_this_machine_measured_on_the_spot(clusters, monkeypatch, capsys):
+    """`--calibrate` prints the FLOP rate per rank and lesson 01's α-β, measured now on running
+    ranks (here the fixture's, standing in for the two it would start), and Binder's from them."""
+    monkeypatch.setattr(clusters_module, "calibrate_here",
+                        functools.partial(calibrate_here, cluster=clusters(2)))
+    assert main(["clusters", "--calibrate", "--json"]) == 0
+    rows = {r["cluster"]: r for r in json.loads(capsys.readouterr().out)}
+    local, binder = rows["local"], rows["binder"]
+    assert local["ranks"] == binder["ranks"] == 2
+    for row in (local, binder):
+        assert row["flop_rate_per_rank_gflops"] > 0 and row["memory_bw_per_rank_gbps"] > 0
+        assert math.isfinite(row["alpha_us"]) and row["alpha_us"] >= 0
+        assert 0 < row["beta_s_per_byte"] < 1e-6 and row["p2p_alpha_us"] > 0
+        assert len(row["derived"]) > 40
+    # Binder: this machine's rate per core on one core that both ranks share, its α-β, 2 GB
+    assert binder["peak_tflops"] == local["peak_tflops"]
+    assert binder["flop_rate_per_rank_gflops"] == pytest.approx(binder["peak_tflops"] * 1e3 / 2)
+    assert (binder["alpha_us"], binder["beta_s_per_byte"]) == (local["alpha_us"],
+                                                                local["beta_s_per_byte"])
+    assert binder["memory_gb"] == 2.0 and "not measured on Binder" in binder["derived"]
+    text = format_clusters(list(rows.values()))  # what `minitrain clusters --calibrate` prints
+    assert re.search(r"^local .*\n +[\d,.]+ GFLOP/s per rank \(2 ranks on \d+ core\(s\)\).* α "
+                     r"[\d,.]+ µs per ring step, β [\d.]+ ns/byte", text, re.MULTILINE)
+    assert "how: measured now with 2 ranks at once" in text
 
 
 def test_a_group_that_leaves_the_node_pays_the_network():

@@ -300,7 +300,8 @@ def format_summary(result: dict) -> str:
 
 
 def format_clusters(rows: list[dict]) -> str:
-    """``minitrain clusters``: each preset's numbers, then where they come from."""
+    """``minitrain clusters``: each preset's numbers, then where they come from; this machine and
+    Binder with their calibrated numbers (``--calibrate``), else the command that measures them."""
     out = []
     for r in rows:
         if "calibrate" in r:  # this machine, not measured yet

@@ -28,7 +28,9 @@ Where the numbers come from (never tuned to make a lesson look good):
   Ring, LL protocol): 6.6 µs per collective, 0.6 µs per ring step on NVLink, 1.0 on PCIe, 2.7 over
   the network;
 * this machine: calibrated on the spot (:func:`calibrate_rank`): the α-β fit of lesson 01
-  (:func:`minitrain.costmodel.fit_alpha_beta`) and each rank's FLOP rate on a matrix product.
+  (:func:`minitrain.costmodel.fit_alpha_beta`) and each rank's FLOP rate on a matrix product —
+  after a run projected on "local" or "binder", or by ``minitrain clusters --calibrate``
+  (:func:`calibrate_here`); Binder's numbers are derived from it (its one core, its 2 GB).
 """
 
 from __future__ import annotations

@@ -143,7 +143,8 @@ def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | No
     ``exposed_comm_s``, ``bubble_s``, ``idle_s`` (their mean over ranks: they add up to the step
     time), ``hidden_comm_share``, ``mfu``, ``memory`` (bytes per device), ``timeline`` (per rank,
     tracer-style events and compute spans, seconds from the step's start), ``measured_step_s``
-    (the run's own median step, all ranks, beside it) and ``sources``."""
+    (the run's own median step, all ranks, beside it; ``step_times_s`` and
+    ``measured_step_times_s`` step by step) and ``sources``."""
     summary = result["summary"]
     if "events" not in result:
         raise ValueError("this result has no recorded events: train with record_events=True (or "
@@ -233,6 +234,7 @@ def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | No
         "step_time_s": T,
         "step_times_s": [r["step_time"] for r in replays],
         "measured_step_s": statistics.median(r["measured"] for r in replays),
+        "measured_step_times_s": [r["measured"] for r in replays],  # step by step, as step_times_s
         "mean_step_time_s": statistics.fmean(r["step_time"] for r in replays),
         "measured_mean_step_s": statistics.fmean(r["measured"] for r in replays),
         **parts,

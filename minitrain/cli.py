@@ -149,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     cl = sub.add_parser("clusters", help="list the clusters a run can be projected on, with their "
                                          "numbers and sources")
     cl.add_argument("--json", action="store_true", help="the numbers as JSON")
+    cl.add_argument("--calibrate", action="store_true",
+                    help="also measure this machine on the spot (FLOP rate per rank, lesson 01's "
+                         "α-β; starts --ranks ranks for a few seconds): the local and binder rows' "
+                         "numbers")
+    cl.add_argument("--ranks", type=int, default=2,
+                    help="with --calibrate: the ranks measured at once (default: 2)")
     sub.add_parser("grade", add_help=False,
                    help="check a folder of submitted lesson notebooks and write a gradebook CSV "
                         "('minitrain grade --help')")
@@ -294,9 +300,25 @@ def format_summary(result: dict) -> str:
 
 
 def format_clusters(rows: list[dict]) -> str:
-    """``minitrain clusters``: each preset's numbers, then where they come from."""
+    """``minitrain clusters``: each preset's numbers, then where they come from; this machine and
+    Binder with their calibrated numbers (``--calibrate``), else the command that measures them."""
     out = []
     for r in rows:
+        if "calibrate" in r:  # this machine, not measured yet
+            how = "measured on the spot" if r["cluster"] == "local" else "derived from this machine's"
+            out.append(f"{r['cluster']:10s} {r['title']}\n{'':10s} numbers: {how}; see them with "
+                       f"'{r['calibrate']}' (it starts 2 ranks here for a few seconds)")
+            continue
+        if "flop_rate_per_rank_gflops" in r:  # this machine (or Binder), calibrated
+            out.append(f"{r['cluster']:10s} {r['title']}\n"
+                       f"{'':10s} {r['flop_rate_per_rank_gflops']:,.1f} GFLOP/s per rank "
+                       f"({r['ranks']} ranks on {r['cores']} core(s)), memory "
+                       f"{r['memory_bw_per_rank_gbps']:,.1f} GB/s per rank, {r['memory_gb']:,.1f} GB; "
+                       f"loopback all-reduce α {r['alpha_us']:,.1f} µs per ring step, β "
+                       f"{r['beta_s_per_byte'] * 1e9:,.3f} ns/byte ({r['loopback_gbps']:,.2f} GB/s), "
+                       f"a message {r['p2p_alpha_us']:,.1f} µs one way\n"
+                       f"{'':10s}   how: {r['derived']}")
+            continue
         if "devices" not in r:
             out.append(f"{r['cluster']:10s} {r['title']}")
             continue
@@ -369,8 +391,11 @@ def _main(argv: list[str] | None = None) -> int:
     if extras:
         parser.refuse_unknown(extras, args.command)
     if args.command == "clusters":
-        from .clusters import describe
-        rows = describe()
+        from .clusters import calibrate_here, describe
+        if args.calibrate and args.ranks < 2:
+            parser.exit(2, f"minitrain clusters: error: --ranks {args.ranks}: the α-β of lesson 01 "
+                           "needs at least 2 ranks\n")
+        rows = describe(calibrate_here(args.ranks) if args.calibrate else None)
         print(dumps(rows) if args.json else format_clusters(rows))
         return 0
     if args.command == "strategies":

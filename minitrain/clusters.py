@@ -28,7 +28,9 @@ Where the numbers come from (never tuned to make a lesson look good):
   Ring, LL protocol): 6.6 µs per collective, 0.6 µs per ring step on NVLink, 1.0 on PCIe, 2.7 over
   the network;
 * this machine: calibrated on the spot (:func:`calibrate_rank`): the α-β fit of lesson 01
-  (:func:`minitrain.costmodel.fit_alpha_beta`) and each rank's FLOP rate on a matrix product.
+  (:func:`minitrain.costmodel.fit_alpha_beta`) and each rank's FLOP rate on a matrix product —
+  after a run projected on "local" or "binder", or by ``minitrain clusters --calibrate``
+  (:func:`calibrate_here`); Binder's numbers are derived from it (its one core, its 2 GB).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from dataclasses import asdict, dataclass, field, replace
 from .costmodel import collective_seconds, ring_steps, ring_volume
 
 __all__ = ["Device", "Link", "ClusterSpec", "PRESETS", "cluster_names", "get_cluster",
-           "local_cluster", "calibrate_rank", "describe", "A100_ANCHOR"]
+           "local_cluster", "calibrate_rank", "calibrate_here", "describe", "A100_ANCHOR"]
 
 GB = 1e9
 
@@ -292,7 +294,7 @@ def local_cluster(cal: dict, binder: bool = False) -> ClusterSpec:
     per_core = cal["flop_rate"] * ranks / min(ranks, cores)  # all ranks computed at once
     device = Device("a CPU rank (this machine)" if not binder else "Binder's one CPU", per_core,
                     per_core, 1.0, cal["memory_rate"] * ranks / min(ranks, cores),
-                    cal.get("memory_gb", 2.0 if binder else 0.0),
+                    2.0 if binder else cal.get("memory_gb", 0.0),
                     "calibrated on the spot: matrix products on every rank at once"
                     + ("; Binder: 1 CPU, 2 GB (mybinder.org user guide)" if binder else ""),
                     cores=1 if binder else cores)
@@ -304,11 +306,55 @@ def local_cluster(cal: dict, binder: bool = False) -> ClusterSpec:
     return ClusterSpec(key, CALIBRATED[key], device, max(ranks, 1), 1, link, None, calibration=cal)
 
 
-def describe() -> list[dict]:
-    """Every preset's numbers and sources (this machine's once calibrated: listed by name)."""
+def describe(calibration: dict | None = None) -> list[dict]:
+    """Every preset's numbers and sources; this machine's and Binder's from ``calibration`` (what
+    :func:`calibrate_rank` measured, e.g. by :func:`calibrate_here`), else by name with the command
+    that measures them."""
     rows = [PRESETS[k].row() for k in sorted(PRESETS)]
-    rows += [{"cluster": k, "title": v} for k, v in sorted(CALIBRATED.items())]
+    for key, title in sorted(CALIBRATED.items()):
+        if calibration:
+            rows.append(_calibrated_row(key, calibration))
+        else:
+            rows.append({"cluster": key, "title": title, "calibrate": "minitrain clusters --calibrate"})
     return rows
+
+
+def _calibrated_row(key: str, cal: dict) -> dict:
+    """``local`` or ``binder``'s row: the spec's numbers, and per rank what a run of
+    ``cal["ranks"]`` ranks gets here (local) or would get on Binder's one core."""
+    spec = local_cluster(cal, binder=key == "binder")
+    ranks, cores = cal["ranks"], cal["cores"]
+    d = spec.device
+    share = min(1.0, (d.cores or 1) / max(1, ranks))  # what Device.flop_rate gives each rank
+    row = spec.row()
+    row.update(ranks=ranks, cores=d.cores,
+               flop_rate_per_rank_gflops=d.flop_rate("fp32", ranks) / 1e9,
+               memory_bw_per_rank_gbps=d.memory_bw * share / GB,
+               alpha_us=cal["alpha"] * 1e6, beta_s_per_byte=cal["beta"],
+               loopback_gbps=1 / max(cal["beta"], 1e-15) / GB,
+               p2p_alpha_us=(cal.get("p2p_alpha") or 0.0) * 1e6)
+    if key == "local":
+        row["derived"] = (f"measured now with {ranks} ranks at once on {cores} cores: a 256x256 "
+                          "fp32 matrix product on each rank (FLOP/s), an 8 MB copy (memory), "
+                          "lesson 01's all-reduce sweep of 4 KB-4 MB fitted to α + β·bytes "
+                          "(slowest rank), a 16-float ping-pong (a message's latency)")
+    else:
+        row["derived"] = (f"not measured on Binder: this machine's FLOP rate per core (measured "
+                          f"now: {d.peak_flops / 1e9:,.1f} GFLOP/s) on Binder's one core, which "
+                          f"all {ranks} ranks share; this machine's loopback α-β; 2 GB memory "
+                          "(mybinder.org user guide)")
+    return row
+
+
+def calibrate_here(ranks: int = 2, cluster=None) -> dict:
+    """This machine calibrated on the spot (``minitrain clusters --calibrate``): :func:`calibrate_rank`
+    on ``ranks`` ranks started for it and stopped after (a few seconds), or on a running
+    :class:`~minitrain.launch.Cluster`'s; rank 0's result."""
+    if cluster is not None:
+        return cluster.run(calibrate_rank)[0]
+    from .launch import Cluster
+    with Cluster(ranks, threads=1) as c:
+        return c.run(calibrate_rank)[0]
 
 
 # --------------------------------------------------------------------------------------------------

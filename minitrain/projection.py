@@ -56,7 +56,7 @@ from .scaling import (MODEL_SIZES, NOT_REPLAYED, RankWork, Scaler, itemsize, lay
 __all__ = ["MODEL_SIZES", "target_model", "check_projection", "project", "replay", "Op",
            "Instance", "ReplayError", "rank_work", "RankWork", "Scaler", "format_projection",
            "breakdown", "warp", "ddp_timeline", "pipeline_timeline", "fsdp_timeline", "NOT_REPLAYED",
-           "fit_run", "message_times"]
+           "fit_run", "message_times", "even_work"]
 
 #: Adam's update reads the weight, the gradient and two moments and writes three: 7 fp32 words
 ADAM_BYTES = 28
@@ -100,6 +100,18 @@ def check_projection(project: str | None, as_model=None, *, strategy: str = "", 
                          f"context parallelism {cp} (2·cp chunks)")
 
 
+def even_work(summary: dict) -> bool:
+    """Whether :func:`project`'s ``even`` holds for this run — its micro-batches do equal work:
+    a ``pipeline`` run of GPipe or 1F1B (what ``even`` is for) whose batch splits into equal
+    micro-batches (``torch.tensor_split``: otherwise their sizes differ by one sample).  The CLI
+    and ``train(project=...)`` project with it, as lesson 05 does."""
+    if summary.get("strategy") != "pipeline":
+        return False
+    report = (summary.get("report") or [{}])[0] or {}
+    m = report.get("microbatches") or 1
+    return report.get("schedule") in ("gpipe", "1f1b") and m > 1 and summary["batch_size"] % m == 0
+
+
 # --------------------------------------------------------------------------------------------------
 # The projection of a run
 # --------------------------------------------------------------------------------------------------
@@ -131,7 +143,8 @@ def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | No
     ``exposed_comm_s``, ``bubble_s``, ``idle_s`` (their mean over ranks: they add up to the step
     time), ``hidden_comm_share``, ``mfu``, ``memory`` (bytes per device), ``timeline`` (per rank,
     tracer-style events and compute spans, seconds from the step's start), ``measured_step_s``
-    (the run's own median step, all ranks, beside it) and ``sources``."""
+    (the run's own median step, all ranks, beside it; ``step_times_s`` and
+    ``measured_step_times_s`` step by step) and ``sources``."""
     summary = result["summary"]
     if "events" not in result:
         raise ValueError("this result has no recorded events: train with record_events=True (or "
@@ -221,6 +234,7 @@ def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | No
         "step_time_s": T,
         "step_times_s": [r["step_time"] for r in replays],
         "measured_step_s": statistics.median(r["measured"] for r in replays),
+        "measured_step_times_s": [r["measured"] for r in replays],  # step by step, as step_times_s
         "mean_step_time_s": statistics.fmean(r["step_time"] for r in replays),
         "measured_mean_step_s": statistics.fmean(r["measured"] for r in replays),
         **parts,

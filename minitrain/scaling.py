@@ -213,6 +213,10 @@ class Scaler:
         self.block_ratio = [t.block_params / max(m.block_params, 1.0) for m, t in zip(mine, theirs)]
         lay = layout(summary)
         self.tokens_mb = summary["batch_size"] / (lay["dp"] * lay["m"]) * run.seq_len / lay["cp"]
+        # expert parallelism: the gradient all-reduce ("grads") carries only the replicated
+        # (dense) parameters — each expert has one owner — not the rank's own experts with them
+        self.dense_ratio = (_replicated_params(target) / max(_replicated_params(run), 1.0)
+                            if lay["ep"] > 1 else None)
 
     def __call__(self, event: dict, rank: int) -> tuple[float, float]:
         nbytes, kind = float(event["bytes"]), _carries(event)
@@ -229,10 +233,19 @@ class Scaler:
             if layer in ("embed", "head"):
                 attr = "embed_params" if layer == "embed" else "head_params"
                 return nbytes * self.dtype * getattr(target, attr)() / getattr(run, attr)(), 1.0
+            if self.dense_ratio is not None and event.get("tag") == "grads":
+                return nbytes * self.dtype * self.dense_ratio, 1.0
             return nbytes * self.dtype * self.param_ratio[rank], 1.0
         per_token = nbytes / self.items[0] / max(self.tokens_mb, 1.0)
         width = target.d_model / run.d_model if per_token > 4 else 1.0
         return nbytes * self.dtype * target.seq_len / run.seq_len * width, repeat
+
+
+def _replicated_params(cfg: GPTConfig) -> float:
+    """The parameters every expert-parallel rank holds a copy of: all but the experts' MLPs
+    (the router stays)."""
+    d, ff = cfg.d_model, cfg.ff
+    return cfg.num_params() - cfg.n_layer * cfg.n_expert * ((d * ff + ff) + (ff * d + d))
 
 
 def itemsize(precision: str) -> int:

@@ -233,15 +233,21 @@ def _options_dict(cfg: TrainConfig) -> dict:
 
 def add_projection(result: dict, project: str | None, as_model=None) -> dict:
     """``result`` with ``summary["projection"]``: the run re-timed on ``project`` at ``as_model``
-    (the fields of :func:`minitrain.projection.project`, without the per-rank timelines)."""
+    (the fields of :func:`minitrain.projection.project`, without the per-rank timelines).  A
+    GPipe or 1F1B pipeline of equal micro-batches is projected with ``even=True`` (each gets the
+    same share of its rank's FLOPs, as in lesson 05: :func:`minitrain.projection.even_work`);
+    ``"even"`` says which."""
     if project is None or "summary" not in result:
         return result
+    from .projection import even_work
     from .projection import project as reproject
-    p = reproject(result, project, as_model)
+    even = even_work(result["summary"])
+    p = reproject(result, project, as_model, even=even)
     keep = ("cluster", "cluster_title", "model", "params", "precision", "compute_mode",
             "step_time_s", "measured_step_s", "compute_s", "exposed_comm_s", "bubble_s", "idle_s",
             "comm_s", "hidden_comm_share", "mfu", "tokens_per_s", "fits", "sources")
     summary = result["summary"]
     summary["projection"] = {k: p[k] for k in keep}
+    summary["projection"]["even"] = even
     summary["projection"]["memory_per_device_gb"] = [m["total"] / 1e9 for m in p["memory"]]
     return result

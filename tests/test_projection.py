@@ -2,20 +2,24 @@
 to a bigger model, the refusals, and the surfaces (train(project=...), the CLI's JSON, clusters).
 Behaviour only: no test asserts how long anything took here."""
 
+import functools
 import json
+import math
 import re
+import statistics
 import subprocess
 import sys
 
 import pytest
 
 from minitrain import train
-from minitrain.clusters import PRESETS, describe, get_cluster
-from minitrain.cli import main
+from minitrain import clusters as clusters_module
+from minitrain.clusters import PRESETS, calibrate_here, describe, get_cluster
+from minitrain.cli import format_clusters, main
 from minitrain.model import GPTConfig, PRESETS as MODELS, training_flops
 from minitrain.projection import (MODEL_SIZES, Instance, Op, ReplayError, breakdown,
-                                  check_projection, ddp_timeline, pipeline_timeline, project,
-                                  rank_work, replay, target_model)
+                                  check_projection, ddp_timeline, even_work, pipeline_timeline,
+                                  project, rank_work, replay, target_model)
 from minitrain.viz.pipeline import bubble_summary
 from minitrain.viz.timeline import timeline_rows
 
@@ -119,6 +123,43 @@ def test_every_preset_says_where_its_numbers_come_from():
     assert get_cluster("ib-h100x8").devices == 64
 
 
+def test_clusters_says_how_to_measure_this_machine_and_starts_nothing(no_spawn, capsys):
+    assert main(["clusters"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for name in ("local", "binder"):
+        at = next(i for i, line in enumerate(lines) if line.startswith(name + " "))
+        assert "numbers:" in lines[at + 1] and "'minitrain clusters --calibrate'" in lines[at + 1]
+    with pytest.raises(SystemExit) as info:
+        main(["clusters", "--calibrate", "--ranks", "1"])
+    assert info.value.code == 2 and "at least 2 ranks" in capsys.readouterr().err
+
+
+def test_clusters_calibrate_lists_this_machine_measured_on_the_spot(clusters, monkeypatch, capsys):
+    """`--calibrate` prints the FLOP rate per rank and lesson 01's α-β, measured now on running
+    ranks (here the fixture's, standing in for the two it would start), and Binder's from them."""
+    monkeypatch.setattr(clusters_module, "calibrate_here",
+                        functools.partial(calibrate_here, cluster=clusters(2)))
+    assert main(["clusters", "--calibrate", "--json"]) == 0
+    rows = {r["cluster"]: r for r in json.loads(capsys.readouterr().out)}
+    local, binder = rows["local"], rows["binder"]
+    assert local["ranks"] == binder["ranks"] == 2
+    for row in (local, binder):
+        assert row["flop_rate_per_rank_gflops"] > 0 and row["memory_bw_per_rank_gbps"] > 0
+        assert math.isfinite(row["alpha_us"]) and row["alpha_us"] >= 0
+        assert 0 < row["beta_s_per_byte"] < 1e-6 and row["p2p_alpha_us"] > 0
+        assert len(row["derived"]) > 40
+    # Binder: this machine's rate per core on one core that both ranks share, its α-β, 2 GB
+    assert binder["peak_tflops"] == local["peak_tflops"]
+    assert binder["flop_rate_per_rank_gflops"] == pytest.approx(binder["peak_tflops"] * 1e3 / 2)
+    assert (binder["alpha_us"], binder["beta_s_per_byte"]) == (local["alpha_us"],
+                                                                local["beta_s_per_byte"])
+    assert binder["memory_gb"] == 2.0 and "not measured on Binder" in binder["derived"]
+    text = format_clusters(list(rows.values()))  # what `minitrain clusters --calibrate` prints
+    assert re.search(r"^local .*\n +[\d,.]+ GFLOP/s per rank \(2 ranks on \d+ core\(s\)\).* α "
+                     r"[\d,.]+ µs per ring step, β [\d.]+ ns/byte", text, re.MULTILINE)
+    assert "how: measured now with 2 ranks at once" in text
+
+
 def test_a_group_that_leaves_the_node_pays_the_network():
     spec = get_cluster("ib-h100x2")
     inside = spec.seconds("all_reduce", 1e9, [0] * 8)
@@ -153,6 +194,9 @@ def test_training_flops_are_narayanans_formula():
     ("dgx-h100", "70b", {}, "unknown model size '70b'; choose one of: gpt2, 1.3b"),
     (None, "7b", {}, "--as-model needs --project"),
     ("dgx-h100", None, {"strategy": "ps-sync", "world_size": 3}, "cannot be projected"),
+    ("dgx-h100", "1.3b", {"strategy": "ps-async", "world_size": 3},
+     "strategy 'ps-async' cannot be projected: the asynchronous parameter server's workers never "
+     "step together"),
     ("dgx-h100", None, {"strategy": "ddp", "world_size": 16}, "do not fit"),
     ("dgx-h100", "1.3b", {"strategy": "tensor", "world_size": 3}, "do not split over tensor"),
     ("local", "1.3b", {"strategy": "pipeline", "world_size": 2,
@@ -173,6 +217,13 @@ def test_the_cli_refuses_a_projection_before_any_process_starts(no_spawn, capsys
     assert "unknown cluster 'nowhere'; choose one of" in capsys.readouterr().err
     with pytest.raises(ValueError, match="unknown cluster"):
         train(strategy="ddp", world_size=2, project="nowhere")
+    # the free-running parameter servers say why, from the CLI and from Python
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--strategy", "ps-async", "--world-size", "3", "--project", "dgx-h100"])
+    assert info.value.code == 2
+    assert "'ps-async' cannot be projected: the asynchronous" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="'ps-async' cannot be projected"):
+        train(strategy="ps-async", world_size=3, project="dgx-h100", as_model="1.3b")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -212,6 +263,105 @@ def test_ddp_bytes_scale_to_the_closed_form_at_the_target_size(ddp_run):
             assert sent == pytest.approx(item * psi, rel=1e-9)
         n = 2
         assert 2 * (n - 1) / n * sent == pytest.approx(item * psi)
+
+
+def shapes_params(cfg) -> tuple[int, int]:
+    """(Ψ, Ψ of the experts' MLPs) counted from the shapes: token and position embeddings (V·d,
+    s·d); per block two LayerNorms (2·2d), Q, K, V without bias (3d²), the output projection
+    (d² + d) and a d→ff→d MLP with biases (2·d·ff + ff + d) — with E experts E such MLPs and a
+    router (d·E); the final LayerNorm (2d) and an untied head (V·d)."""
+    d, ff, V, s, L, E = cfg.d_model, cfg.ff, cfg.vocab_size, cfg.seq_len, cfg.n_layer, cfg.n_expert
+    mlp = 2 * d * ff + ff + d
+    experts = L * E * mlp
+    block = 4 * d + 3 * d * d + d * d + d + (E * mlp + d * E if E else mlp)
+    return V * d + s * d + L * block + 2 * d + V * d, experts
+
+
+def test_shapes_params_counts_the_models_parameters():
+    for cfg in (*MODEL_SIZES.values(), MODELS["tiny"], target_model("1.3b", MODELS["tiny-moe"])):
+        assert shapes_params(cfg)[0] == cfg.num_params()
+
+
+def step_sent(p, rank, op=None, tags=None) -> float:
+    """Bytes of the projected step's communications of ``rank``'s timeline (by op, by tag)."""
+    return sum(e["bytes"] for e in p["timeline"][rank] if e["op"] != "compute"
+               and (op is None or e["op"] == op)
+               and (tags is None or e.get("tag", "").startswith(tags)))
+
+
+def messages_sent(p, rank) -> float:
+    """Bytes of the point-to-point messages ``rank`` sent in the projected step (by the replay's
+    keys: ("p", src, dst, channel, n)), each with the layers it stands for."""
+    return sum(inst.bytes * inst.repeat for key, inst in p["_replay"]["instances"].items()
+               if key[0] == "p" and key[1] == rank)
+
+
+@pytest.mark.parametrize("strategy, options", [("zero1", {}), ("zero2", {"bucket_mb": 0.2})])
+def test_zero12_bytes_scale_to_the_closed_form_at_the_target_size(strategy, options, clusters):
+    """ZeRO-1 and -2, per step: each rank reduce-scatters the whole gradient (the tracer counts a
+    reduce-scatter's input: item·Ψ bytes; ZeRO-2 in buckets) and all-gathers the whole updated
+    parameters (its output: item·Ψ), Ψ the target's; on a ring each rank sends (n−1)/n of each,
+    2(n−1)/n·item·Ψ — what DDP's all-reduce sends."""
+    n = 2
+    run = train(strategy=strategy, world_size=n, steps=2, batch_size=8, cluster=clusters(n),
+                options=options, record_events=True)
+    if strategy == "zero2":  # buckets: each one scaled with the parameters it carries
+        assert len(run["summary"]["report"][0]["bucket_bytes"]) > 1
+    psi, _ = shapes_params(MODEL_SIZES["7b"])
+    # the flat vector is padded to a multiple of n (each bucket's, ZeRO-2): at most n−1 elements
+    # per bucket of the tiny model's, which scale with it
+    pad = 8 * (n - 1) / shapes_params(MODELS["tiny"])[0]
+    for precision, item in (("fp32", 4), ("bf16-mixed", 2)):
+        p = project(run, "dgx-h100", "7b", precision=precision)
+        for rank in range(n):
+            scattered = step_sent(p, rank, "reduce_scatter")
+            gathered = step_sent(p, rank, "all_gather")
+            assert scattered == pytest.approx(item * psi, rel=pad)
+            assert gathered == pytest.approx(item * psi, rel=pad)
+            assert (n - 1) / n * (scattered + gathered) == pytest.approx(
+                2 * (n - 1) / n * item * psi, rel=pad)
+
+
+def test_context_ring_bytes_scale_to_the_closed_form_at_the_target_size(clusters):
+    """Ring attention on cp ranks, per layer and step: each rank's K and V for its s/cp positions
+    of its b sequences (2·b·(s/cp)·d values) go cp−1 hops forward, cp−1 again in backward, and
+    cp hops carrying dK/dV (the last takes them home): (3cp−2) such blocks per layer, for each of
+    the target's L layers.  The gradients are all-reduced whole (item·Ψ)."""
+    cp = 2
+    run = train(strategy="context", world_size=cp, steps=2, batch_size=8, cluster=clusters(cp),
+                options={"cp": cp}, record_events=True)
+    cfg = MODEL_SIZES["1.3b"]
+    b = 8  # one replica (dp = 1): every sequence of the batch
+    for precision, item in (("fp32", 4), ("bf16-mixed", 2)):
+        p = project(run, "dgx-h100", "1.3b", precision=precision)
+        block = 2 * b * (cfg.seq_len // cp) * cfg.d_model * item
+        for rank in range(cp):
+            assert messages_sent(p, rank) == pytest.approx(cfg.n_layer * (3 * cp - 2) * block,
+                                                           rel=1e-9)
+            assert step_sent(p, rank, "all_reduce", "grads") == pytest.approx(
+                item * shapes_params(cfg)[0], rel=1e-9)
+
+
+def test_expert_all_to_all_bytes_scale_to_the_closed_form_at_the_target_size(clusters):
+    """Two experts, each token routed to both (top-2), one expert per rank: per layer each rank's
+    dispatch sends all its (b/ep)·s tokens to the other rank (d values each) and its combine sends
+    back as many (the other rank's tokens, through its expert); backward sends the gradients of
+    both: 4·(b/ep)·s·d·item bytes per layer, whatever the router chose.  The gradient all-reduce
+    carries the replicated parameters only (Ψ less the experts': each has one owner)."""
+    ep, b = 2, 8
+    model = GPTConfig(n_expert=2, top_k=2, d_ff=128)
+    run = train(strategy="expert", world_size=ep, steps=2, batch_size=b, cluster=clusters(ep),
+                model=model, record_events=True)
+    cfg = target_model("1.3b", model)
+    assert (cfg.n_expert, cfg.top_k) == (2, 2)
+    psi, experts = shapes_params(cfg)
+    for precision, item in (("fp32", 4), ("bf16-mixed", 2)):
+        p = project(run, "dgx-h100", "1.3b", precision=precision)
+        for rank in range(ep):
+            assert messages_sent(p, rank) == pytest.approx(
+                cfg.n_layer * 4 * (b // ep) * cfg.seq_len * cfg.d_model * item, rel=1e-9)
+            assert step_sent(p, rank, "all_reduce", "grads") == pytest.approx(
+                item * (psi - experts), rel=1e-9)
 
 
 def test_zero3_gathers_scale_unit_by_unit(clusters):
@@ -256,6 +406,81 @@ def test_train_adds_a_projection_beside_the_measurement(ddp_run):
         work = rank_work(ddp_run["summary"], MODEL_SIZES["1.3b"], 0)
         expected = work.flops / device.flop_rate() + 28 * work.opt_params / device.memory_bw
         assert project(ddp_run, name, "1.3b")["compute_s"] == pytest.approx(expected, rel=1e-9)
+
+
+#: every lockstep strategy (and pipeline schedule) through train(project=...), on the fewest ranks
+#: that show its communication (ddp: ddp_run above)
+LOCKSTEP = [
+    ("single", 1, {}, "tiny"),
+    ("ddp-naive", 2, {}, "tiny"),
+    ("zero1", 2, {}, "tiny"),
+    ("zero2", 2, {}, "tiny"),
+    ("zero3", 2, {}, "tiny"),
+    ("tensor", 2, {}, "tiny"),
+    ("context", 2, {"cp": 2}, "tiny"),
+    ("expert", 2, {}, "tiny-moe"),
+    ("3d", 4, {"pp": 2, "tp": 2}, "tiny"),
+    ("pipeline", 2, {"schedule": "naive"}, "tiny"),
+    ("pipeline", 2, {"schedule": "gpipe", "microbatches": 4}, "tiny"),
+    ("pipeline", 2, {"schedule": "1f1b", "microbatches": 4}, "tiny"),
+    ("pipeline", 2, {"schedule": "interleaved", "microbatches": 4}, "tiny"),
+    ("pipeline", 2, {"schedule": "zb-h1", "microbatches": 4}, "tiny"),
+]
+
+
+@pytest.mark.parametrize("strategy, world, options, model", LOCKSTEP,
+                         ids=[f"{s}-{o.get('schedule', w)}" for s, w, o, _ in LOCKSTEP])
+def test_every_lockstep_strategy_is_projected_by_train(strategy, world, options, model, clusters):
+    run = train(strategy=strategy, world_size=world, steps=2, batch_size=8, options=options,
+                model=MODELS[model], cluster=clusters(world), project="dgx-h100", as_model="1.3b")
+    p = run["summary"]["projection"]
+    assert p["cluster"] == "dgx-h100" and p["model"].startswith("1.3b")
+    parts = ("compute_s", "exposed_comm_s", "bubble_s", "idle_s")
+    for key in ("step_time_s", "mfu", "comm_s") + parts:
+        assert math.isfinite(p[key]) and p[key] >= 0, (key, p[key])
+    assert p["step_time_s"] > 0 and 0 < p["mfu"] < 1
+    # by construction (replay.breakdown): a rank's segments tile its step — compute, and waits
+    # that are exposed communication while its communication is in flight, else idle (bubble on a
+    # pipeline's messages) — and the rest to the slowest rank's end is idle (bubble in a
+    # pipeline); the parts are means over the ranks, so they add up to the step time
+    assert sum(p[k] for k in parts) == pytest.approx(p["step_time_s"], rel=1e-9)
+    pipelined = strategy == "pipeline" or "pp" in options
+    assert (p["bubble_s"] > 0) if pipelined else (p["bubble_s"] == 0)
+    if world == 1:  # nothing is sent: nothing to hide
+        assert p["hidden_comm_share"] is None and p["exposed_comm_s"] == p["comm_s"] == 0
+    else:  # exposed communication is the part of the time in flight no compute ran beside
+        assert 0 < p["comm_s"] and p["exposed_comm_s"] <= p["comm_s"] * (1 + 1e-9)
+        assert p["hidden_comm_share"] == pytest.approx(1 - p["exposed_comm_s"] / p["comm_s"],
+                                                       abs=1e-9)
+    # compute: each rank's FLOPs at the H100's sustained rate and Adam's 28 bytes per parameter
+    # it steps at its memory bandwidth, the mean over ranks; MFU: the model FLOPs at peak
+    device = get_cluster("dgx-h100").device
+    works = [rank_work(run["summary"], MODEL_SIZES["1.3b"] if model == "tiny" else
+                       target_model("1.3b", MODELS[model]), r) for r in range(world)]
+    assert p["compute_s"] == pytest.approx(statistics.fmean(
+        w.flops / device.flop_rate() + 28 * w.opt_params / device.memory_bw for w in works),
+        rel=1e-9)
+    assert p["mfu"] == pytest.approx(sum(w.model_flops for w in works) / (
+        p["step_time_s"] * world * device.peak_flops), rel=1e-9)
+    # the summary is project()'s: equal micro-batches of GPipe and 1F1B with equal work (as
+    # lesson 05 projects them), every other run as measured
+    even = strategy == "pipeline" and options["schedule"] in ("gpipe", "1f1b")
+    assert p["even"] is even
+    assert p["step_time_s"] == pytest.approx(
+        project(run, "dgx-h100", "1.3b", even=even)["step_time_s"], rel=1e-12)
+
+
+def test_even_work_is_for_gpipe_and_1f1b_of_equal_micro_batches():
+    def summary(strategy="pipeline", schedule="1f1b", m=4, batch=8):
+        return {"strategy": strategy, "batch_size": batch,
+                "report": [{"schedule": schedule, "microbatches": m}]}
+    assert even_work(summary()) and even_work(summary(schedule="gpipe"))
+    assert not even_work(summary(batch=10))  # tensor_split: micro-batches of 3, 3, 2, 2
+    assert not even_work(summary(schedule="interleaved"))  # its chunks differ (embedding, head)
+    assert not even_work(summary(schedule="zb-h1"))  # its backward is two passes of unlike work
+    assert not even_work(summary(schedule="naive", m=1))
+    assert not even_work(summary(strategy="3d"))
+    assert not even_work({"strategy": "ddp", "batch_size": 8})
 
 
 def test_a_bigger_model_that_does_not_fit_says_so(ddp_run):

@@ -178,7 +178,7 @@ def projection_view(result: dict, cluster: str = "dgx-h100", model="1.3b", *,
     ``measured_step_ms`` (the drawn step, measured here), ``projection`` (what
     :func:`~minitrain.projection.project` returned), ``parts`` (:func:`step_parts`) and ``html``
     (:func:`summary_html`)."""
-    from ..projection import ddp_timeline, pipeline_timeline, project
+    from ..projection import ddp_timeline, even_work, pipeline_timeline, project
     from .timeline import timeline_rows
 
     why = _why_not(result, cluster, model, degrees)
@@ -193,7 +193,10 @@ def projection_view(result: dict, cluster: str = "dgx-h100", model="1.3b", *,
             "stages": summary["world_size"], "devices": devices(summary, degrees)}
     try:
         if kind == "pipeline":
-            projected, p = pipeline_timeline(result, cluster, target, **options)
+            # equal micro-batches, equal work (as the CLI and lesson 05 project them), unless the
+            # lesson says otherwise
+            projected, p = pipeline_timeline(result, cluster, target,
+                                             **{"even": even_work(summary), **options})
             view["measured"], view["projected"] = summary["report"][0]["timeline"], projected
         else:
             p = project(result, cluster, target, **options)

@@ -163,13 +163,14 @@ def step_parts(projection: dict) -> list[dict]:
 
 
 def projection_view(result: dict, cluster: str = "dgx-h100", model="1.3b", *,
-                    degrees: dict | None = None, even: bool = False,
+                    degrees: dict | None = None, even: bool | None = None,
                     precision: str | None = None, compute: str | None = None,
                     recompute: bool | None = None) -> dict:
     """Everything the widget draws for ``result`` on ``cluster`` at ``model`` ("own": the run's).
     The keyword options are :func:`~minitrain.projection.project`'s, passed through (``degrees``:
     the run's ranks standing for a bigger mesh, ``{"dp": 8}``; ``even``: a pipeline's equal
-    micro-batches; ``precision``, ``compute``, ``recompute``).
+    micro-batches, by default where they are equal, as the CLI projects; ``precision``, ``compute``,
+    ``recompute``).
 
     ``{"message": why}`` when it cannot be projected; else ``kind`` ("ddp", "pipeline",
     "streams"), ``measured`` and ``projected`` (the rows of :func:`.timeline.timeline_rows`, the
@@ -185,6 +186,8 @@ def projection_view(result: dict, cluster: str = "dgx-h100", model="1.3b", *,
     if why is not None:
         return {"message": why, "cluster": cluster, "model": model}
     target = None if model == "own" else model
+    if even is None:
+        even = even_work(result["summary"])
     options = {"degrees": degrees, "even": even, "precision": precision, "compute": compute,
                "recompute": recompute}
     summary = result["summary"]
@@ -193,10 +196,7 @@ def projection_view(result: dict, cluster: str = "dgx-h100", model="1.3b", *,
             "stages": summary["world_size"], "devices": devices(summary, degrees)}
     try:
         if kind == "pipeline":
-            # equal micro-batches, equal work (as the CLI and lesson 05 project them), unless the
-            # lesson says otherwise
-            projected, p = pipeline_timeline(result, cluster, target,
-                                             **{"even": even_work(summary), **options})
+            projected, p = pipeline_timeline(result, cluster, target, **options)
             view["measured"], view["projected"] = summary["report"][0]["timeline"], projected
         else:
             p = project(result, cluster, target, **options)
@@ -391,7 +391,7 @@ class ProjectionWidget:
     size is chosen.  Views are kept per setting: coming back to one redraws nothing."""
 
     def __init__(self, run: dict, cluster: str = "dgx-h100", model="1.3b", *,
-                 degrees: dict | None = None, even: bool = False, precision: str | None = None,
+                 degrees: dict | None = None, even: bool | None = None, precision: str | None = None,
                  compute: str | None = None, recompute: bool | None = None):
         import ipywidgets as w
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import ParameterError
+
 __all__ = ["FlatUnit", "make_buckets", "bucket_caps", "MIB",
            "DEFAULT_BUCKET_MB", "FIRST_BUCKET_BYTES", "GradientReducer", "Slot", "copy_into_bucket",
            "Done"]
@@ -105,7 +107,7 @@ def bucket_caps(bucket_cap_mb: float | None) -> tuple[float, float | None]:
     if bucket_cap_mb is None:
         return DEFAULT_BUCKET_MB * MIB, FIRST_BUCKET_BYTES
     if bucket_cap_mb <= 0:
-        raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        raise ParameterError("{}: the bucket size must be > 0 MiB", ("bucket_cap_mb", bucket_cap_mb))
     return bucket_cap_mb * MIB, None
 
 

@@ -107,7 +107,8 @@ def bucket_caps(bucket_cap_mb: float | None) -> tuple[float, float | None]:
     if bucket_cap_mb is None:
         return DEFAULT_BUCKET_MB * MIB, FIRST_BUCKET_BYTES
     if bucket_cap_mb <= 0:
-        raise ParameterError("{}: the bucket size must be > 0 MiB", ("bucket_cap_mb", bucket_cap_mb))
+        raise ParameterError("{}: the bucket size must be > 0 MiB",
+                             ("bucket_cap_mb", bucket_cap_mb))
     return bucket_cap_mb * MIB, None
 
 

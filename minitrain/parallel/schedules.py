@@ -72,7 +72,8 @@ def check_schedule(name: str, stages: int, microbatches: int, chunks: int = 1, *
     each — of a model of ``n_layer`` blocks and a batch of ``batch`` samples, when given."""
     P, M, V = stages, microbatches, chunks
     if name not in SCHEDULES:
-        raise ScheduleError(f"unknown {{}}; choose one of: {', '.join(SCHEDULES)}", ("schedule", name))
+        raise ScheduleError(f"unknown {{}}; choose one of: {', '.join(SCHEDULES)}",
+                            ("schedule", name))
     if P < 1 or M < 1 or V < 1:
         shape = (("stages", P), ("microbatches", M), ("chunks", V))
         refused, value = next((k, v) for k, v in shape if v < 1)

@@ -10,6 +10,7 @@ import pytest
 from minitrain.analysis import bubble_formula, bubble_fraction, peak_in_flight
 from minitrain.parallel.schedules import (COSTS, SCHEDULES, Action, ScheduleError, make_schedule,
                                           orders, simulate, split_layers, validate)
+from minitrain.strategies.base import in_cli_words
 
 F, B = (lambda m, s: Action("F", m, s)), (lambda m, s: Action("B", m, s))
 
@@ -88,6 +89,17 @@ def test_the_schedules_refuse_impossible_shapes_with_the_fix():
         make_schedule("zb-h1", 2, 4, 2)
     with pytest.raises(ScheduleError, match="unknown schedule='dualpipe'"):
         make_schedule("dualpipe", 2, 4)
+
+
+def test_a_schedule_refusal_carries_its_parameter_and_the_cli_words_it_from_them():
+    """The strategy words the refusal from its fields (3d calls stages --pp), not from its text."""
+    with pytest.raises(ScheduleError) as info:
+        make_schedule("interleaved", 2, 5, 2)
+    refusal = info.value
+    assert (refusal.parameter, refusal.value) == ("microbatches", 5)
+    assert refusal.mentions == (("stages", 2), ("microbatches", 4))
+    assert str(in_cli_words(refusal, {"stages": "--pp {}"})).endswith(
+        "multiple of --pp 2, got 5; use --microbatches 4")
 
 
 def test_split_layers_is_balanced_and_allows_uneven_counts():

@@ -17,6 +17,7 @@ import math
 import torch
 
 from ..comm import Comm
+from .errors import ParameterError
 
 __all__ = ["Compressor", "TopK", "Int8", "Sign", "PowerSGD", "ErrorFeedback", "parse_compressor",
            "as_error_feedback", "topk_error_feedback", "compressed_all_reduce", "payload_bytes",
@@ -197,7 +198,8 @@ class PowerSGD(Compressor):
 def parse_compressor(spec) -> Compressor | None:
     """``"topk:0.01"``, ``"int8"``, ``"sign"``, ``"powersgd:4"`` (or None/"none") → a Compressor.
 
-    A Compressor passes through unchanged.  A bad spec is a ValueError naming the accepted forms.
+    A Compressor passes through unchanged.  A bad spec is a :class:`.errors.ParameterError`
+    (``compress``, the spec) naming the accepted forms.
     """
     if isinstance(spec, Compressor):
         return spec
@@ -214,7 +216,7 @@ def parse_compressor(spec) -> Compressor | None:
         problem = "unknown compressor"
     except ValueError as exc:
         problem = str(exc)
-    raise ValueError(f"bad compress={spec!r} ({problem}); use {FORMS}")
+    raise ParameterError(f"bad {{}} ({problem}); use {FORMS}", ("compress", spec))
 
 
 def _number(arg: str, cast, what: str):

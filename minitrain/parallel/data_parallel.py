@@ -126,7 +126,8 @@ class BucketComm:
     """The ``comm`` DDP's ``grad_ready`` gets with one bucket: ``size``, ``rank`` and
     ``all_reduce(tensor, async_op=False)``, which sums ``tensor`` with the DDP's bucket reduction
     ``reduce(tensor, index, async_op) -> work or None`` and keeps, for the timeline, when it was
-    launched (``launched_at``) and its handle (``work``: ``wait()``, and ``end`` once done)."""
+    launched (``launched_at``) and its work handle (``work``: ``wait()``, ``end``, as
+    :class:`~.flat.Done`)."""
 
     def __init__(self, reduce, index: int, comm: Comm):
         self.reduce, self.index = reduce, index
@@ -161,9 +162,10 @@ class DistributedDataParallel(nn.Module):
             ``ErrorFeedback`` (residuals keyed by bucket index), blocking.  Default None.
         error_feedback: keep what compression leaves out for the next step (ignored when
             ``compression`` is already an ``ErrorFeedback``).
-        all_reduce: ``all_reduce(buffer, comm) -> the sum`` sums a full bucket over the ranks
-            (blocking), e.g. :func:`minitrain.comm.ring_all_reduce`.  The buffer holds g/N, so the
-            sum is the mean.  Default None: ``comm.all_reduce``, asynchronous.
+        all_reduce: ``all_reduce(buffer, comm) -> the sum`` sums a full bucket over the ranks,
+            e.g. :func:`minitrain.comm.ring_all_reduce`.  The buffer holds g/N, so the sum is the
+            mean.  A sum function blocks by its shape, so it does not overlap with backward;
+            default None: ``comm.all_reduce``, which can (see :meth:`_bucket_reduction`).
         bucket_hooks: :class:`BucketHooks` ``(grad_ready, end_of_backward)`` (default
             :func:`launch_when_full`, :func:`wait_for_buckets`).  Each bucket's ``comm`` is a
             :class:`BucketComm` that sums as the three arguments above say.
@@ -202,21 +204,27 @@ class DistributedDataParallel(nn.Module):
                 p.register_post_accumulate_grad_hook(lambda p, s=s, i=i: self._grad_ready(s, i, p))
 
     def _bucket_reduction(self):
-        """How a bucket is summed, ``reduce(tensor, index, async_op) -> work or None``: the
-        backend's all-reduce (asynchronous when asked), or — blocking, its handle already done —
-        the compressed average or the given ``all_reduce``."""
+        """How a bucket is summed, in :meth:`Comm.all_reduce`'s shape: ``reduce(tensor, index,
+        async_op) -> work or None``, asynchronous when the hook asks (lesson 02's check tells a
+        blocking launch from one waited for too early by what reaches the communicator).
+
+        By default that is the communicator's all-reduce, which can overlap with backward.  A sum
+        function — the ``all_reduce`` given, or with ``compression`` the compressed average — has
+        the shape ``(tensor) -> the sum`` and blocks by that shape, whatever the hook asks: it runs
+        at once, its sum is copied into the bucket (a no-op when it summed in place), and the
+        handle it gives is already done (:class:`~.flat.Done`)."""
         comm, ef, all_reduce = self.comm, self.ef, self.all_reduce
-        if ef is not None:  # the sum of the ranks' payloads of g/N is the mean
-            def blocking(t, k):
-                compressed_all_reduce(t, comm, ef, key=k, average=False)
-        elif all_reduce is not None:
-            def blocking(t, k):
-                t.copy_(all_reduce(t, comm))
-        else:
+        if ef is None and all_reduce is None:
             return lambda t, k, async_op: comm.all_reduce(t, async_op=async_op, tag=f"bucket{k}")
+        if ef is not None:  # the sum of the ranks' payloads of g/N is the mean
+            def total(t, k):
+                return compressed_all_reduce(t, comm, ef, key=k, average=False)
+        else:
+            def total(t, k):
+                return all_reduce(t, comm)
 
         def reduce(t, k, async_op):
-            blocking(t, k)
+            t.copy_(total(t, k))
             return Done() if async_op else None
         return reduce
 

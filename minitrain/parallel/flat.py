@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import ParameterError
+
 __all__ = ["FlatUnit", "make_buckets", "bucket_caps", "MIB",
            "DEFAULT_BUCKET_MB", "FIRST_BUCKET_BYTES", "GradientReducer", "Slot", "copy_into_bucket",
            "Done"]
@@ -105,7 +107,8 @@ def bucket_caps(bucket_cap_mb: float | None) -> tuple[float, float | None]:
     if bucket_cap_mb is None:
         return DEFAULT_BUCKET_MB * MIB, FIRST_BUCKET_BYTES
     if bucket_cap_mb <= 0:
-        raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        raise ParameterError("{}: the bucket size must be > 0 MiB",
+                             ("bucket_cap_mb", bucket_cap_mb))
     return bucket_cap_mb * MIB, None
 
 
@@ -174,7 +177,12 @@ def copy_into_bucket(bucket: Slot, i: int, grad: torch.Tensor, world_size: int) 
 
 
 class Done:
-    """A finished work handle, for a collective that already ran (blocking) when it was launched."""
+    """A finished work handle, for a collective that already ran (blocking) when it was launched.
+
+    A work handle, wherever the techniques take or give one (``launch``'s, ``bucket.work``, a hook's
+    gather), has ``wait()`` and ``end``: when its collective completed (``time.perf_counter()``),
+    known once it has been waited for, else None.  :class:`minitrain.comm.Comm`'s asynchronous
+    calls return such handles; this one is done from the start."""
 
     def __init__(self, end: float | None = None):
         self.end = time.perf_counter() if end is None else end
@@ -196,7 +204,8 @@ class GradientReducer:
     Arguments:
         units: the flat units, in launch order.
         world_size: N, what each gradient is divided by.
-        launch: ``launch(slot) -> work`` (anything with ``wait()``); may keep results in ``slot.out``.
+        launch: ``launch(slot) -> work`` (a work handle: ``wait()``, ``end``, as :class:`Done`);
+            may keep results in ``slot.out``.
         finish: ``finish(slot)`` once its work is done.
         ordered: launch full units strictly in unit order (every rank must issue the same
             collectives in the same order, whatever order its hooks fired in); False: each unit
@@ -210,7 +219,8 @@ class GradientReducer:
         dtype: the buffers' dtype (default: the unit's parameters').
         hooks: ``(grad_ready(slot, i, grad, comm), end_of_backward(slots))`` (ZeRO-2's exercise,
             lesson 04): they put the gradients in and launch the collectives instead of
-            ``launch`` (``comm``: ``hook_comm(slot)``); each slot also gets ``grad_shard``, an
+            ``launch`` (``comm``: ``hook_comm(slot)``, whose asynchronous calls give the work
+            handle they leave in ``slot.work``); each slot also gets ``grad_shard``, an
             empty tensor of the unit's shard size.  A unit none of whose gradients came is fed
             zeros through ``grad_ready`` at the end of backward.  ``finish`` then runs as usual.
         record_timeline: keep, per backward, when it started and ended and when each unit's
@@ -306,7 +316,7 @@ class GradientReducer:
     def _note(self, s: Slot) -> None:
         """The timeline's bar of slot ``s`` (its collective done): launched, completed."""
         if self.record_timeline and s.launched_at is not None:
-            end = getattr(s.work, "end", None) or time.perf_counter()
+            end = s.work.end or time.perf_counter()
             self._step["buckets"].append(dict(index=s.index, bytes=s.unit.nbytes,
                                               start=s.launched_at, end=end))
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ..comm import Comm
+from .errors import ParameterError
 
 __all__ = ["Coords", "MeshShape", "Mesh"]
 
@@ -61,7 +62,7 @@ class MeshShape:
 
     def coords(self, rank: int) -> Coords:
         if not 0 <= rank < self.size:
-            raise ValueError(f"rank {rank} is outside a mesh of {self.size} ranks")
+            raise ParameterError(f"{{}} is outside a mesh of {self.size} ranks", ("rank", rank))
         rest, t = divmod(rank, self.tp)
         rest, c = divmod(rest, self.cp)
         p, d = divmod(rest, self.dp)
@@ -72,7 +73,7 @@ class MeshShape:
         there."""
         sizes = {"dp": self.dp, "pp": self.pp, "tp": self.tp, "cp": self.cp}
         if axis not in sizes:
-            raise ValueError(f"axis must be one of dp, pp, tp, cp; got {axis!r}")
+            raise ParameterError("unknown {}; use dp, pp, tp or cp", ("axis", axis))
         out: dict[tuple, list[int]] = {}
         for r in range(self.size):
             c = self.coords(r)
@@ -100,9 +101,10 @@ class Mesh:
             raise ValueError(f"a {_sizes(shape)} mesh needs {shape.size} ranks, "
                              f"the group has {comm.size}")
         if groups is not None and shape.cp > 1:
-            raise ValueError(f"groups(dp, pp, tp, axis) numbers the ranks of a 3D mesh and this "
-                             f"mesh has cp={shape.cp}: leave groups=None (the mesh numbers its "
-                             f"ranks ((p·dp + d)·cp + c)·tp + t), or use cp=1")
+            raise ParameterError("groups(dp, pp, tp, axis) numbers the ranks of a 3D mesh and this "
+                                 "mesh has {}: leave {} (the mesh numbers its ranks "
+                                 "((p·dp + d)·cp + c)·tp + t), or use {}", ("cp", shape.cp),
+                                 ("groups", None), ("cp", 1), parameter="groups", value=groups)
         self.shape, self.coords = shape, shape.coords(comm.rank)
         self.cp = None
         groups = groups or (lambda dp, pp, tp, axis: shape.groups(axis))

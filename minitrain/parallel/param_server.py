@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from ..comm import Comm
 from .compression import as_error_feedback
+from .errors import ParameterError
 from .flat import FlatUnit
 
 __all__ = ["partition", "ParameterServer", "Worker", "delay_compensated", "HEADER", "GRAD",
@@ -36,7 +37,7 @@ def partition(params: list[torch.Tensor], servers: int) -> list[list[int]]:
     """Keys (parameter indices) per server, balanced by size: largest parameter first onto the
     least-loaded server (the LPT rule); each server's keys stay in model order."""
     if servers < 1:
-        raise ValueError(f"need at least one server, got {servers}")
+        raise ParameterError("{}: need at least one server", ("servers", servers))
     load, keys = [0] * servers, [[] for _ in range(servers)]
     for k in sorted(range(len(params)), key=lambda k: -params[k].numel()):
         s = min(range(servers), key=lambda s: (load[s], s))
@@ -63,9 +64,10 @@ class ParameterServer:
                  mode: str = "sync", staleness: int | None = None, delay_comp: float = 0.0,
                  compressor=None, staleness_lr: bool = False):
         if mode not in ("sync", "ssp", "async"):
-            raise ValueError(f"mode must be 'sync', 'ssp' or 'async', got {mode!r}")
+            raise ParameterError("unknown {}; use 'sync', 'ssp' or 'async'", ("mode", mode))
         if mode == "ssp" and (staleness is None or staleness < 0):
-            raise ValueError(f"mode 'ssp' needs a staleness bound >= 0, got {staleness}")
+            raise ParameterError("mode 'ssp' needs a staleness bound >= 0, got {}",
+                                 ("staleness", staleness))
         self.comm, self.workers, self.mode = comm, workers, mode
         self.bound, self.delay_comp, self.compressor = staleness, delay_comp, compressor
         if staleness_lr and mode != "async":

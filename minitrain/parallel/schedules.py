@@ -17,6 +17,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .errors import ParameterError
+
 __all__ = ["Action", "COSTS", "SCHEDULES", "Table", "ScheduleError", "split_layers",
            "check_schedule", "one_f_one_b", "orders", "make_schedule", "with_idles", "dependencies", "simulate",
            "validate", "as_action"]
@@ -41,8 +43,10 @@ SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
 Table = list  # list[list[Action | None]]: table[rank] = that rank's actions in order, None = idle
 
 
-class ScheduleError(ValueError):
-    """A schedule that cannot run; the message names the offending action."""
+class ScheduleError(ParameterError):
+    """A schedule that cannot run: the message names the offending action, or (from
+    :func:`check_schedule`) the parameter, its value and the fix, as :class:`ParameterError`'s
+    fields."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -63,34 +67,43 @@ def split_layers(n_layer: int, n_stages: int) -> list[range]:
 
 def check_schedule(name: str, stages: int, microbatches: int, chunks: int = 1, *,
                    n_layer: int | None = None, batch: int | None = None) -> None:
-    """Raise :class:`ScheduleError`, naming the fix as ``parameter=value``, unless schedule ``name``
-    can run ``microbatches`` micro-batches on ``stages`` ranks of ``chunks`` model chunks each — of a
-    model of ``n_layer`` blocks and a batch of ``batch`` samples, when given."""
+    """Raise :class:`ScheduleError`, naming the parameter, its value and the fix, unless schedule
+    ``name`` can run ``microbatches`` micro-batches on ``stages`` ranks of ``chunks`` model chunks
+    each — of a model of ``n_layer`` blocks and a batch of ``batch`` samples, when given."""
     P, M, V = stages, microbatches, chunks
     if name not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule={name!r}; choose one of: {', '.join(SCHEDULES)}")
+        raise ScheduleError(f"unknown {{}}; choose one of: {', '.join(SCHEDULES)}",
+                            ("schedule", name))
     if P < 1 or M < 1 or V < 1:
-        raise ScheduleError(f"stages, microbatches and chunks must be >= 1, got stages={P}, "
-                            f"microbatches={M}, chunks={V}")
+        shape = (("stages", P), ("microbatches", M), ("chunks", V))
+        refused, value = next((k, v) for k, v in shape if v < 1)
+        raise ScheduleError("stages, microbatches and chunks must be >= 1, got {}, {}, {}", *shape,
+                            parameter=refused, value=value)
     if n_layer is not None and P * V > n_layer:
-        raise ScheduleError(f"stages={P} x chunks={V} = {P * V} pipeline stages but the model has "
-                            f"{n_layer} layers; use n_layer={P * V} or more, or fewer stages/chunks")
+        raise ScheduleError(f"{{}} x {{}} = {P * V} pipeline stages but the model has {n_layer} "
+                            "layers; use {} or more, or fewer stages/chunks",
+                            ("stages", P), ("chunks", V), ("n_layer", P * V))
     if batch is not None and M > batch:
-        raise ScheduleError(f"microbatches={M} is more than batch={batch}: each micro-batch needs at "
-                            f"least one sample; use microbatches={batch} or fewer")
+        raise ScheduleError("{} is more than {}: each micro-batch needs at least one sample; use "
+                            "{} or fewer", ("microbatches", M), ("batch", batch),
+                            ("microbatches", batch))
     if name == "naive" and M != 1:
-        raise ScheduleError(f"the naive schedule runs one batch, no micro-batches: use "
-                            f"microbatches=1 (got {M}), or schedule=gpipe/1f1b to use micro-batches")
+        raise ScheduleError(f"the naive schedule runs one batch, no micro-batches: use {{}} (got "
+                            f"{M}), or {{}} to use micro-batches", ("microbatches", 1),
+                            ("schedule", "gpipe/1f1b"), parameter="microbatches", value=M)
     if name == "interleaved":
         if V < 2:
             raise ScheduleError(f"interleaved 1F1B needs chunks >= 2 model chunks per rank, got "
-                                f"{V}; use chunks=2 (or schedule=1f1b for one chunk)")
+                                f"{V}; use {{}} (or {{}} for one chunk)", ("chunks", 2),
+                                ("schedule", "1f1b"), parameter="chunks", value=V)
         if M % P:
             raise ScheduleError(f"interleaved 1F1B (Megatron) needs microbatches to be a multiple "
-                                f"of stages={P}, got {M}; use microbatches={P * max(1, round(M / P))}")
+                                f"of {{}}, got {M}; use {{}}", ("stages", P),
+                                ("microbatches", P * max(1, round(M / P))),
+                                parameter="microbatches", value=M)
     elif V != 1:
-        raise ScheduleError(f"{name} runs one model chunk per rank, got chunks={V}; use chunks=1, "
-                            "or schedule=interleaved")
+        raise ScheduleError(f"{name} runs one model chunk per rank, got {{}}; use {{}}, or {{}}",
+                            ("chunks", V), ("chunks", 1), ("schedule", "interleaved"))
 
 
 def _one_f_one_b(P: int, M: int, r: int, backward: str = "B") -> list[Action]:
@@ -175,7 +188,7 @@ def orders(name: str, stages: int, microbatches: int, chunks: int = 1, *,
     check_schedule(name, stages, microbatches, chunks)
     P, M = stages, microbatches
     if order is not None and name != "1f1b":
-        raise ScheduleError(f"order= replaces the 1f1b order only, got schedule={name!r}")
+        raise ScheduleError("order= replaces the 1f1b order only, got {}", ("schedule", name))
     if name == "1f1b":
         order = order or one_f_one_b
         return [[as_action(a, r) for a in order(r, P, M)] for r in range(P)]

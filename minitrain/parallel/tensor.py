@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..comm import Comm
+from .errors import ParameterError
 
 __all__ = ["Split", "padded_size", "shard_tensor", "merge_shards", "f", "g",
            "gather_from_sequence_parallel", "reduce_scatter_to_sequence_parallel", "sequence_shard",
@@ -242,8 +243,8 @@ class ColumnParallelLinear(nn.Module):
         self.split = Split(0, parts, out_features if pad else None)
         padded = padded_size(out_features, comm.size) if pad else out_features
         if padded % (parts * comm.size):
-            raise ValueError(f"out_features={out_features} does not split into {parts} part(s) "
-                             f"over {comm.size} ranks")
+            raise ParameterError(f"{{}} does not split into {parts} part(s) over {comm.size} ranks",
+                                 ("out_features", out_features))
         self.output_size_per_partition = padded // comm.size
         per, factory = self.output_size_per_partition, dict(device=device, dtype=dtype)
         self.weight = _sharded_param((per, in_features), self.split, **factory)
@@ -298,7 +299,8 @@ class RowParallelLinear(nn.Module):
         self.apply_function = function.apply if function is not None else self.linear
         self.in_features, self.out_features = in_features, out_features
         if in_features % comm.size:
-            raise ValueError(f"in_features={in_features} does not split over {comm.size} ranks")
+            raise ParameterError(f"{{}} does not split over {comm.size} ranks",
+                                 ("in_features", in_features))
         self.input_size_per_partition = in_features // comm.size
         factory = dict(device=device, dtype=dtype)
         self.weight = _sharded_param((out_features, self.input_size_per_partition), Split(1), **factory)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..comm import Comm, all_reduce_coalesced
 from ..model import GPT, Attention, Block, Embedding, GPTConfig, Head
+from .errors import ParameterError
 from .tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                      _replicated_param, padded_size, sequence_shard, vocab_parallel_cross_entropy,
                      vocab_parallel_loss)
@@ -222,7 +223,7 @@ class TensorParallelParts:
         if kind == "head":
             tokens = self.cfg.seq_len if self.positions is None else len(self.positions)
             return ParallelHead(module, self.comm, sp, seq_len=tokens, column=self.column)
-        raise ValueError(f"unknown part {kind!r}: embed, block or head")
+        raise ParameterError("unknown {}: embed, block or head", ("kind", kind))
 
     def activation_shape(self, batch: int, seq: int) -> tuple:
         n = self.comm.size

@@ -40,12 +40,14 @@ import torch.nn as nn
 from ..comm import Comm
 from ..memory import ActivationMeter, ledger
 from ..model import GPT, GPTConfig, PRESETS, training_flops
+from ..parallel.errors import ParameterError
 from ..precision import PRECISIONS, DynamicLossScaler, MixedPrecisionOptimizer, cast_model_
 
 __all__ = ["ConfigError", "TrainConfig", "Options", "NoOptions", "Replicas", "option", "positive",
            "at_least", "Seams", "Strategy", "Lockstep", "FreeRunning", "Checkpointer", "register",
            "get_strategy", "strategy_names", "check_common", "check_strategy", "option_fields",
-           "closest", "did_you_mean", "check_fits_machine", "machine_memory", "Machine"]
+           "closest", "did_you_mean", "check_fits_machine", "machine_memory", "Machine",
+           "flag", "in_cli_words", "CLI_FORMS"]
 
 
 class ConfigError(ValueError):
@@ -98,6 +100,20 @@ def option(default, help: str, *, check=None, choices=None, metavar: str | None 
 
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+#: how the CLI says a technique's parameter where it is not simply its flag: ``{name: form}``,
+#: ``form`` with ``{}`` for the value
+CLI_FORMS = {"batch": "--batch-size {}"}
+
+
+def in_cli_words(refusal: ParameterError, forms: dict | None = None) -> ConfigError:
+    """A technique's refusal (a :class:`~minitrain.parallel.errors.ParameterError`) in the CLI's
+    words, from its fields: each parameter it mentions as its flag and value (``--chunks 1``), or as
+    :data:`CLI_FORMS` and ``forms`` word it (3d says ``stages`` as ``{"stages": "--pp {}"}``)."""
+    forms = {**CLI_FORMS, **(forms or {})}
+    return ConfigError(refusal.worded(
+        lambda name, shown: forms.get(name, flag(name) + " {}").format(shown)))
 
 
 @dataclass(frozen=True)

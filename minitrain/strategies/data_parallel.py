@@ -14,7 +14,9 @@ from ..analysis import overlap_fraction
 from ..data import shard
 from ..parallel.compression import FORMS, as_error_feedback, parse_compressor
 from ..parallel.data_parallel import DistributedDataParallel, NaiveDataParallel, mean_over_ranks
-from .base import ConfigError, Lockstep, NoOptions, Options, TrainConfig, option, positive, register
+from ..parallel.errors import ParameterError
+from .base import (ConfigError, Lockstep, NoOptions, Options, TrainConfig, in_cli_words, option,
+                   positive, register)
 from .single import Replica
 
 __all__ = ["Buckets", "Compression", "Timeline", "DDPOptions", "NaiveDDP", "DDP", "DataParallel",
@@ -59,8 +61,8 @@ def check_compression(cfg: TrainConfig) -> None:
     """Raise :class:`ConfigError`, naming the fix, for a bad ``compress`` / ``error_feedback``."""
     try:
         compressor = parse_compressor(cfg.options.compress)
-    except ValueError as exc:  # "compress='zip'" in the CLI's words
-        raise ConfigError(str(exc).replace("compress=", "--compress ", 1)) from None
+    except ParameterError as exc:
+        raise in_cli_words(exc) from None
     if compressor is None and not cfg.options.error_feedback:
         raise ConfigError("--no-error-feedback only applies to compressed gradients; add "
                           "--compress SPEC (e.g. --compress topk:0.01) or leave it out")

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import re
 import statistics
 from dataclasses import dataclass
 
@@ -20,7 +19,7 @@ from ..parallel.pipeline import PipelineExecutor, PipelineStage, split_weight_gr
 from ..parallel.schedules import (SCHEDULES, ScheduleError, check_schedule, make_schedule, simulate,
                                   split_layers, validate)
 from .base import (Checkpointer, ConfigError, Lockstep, Options, TrainConfig, at_least,
-                   check_strategy, flag, option, register)
+                   check_strategy, in_cli_words, option, register)
 
 __all__ = ["ScheduleOptions", "PipelineOptions", "Pipeline", "Stages", "schedule_shape",
            "check_pipeline", "merge_stages", "run_schedule"]
@@ -53,18 +52,8 @@ def schedule_shape(options: ScheduleOptions, stages: int) -> tuple[str, int, int
     return schedule, stages, microbatches, chunks
 
 
-_PARAMETER = re.compile(r"\b(schedule|stages|microbatches|chunks|n_layer|batch)=([^\s,;:)]+)")
-
-
-def cli_words(message: str, flags: dict | None = None) -> str:
-    """A technique's ``name=value`` as the CLI's ``--name value`` (``flags`` rewords some names:
-    ``{"stages": "--pp {}"}``)."""
-    flags = {"batch": "--batch-size {}", **(flags or {})}
-    return _PARAMETER.sub(lambda m: flags.get(m[1], flag(m[1]) + " {}").format(m[2]), message)
-
-
 def check_pipeline(cfg: TrainConfig, P: int, M: int, V: int, batch: int,
-                   flags: dict | None = None) -> None:
+                   forms: dict | None = None) -> None:
     """Refuse, naming the fix, a pipeline of P stages x V chunks running M micro-batches of a batch
     of ``batch`` samples: the schedule's own check (:func:`check_schedule`) in the CLI's words, and
     what the model and the trainer options add."""
@@ -72,7 +61,7 @@ def check_pipeline(cfg: TrainConfig, P: int, M: int, V: int, batch: int,
     try:
         check_schedule(schedule, P, M, V, n_layer=cfg.model.n_layer, batch=batch)
     except ScheduleError as exc:
-        raise ConfigError(cli_words(str(exc), flags)) from None
+        raise in_cli_words(exc, forms) from None
     if cfg.model.tie_weights and P > 1:
         raise ConfigError("pipeline cannot tie the embedding (first stage) to the head (last "
                           "stage); use a model with tie_weights=False")

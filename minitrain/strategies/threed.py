@@ -173,7 +173,7 @@ class ThreeD(Lockstep):
                               f"replicas; use a multiple of {s.dp} (e.g. "
                               f"{s.dp * max(1, round(cfg.batch_size / s.dp))})")
         _, P, M, V = schedule_shape(cfg.options, s.pp)
-        check_pipeline(cfg, P, M, V, cfg.batch_size // s.dp, flags={
+        check_pipeline(cfg, P, M, V, cfg.batch_size // s.dp, forms={
             "stages": "--pp {}",
             "batch": "{} (each data-parallel replica's batch: --batch-size / --dp)"})
         if cfg.options.schedule == "zb-h1":

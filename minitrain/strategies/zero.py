@@ -171,12 +171,17 @@ class _ZeroStrategy(DataParallel):
         self.model = self.build_model()  # bf16-mixed: bf16 model, fp32 copies in master_weights
         self.wrapper, self.optimizer, self.sharded = self.shard(self.model)
         self.master_weights.clear()  # each rank keeps only its shard of them
-        ignore = getattr(self.sharded, "is_gathered_parameter", None)
-        self.meter = ActivationMeter(self.model, ignore=ignore)
+        self.meter = ActivationMeter(self.model, ignore=self.not_activations())
 
     @abc.abstractmethod
     def shard(self, model) -> tuple:
         """(what to call forward on, the optimizer, the object holding the shards)."""
+
+    def not_activations(self):
+        """The activation meter's rule for saved tensors that are not activations beyond the
+        parameters, ``(tensor) -> bool``, or None: stages 1-2 keep every parameter whole, so there
+        are none."""
+        return None
 
     # -- what ZeroShards saves: this rank's shards and the optimizer stepping them --------------------
 
@@ -284,6 +289,11 @@ class Zero3(_ZeroStrategy):
     def shards(self):
         return [(u.layout, u.shard) for u in self.wrapper.units if u.shard is not None]
 
+    def not_activations(self):
+        """The gathered parameters: their storage comes and goes, so the meter cannot know them
+        from the parameters' own."""
+        return self.wrapper.is_gathered_parameter
+
     def train_step(self, x, y) -> float:
         """The step; with ``timeline``, its gather/compute/free/reduce-scatter events kept apart."""
         mark = len(self.wrapper.timeline) if self.wrapper.timeline is not None else 0
@@ -316,7 +326,6 @@ class _Zero3Memory:
 
     def __init__(self, fsdp: FullyShardedDataParallel, offload: HostOffload | None):
         self.fsdp, self.offload = fsdp, offload
-        self.is_gathered_parameter = fsdp.is_gathered_parameter
         self.layouts = fsdp.layouts
 
     def memory_tensors(self):

@@ -435,8 +435,13 @@ class Box:
 
 
 # what a sandboxed Python must reach, without the cost of importing torch: the runner's packages
-# and the files of this package, the kernel's and torch's, readable
-_PROBE = ("import importlib.util as u, os, nbclient, cloudpickle\n"
+# and the files of this package, the kernel's and torch's, readable; it prints which minitrain it
+# found (or that it found none), for :func:`_not_this_minitrain`
+_PROBE = ("import importlib.util as u, os, sys, nbclient, cloudpickle\n"
+          "spec = u.find_spec('minitrain')\n"
+          "if spec is None or spec.origin is None:\n"
+          "    sys.exit('minitrain-probe: no minitrain')\n"
+          "print('minitrain-probe: ' + os.path.realpath(spec.origin), flush=True)\n"
           "for name in ('minitrain', 'ipykernel', 'torch'):\n"
           "    origin = u.find_spec(name).origin\n"
           "    open(origin, 'rb').close()\n"
@@ -465,7 +470,11 @@ def unavailable() -> str | None:
             code = box.wait(180)
             log.seek(0)
             text = log.read(100_000).decode(errors="replace").strip()
-        if code != 0:
+        found = [line[len("minitrain-probe: "):] for line in text.splitlines()
+                 if line.startswith("minitrain-probe: ")]
+        if found and (mismatch := _not_this_minitrain(found[0])):
+            reason = mismatch
+        elif code != 0:
             last = text.splitlines()[-1] if text else f"exit status {code}"
             reason = f"a sandboxed Python could not start ({last})"
             if "namespace" in text or "uid map" in text or "Operation not permitted" in text:
@@ -478,3 +487,42 @@ def unavailable() -> str | None:
                            f"{Path(sys.executable).resolve().parent.parent}")
     _unavailable.append(reason)
     return reason
+
+
+def _not_this_minitrain(found: str) -> str | None:
+    """Why the grader cannot run when a sandboxed ``python -I`` finds ``found`` ("no minitrain", or
+    the real path of the ``minitrain/__init__.py`` it imports) rather than this package (the one
+    running), with the fix; None when it finds this one.  The sandbox sees what the environment
+    installed, not this process's working folder or PYTHONPATH: an editable install of another
+    checkout (in a folder the sandbox hides, or not) would judge with that checkout's checkers."""
+    here = Path(__file__).resolve().parent
+    if found != "no minitrain" and Path(found).parent == here:
+        return None
+    checkout = here.parent
+    installed = _installed_minitrain()
+    where = (f"this Python environment's minitrain is {installed}, not this one ({here})"
+             if installed and Path(installed) != here else
+             f"this Python environment has no minitrain installed (this one, {here}, is imported "
+             "from the working folder or PYTHONPATH, which the sandbox does not see)")
+    if found == "no minitrain":
+        what = "minitrain is not importable inside the sandbox"
+        if installed and Path(installed) != here:
+            what += " (an editable install of another checkout, in a folder the sandbox hides)"
+    else:
+        what = (f"inside the sandbox, minitrain is {Path(found).parent}, not the one running "
+                f"({here}): notebooks would be judged by another copy's checkers")
+    return f"{what}; {where}: install this checkout into it (pip install -e {checkout})"
+
+
+def _installed_minitrain() -> str | None:
+    """The folder of the minitrain this environment's ``python -I`` imports (outside any sandbox;
+    it may be hidden inside one), or None."""
+    code = ("import importlib.util as u, os\n"
+            "s = u.find_spec('minitrain')\n"
+            "print(os.path.dirname(os.path.realpath(s.origin)) if s and s.origin else '')")
+    try:
+        done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True,
+                              timeout=60, cwd="/")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None

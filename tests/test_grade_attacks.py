@@ -498,6 +498,34 @@ def test_grading_refuses_to_run_unsealed_unless_asked_and_then_says_so(tmp_path,
     assert row["status"] == "graded (unsealed)" and row["zero_bytes_per_device"] == "pass", row
 
 
+def test_a_sandbox_that_would_not_import_the_running_minitrain_is_refused_with_the_fix(tmp_path):
+    """The grader run from a copy of the package the environment did not install (an editable
+    install of another checkout): the sandboxed Python imports the installed one, or none where the
+    sandbox hides it.  The refusal says which and how to fix it; it used to say only "a sandboxed
+    Python could not start (AttributeError: 'NoneType' object has no attribute 'origin')", or let
+    the other checkout's checkers judge."""
+    sealed_or_skip()
+    copy = tmp_path / "another-checkout"
+    shutil.copytree(ROOT / "minitrain", copy / "minitrain",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import minitrain.sandbox as s; "
+            "assert s.__file__.startswith(sys.argv[1]), s.__file__; print(s.unavailable())")
+    done = subprocess.run([sys.executable, "-c", code, str(copy)], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reason = done.stdout.strip().splitlines()[-1]
+    assert ("minitrain is not importable inside the sandbox" in reason
+            or "notebooks would be judged by another copy's checkers" in reason), reason
+    assert reason.endswith(f"install this checkout into it (pip install -e {copy})"), reason
+    from minitrain import sandbox  # and where the sandbox sees another copy: it is named
+    here = Path(sandbox.__file__).resolve().parent
+    assert sandbox._not_this_minitrain(str(here / "__init__.py")) is None
+    other = sandbox._not_this_minitrain(str(copy / "minitrain" / "__init__.py"))
+    assert other.startswith(f"inside the sandbox, minitrain is {copy / 'minitrain'}, not the one "
+                            f"running ({here}): notebooks would be judged by another copy's "
+                            "checkers"), other
+
+
 def test_ctrl_c_during_a_boxs_cleanup_arrives_after_it_even_with_another_thread_running():
     """A Ctrl-C held while a box starts or is cleaned up arrives when that is done. Blocking the
     signal instead sent it to another thread (tqdm's monitor), where CPython did not pass it on: the

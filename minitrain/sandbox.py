@@ -285,6 +285,27 @@ def _in_view(path: Path, rules: list[tuple[Path, str]]) -> bool:
     return deepest is None or deepest[1] == "bind"
 
 
+def _options_pipe(options: list[str]):
+    """(the read end of a pipe for bubblewrap's ``--args``, an unstarted thread that writes
+    ``options`` into it, NUL-separated, and closes its write end).  A thread: a pipe may hold less
+    than the options, and bubblewrap reads them only once it has started."""
+    import threading
+
+    data = b"".join(o.encode() + b"\0" for o in options)
+    read, write = os.pipe()
+
+    def feed():
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(write, view):]
+        except OSError:  # the box ended without reading them
+            pass
+        finally:
+            os.close(write)
+    return read, threading.Thread(target=feed, name="minitrain-bwrap-args", daemon=True)
+
+
 # the box's first process joins its cgroup (a cgroup.procs file per controller, up to "--"), then
 # runs the rest: everything it starts is in the cgroup from the start
 _JOIN = ('while [ "$#" -gt 0 ] && [ "$1" != -- ]; do echo $$ > "$1" || exit 97; shift; done; '
@@ -353,6 +374,7 @@ class Box:
             limits.append(f"--as={self.memory}")
         prlimit = shutil.which("prlimit")
         cmd = [prlimit, *limits, "--"] if prlimit else []
+        feed = None
         try:
             if self.sealed:
                 sources = {}
@@ -367,21 +389,32 @@ class Box:
                             "sh", "-c", _STAGE, "minitrain-stage", *mounts, "--",
                             "setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
                             "--inh-caps=-all", "--"]  # ... and the sandbox runs as nobody
-                cmd += ["bwrap", *_bwrap_args(self.hide, self.memory or (4 << 30), sources),
-                        *(["--as-pid-1"] if self.as_pid_1 else []), "--chdir", INSIDE_TMP,
-                        "--clearenv"]
+                options = [*_bwrap_args(self.hide, self.memory or (4 << 30), sources),
+                           *(["--as-pid-1"] if self.as_pid_1 else []), "--chdir", INSIDE_TMP,
+                           "--clearenv"]
                 for k, v in env.items():
-                    cmd += ["--setenv", k, v]
-                cmd += ["--", *argv]
+                    options += ["--setenv", k, v]
+                # bubblewrap reads its options from a pipe, not its command line: the box's pid 1
+                # is bubblewrap's, and its command line would name the hidden folders (the
+                # submissions) and the gradebook to every process in the box
+                options_fd, feed = _options_pipe(options)
+                pass_fds = [*pass_fds, options_fd]
+                cmd += ["bwrap", "--args", str(options_fd), "--", *argv]
                 outer_env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")}
             else:
                 cmd += argv
                 outer_env = env
             if self.cgroup is not None:
                 cmd = ["sh", "-c", _JOIN, "minitrain-box", *self.cgroup.procs, "--", *cmd]
-            self.proc = subprocess.Popen(cmd, stdin=stdin, stdout=stdout, stderr=subprocess.STDOUT,
-                                         cwd="/" if self.sealed else self.tmp, env=outer_env,
-                                         pass_fds=pass_fds, start_new_session=True)
+            try:
+                self.proc = subprocess.Popen(cmd, stdin=stdin, stdout=stdout,
+                                             stderr=subprocess.STDOUT,
+                                             cwd="/" if self.sealed else self.tmp, env=outer_env,
+                                             pass_fds=pass_fds, start_new_session=True)
+            finally:
+                if feed is not None:
+                    os.close(options_fd)  # the box's copy is the one bubblewrap reads
+                    feed.start()  # (and closes its end, also when the box never read it)
         except BaseException:
             self.close()
             raise

@@ -27,6 +27,11 @@ FOLDER_PREFIX, OWNER = "minitrain-ranks-", "owner.lock"
 #: files of minitrain before its folders (``minitrain-PORT-rankN.stderr``): reaped after a day
 _LEGACY = re.compile(r"^minitrain-\d+-rank\d+\.stderr$")
 _LEGACY_AGE_S = 86400.0
+#: a folder :func:`new_folder` made and had not yet renamed when its process was killed
+#: (``.minitrain-new-<pid>-<random>``): reaped once that pid is gone (and its lock, if it has one,
+#: is free); a minute's grace covers a pid seen from another pid namespace sharing this folder
+_NEW = re.compile(r"^\.minitrain-new-(\d+)-")
+_NEW_GRACE_S = 60.0
 _OWNED_FDS: set[int] = set()  # this process's folder locks: not inherited by a forked rank
 
 
@@ -78,7 +83,8 @@ def remove_folder(folder: str | None, fd: int | None) -> None:
 
 def reap_stale_folders(tmpdir: str | None = None) -> list[str]:
     """Remove the temporary folders of clusters whose parent died without closing them (their
-    lock is free), and rank files of older minitrains over a day old; returns what was removed."""
+    lock is free), the folders of starts killed before their folder was renamed (their process is
+    gone), and rank files of older minitrains over a day old; returns what was removed."""
     tmpdir = tmpdir or tempfile.gettempdir()
     removed = []
     try:
@@ -103,6 +109,11 @@ def reap_stale_folders(tmpdir: str | None = None) -> list[str]:
                     removed.append(entry.path)
                 finally:
                     os.close(fd)
+            elif (new := _NEW.match(entry.name)) and entry.is_dir(follow_symlinks=False):
+                if (time.time() - entry.stat(follow_symlinks=False).st_mtime > _NEW_GRACE_S
+                        and not _alive(int(new.group(1))) and not _locked(entry.path)):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                    removed.append(entry.path)
             elif _LEGACY.match(entry.name) and entry.is_file(follow_symlinks=False):
                 if time.time() - entry.stat(follow_symlinks=False).st_mtime > _LEGACY_AGE_S:
                     os.unlink(entry.path)
@@ -110,3 +121,31 @@ def reap_stale_folders(tmpdir: str | None = None) -> list[str]:
         except OSError:
             continue
     return removed
+
+
+def _alive(pid: int) -> bool:
+    """True if process ``pid`` exists (a zombie too; another user's too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists
+        return True
+    return True
+
+
+def _locked(folder: str) -> bool:
+    """True if ``folder``'s owner lock is held by a process (False: no lock file, or it is free)."""
+    if fcntl is None:
+        return False
+    try:
+        fd = os.open(os.path.join(folder, OWNER), os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False

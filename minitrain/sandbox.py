@@ -285,6 +285,27 @@ def _in_view(path: Path, rules: list[tuple[Path, str]]) -> bool:
     return deepest is None or deepest[1] == "bind"
 
 
+def _options_pipe(options: list[str]):
+    """(the read end of a pipe for bubblewrap's ``--args``, an unstarted thread that writes
+    ``options`` into it, NUL-separated, and closes its write end).  A thread: a pipe may hold less
+    than the options, and bubblewrap reads them only once it has started."""
+    import threading
+
+    data = b"".join(o.encode() + b"\0" for o in options)
+    read, write = os.pipe()
+
+    def feed():
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(write, view):]
+        except OSError:  # the box ended without reading them
+            pass
+        finally:
+            os.close(write)
+    return read, threading.Thread(target=feed, name="minitrain-bwrap-args", daemon=True)
+
+
 # the box's first process joins its cgroup (a cgroup.procs file per controller, up to "--"), then
 # runs the rest: everything it starts is in the cgroup from the start
 _JOIN = ('while [ "$#" -gt 0 ] && [ "$1" != -- ]; do echo $$ > "$1" || exit 97; shift; done; '
@@ -353,6 +374,7 @@ class Box:
             limits.append(f"--as={self.memory}")
         prlimit = shutil.which("prlimit")
         cmd = [prlimit, *limits, "--"] if prlimit else []
+        feed = None
         try:
             if self.sealed:
                 sources = {}
@@ -367,21 +389,32 @@ class Box:
                             "sh", "-c", _STAGE, "minitrain-stage", *mounts, "--",
                             "setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
                             "--inh-caps=-all", "--"]  # ... and the sandbox runs as nobody
-                cmd += ["bwrap", *_bwrap_args(self.hide, self.memory or (4 << 30), sources),
-                        *(["--as-pid-1"] if self.as_pid_1 else []), "--chdir", INSIDE_TMP,
-                        "--clearenv"]
+                options = [*_bwrap_args(self.hide, self.memory or (4 << 30), sources),
+                           *(["--as-pid-1"] if self.as_pid_1 else []), "--chdir", INSIDE_TMP,
+                           "--clearenv"]
                 for k, v in env.items():
-                    cmd += ["--setenv", k, v]
-                cmd += ["--", *argv]
+                    options += ["--setenv", k, v]
+                # bubblewrap reads its options from a pipe, not its command line: the box's pid 1
+                # is bubblewrap's, and its command line would name the hidden folders (the
+                # submissions) and the gradebook to every process in the box
+                options_fd, feed = _options_pipe(options)
+                pass_fds = [*pass_fds, options_fd]
+                cmd += ["bwrap", "--args", str(options_fd), "--", *argv]
                 outer_env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")}
             else:
                 cmd += argv
                 outer_env = env
             if self.cgroup is not None:
                 cmd = ["sh", "-c", _JOIN, "minitrain-box", *self.cgroup.procs, "--", *cmd]
-            self.proc = subprocess.Popen(cmd, stdin=stdin, stdout=stdout, stderr=subprocess.STDOUT,
-                                         cwd="/" if self.sealed else self.tmp, env=outer_env,
-                                         pass_fds=pass_fds, start_new_session=True)
+            try:
+                self.proc = subprocess.Popen(cmd, stdin=stdin, stdout=stdout,
+                                             stderr=subprocess.STDOUT,
+                                             cwd="/" if self.sealed else self.tmp, env=outer_env,
+                                             pass_fds=pass_fds, start_new_session=True)
+            finally:
+                if feed is not None:
+                    os.close(options_fd)  # the box's copy is the one bubblewrap reads
+                    feed.start()  # (and closes its end, also when the box never read it)
         except BaseException:
             self.close()
             raise
@@ -435,8 +468,13 @@ class Box:
 
 
 # what a sandboxed Python must reach, without the cost of importing torch: the runner's packages
-# and the files of this package, the kernel's and torch's, readable
-_PROBE = ("import importlib.util as u, os, nbclient, cloudpickle\n"
+# and the files of this package, the kernel's and torch's, readable; it prints which minitrain it
+# found (or that it found none), for :func:`_not_this_minitrain`
+_PROBE = ("import importlib.util as u, os, sys, nbclient, cloudpickle\n"
+          "spec = u.find_spec('minitrain')\n"
+          "if spec is None or spec.origin is None:\n"
+          "    sys.exit('minitrain-probe: no minitrain')\n"
+          "print('minitrain-probe: ' + os.path.realpath(spec.origin), flush=True)\n"
           "for name in ('minitrain', 'ipykernel', 'torch'):\n"
           "    origin = u.find_spec(name).origin\n"
           "    open(origin, 'rb').close()\n"
@@ -465,7 +503,11 @@ def unavailable() -> str | None:
             code = box.wait(180)
             log.seek(0)
             text = log.read(100_000).decode(errors="replace").strip()
-        if code != 0:
+        found = [line[len("minitrain-probe: "):] for line in text.splitlines()
+                 if line.startswith("minitrain-probe: ")]
+        if found and (mismatch := _not_this_minitrain(found[0])):
+            reason = mismatch
+        elif code != 0:
             last = text.splitlines()[-1] if text else f"exit status {code}"
             reason = f"a sandboxed Python could not start ({last})"
             if "namespace" in text or "uid map" in text or "Operation not permitted" in text:
@@ -478,3 +520,42 @@ def unavailable() -> str | None:
                            f"{Path(sys.executable).resolve().parent.parent}")
     _unavailable.append(reason)
     return reason
+
+
+def _not_this_minitrain(found: str) -> str | None:
+    """Why the grader cannot run when a sandboxed ``python -I`` finds ``found`` ("no minitrain", or
+    the real path of the ``minitrain/__init__.py`` it imports) rather than this package (the one
+    running), with the fix; None when it finds this one.  The sandbox sees what the environment
+    installed, not this process's working folder or PYTHONPATH: an editable install of another
+    checkout (in a folder the sandbox hides, or not) would judge with that checkout's checkers."""
+    here = Path(__file__).resolve().parent
+    if found != "no minitrain" and Path(found).parent == here:
+        return None
+    checkout = here.parent
+    installed = _installed_minitrain()
+    where = (f"this Python environment's minitrain is {installed}, not this one ({here})"
+             if installed and Path(installed) != here else
+             f"this Python environment has no minitrain installed (this one, {here}, is imported "
+             "from the working folder or PYTHONPATH, which the sandbox does not see)")
+    if found == "no minitrain":
+        what = "minitrain is not importable inside the sandbox"
+        if installed and Path(installed) != here:
+            what += " (an editable install of another checkout, in a folder the sandbox hides)"
+    else:
+        what = (f"inside the sandbox, minitrain is {Path(found).parent}, not the one running "
+                f"({here}): notebooks would be judged by another copy's checkers")
+    return f"{what}; {where}: install this checkout into it (pip install -e {checkout})"
+
+
+def _installed_minitrain() -> str | None:
+    """The folder of the minitrain this environment's ``python -I`` imports (outside any sandbox;
+    it may be hidden inside one), or None."""
+    code = ("import importlib.util as u, os\n"
+            "s = u.find_spec('minitrain')\n"
+            "print(os.path.dirname(os.path.realpath(s.origin)) if s and s.origin else '')")
+    try:
+        done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True,
+                              timeout=60, cwd="/")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None

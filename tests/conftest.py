@@ -3,6 +3,7 @@
 import importlib.util
 import os
 import pathlib
+import shutil
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -14,8 +15,16 @@ import torch
 from minitrain import Cluster
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# the functions a passing check keeps (your minitrain) go to a scratch folder, not the repository
-os.environ.setdefault("MINITRAIN_MINE", tempfile.mkdtemp(prefix="minitrain-mine-"))
+# the functions a passing check keeps (your minitrain) go to a scratch folder, not the repository;
+# made here unless the environment names one, and then removed when the session ends
+_MINE = None
+if not os.environ.get("MINITRAIN_MINE"):
+    _MINE = os.environ["MINITRAIN_MINE"] = tempfile.mkdtemp(prefix="minitrain-mine-")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _MINE is not None:
+        shutil.rmtree(_MINE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

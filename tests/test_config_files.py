@@ -120,3 +120,32 @@ def test_the_readmes_commands_do_not_clash_when_run_in_order():
             if resume is None or resume.group(1) != save.group(1):
                 assert save.group(1) not in saved, f"{save.group(1)} saved twice: {line}"
             saved[save.group(1)] = steps
+
+
+MINE_PROBE = """
+import os, pathlib
+def pytest_sessionstart(session):
+    mine = os.environ["MINITRAIN_MINE"]
+    pathlib.Path(os.environ["MINE_PROBE_OUT"]).write_text(f"{mine}\\n{os.path.isdir(mine)}")
+"""
+
+
+def test_a_test_session_removes_its_scratch_folder_for_kept_functions(tmp_path):
+    """conftest.py makes a ``minitrain-mine-*`` folder for the functions passing checks keep (so
+    they do not land in the repository), and removes it when the session ends."""
+    import os
+    import subprocess
+    import sys
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    (tmp_path / "mine_probe.py").write_text(MINE_PROBE)
+    env = {k: v for k, v in os.environ.items() if k != "MINITRAIN_MINE"}
+    env.update(TMPDIR=str(tmp), MINE_PROBE_OUT=str(tmp_path / "seen"),
+               PYTHONPATH=os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                           "mine_probe", "tests/test_config_files.py::test_the_three_package_lists_agree"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    mine, existed = (tmp_path / "seen").read_text().splitlines()
+    assert mine.startswith(str(tmp / "minitrain-mine-")) and existed == "True"  # made for the session
+    assert not [p.name for p in tmp.iterdir() if p.name.startswith("minitrain-mine-")]  # and removed

@@ -1,5 +1,5 @@
-"""``minitrain grade``: a folder with a solved, a blank, a stuck and a tampered notebook gives the
-right gradebook rows, in bounded time."""
+"""``minitrain grade``: a folder with a solved, a blank, a stuck, a tampered, a check-cell-deleted,
+a deadlocking and a not-JSON notebook gives the right gradebook rows, in bounded time."""
 
 import csv
 import json
@@ -10,10 +10,25 @@ from pathlib import Path
 import pytest
 
 from minitrain.cli import main
-from test_grade_attacks import sealed_or_skip
+from test_grade_attacks import CHECK, SOLVED, notebook, sealed_or_skip
 
 ROOT = Path(__file__).resolve().parents[1]
 LESSON = "00_why_one_device_is_not_enough.ipynb"
+
+# rank 0 all-reduces, rank 1 returns: the launcher names the deadlock within seconds
+DEADLOCK = """\
+import torch
+import torch.distributed as dist
+from minitrain import Cluster
+
+def skips_the_all_reduce():
+    t = torch.ones(3)
+    if dist.get_rank() == 0:
+        dist.all_reduce(t)
+    return t.tolist()
+
+with Cluster(2, timeout=20) as cluster:
+    cluster.run(skips_the_all_reduce)"""
 
 
 def _write(nb: dict, path: Path) -> None:
@@ -32,6 +47,12 @@ def gradebook(tmp_path_factory):
         if src.startswith("# NBVAL_CHECK_OUTPUT"):
             cell["source"] = src + "\nprint('✓ trust me')"
     _write(tampered, folder / "sub" / "dee.ipynb") if (folder / "sub").mkdir() is None else None
+    deleted = json.loads((ROOT / "solutions" / LESSON).read_text())  # check cell deleted
+    deleted["cells"] = [c for c in deleted["cells"]
+                        if not "".join(c["source"]).startswith("# NBVAL_CHECK_OUTPUT")]
+    _write(deleted, folder / "00_eve.ipynb")
+    (folder / "00_fay.ipynb").write_text("my homework, as plain text\n")  # not JSON
+    _write(notebook(DEADLOCK, SOLVED, CHECK), folder / "00_gus.ipynb")  # a cell that deadlocks
     out = folder / "gradebook.csv"
     t0 = time.monotonic()
     assert main(["grade", str(folder), "--out", str(out), "--timeout", "180"]) == 0
@@ -70,6 +91,26 @@ def test_a_tampered_check_cell_is_reported_not_run(gradebook):
     row = gradebook[0]["dee.ipynb"]  # matched to its lesson by its check cells, not its name
     assert row["lesson"] == "00_why_one_device_is_not_enough"
     assert row["status"].startswith("tampered") and row["zero_bytes_per_device"].startswith("fail")
+
+
+def test_a_deleted_check_cell_is_reported_as_tampered_not_run(gradebook):
+    row = gradebook[0]["00_eve.ipynb"]
+    assert row["lesson"] == "00_why_one_device_is_not_enough" and row["passed"] == "0/1", row
+    assert row["status"] == "tampered: check cell changed or deleted (zero_bytes_per_device)", row
+    assert row["zero_bytes_per_device"] == "fail: check cell changed or deleted", row
+
+
+def test_a_file_that_is_not_json_is_one_unreadable_row(gradebook):
+    row = gradebook[0]["00_fay.ipynb"]
+    assert row["status"].startswith("unreadable: not JSON (Expecting value: line 1 column 1"), row
+    assert row["lesson"] == "" and row["passed"] == "0/0", row
+
+
+def test_a_deadlocking_cell_is_diagnosed_in_the_row_and_the_rest_is_graded(gradebook):
+    row = gradebook[0]["00_gus.ipynb"]  # well inside the 180 s limit: no timeout
+    assert row["status"] == "graded" and row["zero_bytes_per_device"] == "pass", row
+    assert row["errors"].startswith("cell 1: Deadlock: rank 0 failed: the ranks wait for each other "
+                                    "and never will"), row
 
 
 def test_bad_arguments_are_refused(tmp_path, capsys):

@@ -13,6 +13,7 @@ import csv
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -146,15 +147,32 @@ print("✓ bonus_{k}: correct")  # check("bonus_{k}", zero_bytes_per_device)"""
 
 
 def vandal(folder: Path, victim: Path, out: Path, planted: str, port: int) -> str:
-    """A cell that, knowing every path (as a student could from /proc/*/cmdline), plants files in
-    the submissions folder and solutions/, deletes a classmate's check cell, edits the installed
-    checker so that every later notebook passes, writes into the gradebook, and looks for a network
-    (the machine's interfaces, a port the teacher listens on at 127.0.0.1); it reports what it
-    managed as its error."""
+    """A cell that looks for the grader's folder and gradebook in every process's command line it
+    can see (``/proc/*/cmdline``: the attack of issue 27 found them in its parents'), then, handed
+    every path anyway, plants files in the submissions folder and solutions/, deletes a classmate's
+    check cell, edits the installed checker so that every later notebook passes, writes into the
+    gradebook, and looks for a network (the machine's interfaces, a port the teacher listens on at
+    127.0.0.1); it reports what it saw and managed as its error."""
     return f"""\
-import json, pathlib, socket
+import json, os, pathlib, socket
 import minitrain.exercises.lesson00 as lesson00
 report = []
+
+def scan_cmdlines():
+    read, named = 0, []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = open(f"/proc/{{entry}}/cmdline", "rb").read().decode(errors="replace")
+            except OSError:
+                continue
+            read += 1
+            named += [f"the {{what}} in pid {{entry}}'s" for what, path in
+                      (("folder", {str(folder)!r}), ("gradebook", {str(out)!r})) if path in cmdline]
+    report.append(f"cmdlines: {{read}} read, " + ("found " + ", ".join(named) if named else
+                                                  "neither path in any"))
+
+scan_cmdlines()
 
 def attempt(what, action):
     try:
@@ -301,14 +319,23 @@ def graded(tmp_path_factory):
 
     try:
         t0 = time.monotonic()
-        code = main(["grade", str(folder), "--out", str(out), "--timeout", "60", "--memory", "1.5"])
+        # as a teacher runs it: the folder and the gradebook are in the grader's command line
+        grader = subprocess.Popen([sys.executable, "-m", "minitrain", "grade", str(folder), "--out",
+                                   str(out), "--timeout", "60", "--memory", "1.5"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            _, err = grader.communicate(timeout=1800)
+        except subprocess.TimeoutExpired:
+            grader.kill()
+            _, err = grader.communicate()
         elapsed = time.monotonic() - t0
         alive_at_end = marked_processes()
         text_at_end = out.read_text()
         time.sleep(1.5)  # time for a surviving daemon to act
-        yield {"code": code, "out": out, "folder": folder, "before": before, "elapsed": elapsed,
-               "text": text_at_end, "alive": alive_at_end, "planted": planted,
-               "package_before": package_before, "package_file": package_file}
+        yield {"code": grader.returncode, "pid": grader.pid, "stderr": err, "out": out,
+               "folder": folder, "before": before, "elapsed": elapsed, "text": text_at_end,
+               "alive": alive_at_end, "planted": planted, "package_before": package_before,
+               "package_file": package_file}
     finally:
         listener.close()
         if package_file.read_bytes() != package_before:  # an unsealed grader let the vandal in
@@ -379,6 +406,8 @@ def test_a_notebook_cannot_write_the_submissions_a_classmate_solutions_or_the_pa
     assert not (ROOT / "solutions" / graded["planted"]).exists()
     assert graded["package_file"].read_bytes() == graded["package_before"]
     assert "done" not in rows["00_a_vandal.ipynb"]["errors"], rows["00_a_vandal.ipynb"]
+    seen = re.search(r"cmdlines: (\d+) read, neither path in any", rows["00_a_vandal.ipynb"]["errors"])
+    assert seen and int(seen.group(1)) >= 1, rows["00_a_vandal.ipynb"]  # it looked, and saw neither
     victim = rows["00_v_victim.ipynb"]
     assert victim["status"] == "graded" and victim["zero_bytes_per_device"] == "pass", victim
     after = rows["00_b_blank_after_vandal.ipynb"]  # graded after the vandal edited the checker
@@ -414,8 +443,8 @@ def test_a_notebook_over_its_memory_limit_is_stopped_and_the_row_says_so(rows):
 
 
 def test_nothing_is_left_behind(graded):
-    assert graded["code"] == 0
-    assert leftovers(os.getpid()) == []
+    assert graded["code"] == 0, graded["stderr"][-3000:]
+    assert leftovers(graded["pid"]) == []
 
 
 # --------------------------------------------------------------------------------------------------
@@ -496,6 +525,34 @@ def test_grading_refuses_to_run_unsealed_unless_asked_and_then_says_so(tmp_path,
     assert main(["grade", str(tmp_path), "--out", str(out), "--timeout", "60", "--unsealed"]) == 0
     row = next(csv.DictReader(out.open()))
     assert row["status"] == "graded (unsealed)" and row["zero_bytes_per_device"] == "pass", row
+
+
+def test_a_sandbox_that_would_not_import_the_running_minitrain_is_refused_with_the_fix(tmp_path):
+    """The grader run from a copy of the package the environment did not install (an editable
+    install of another checkout): the sandboxed Python imports the installed one, or none where the
+    sandbox hides it.  The refusal says which and how to fix it; it used to say only "a sandboxed
+    Python could not start (AttributeError: 'NoneType' object has no attribute 'origin')", or let
+    the other checkout's checkers judge."""
+    sealed_or_skip()
+    copy = tmp_path / "another-checkout"
+    shutil.copytree(ROOT / "minitrain", copy / "minitrain",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import minitrain.sandbox as s; "
+            "assert s.__file__.startswith(sys.argv[1]), s.__file__; print(s.unavailable())")
+    done = subprocess.run([sys.executable, "-c", code, str(copy)], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reason = done.stdout.strip().splitlines()[-1]
+    assert ("minitrain is not importable inside the sandbox" in reason
+            or "notebooks would be judged by another copy's checkers" in reason), reason
+    assert reason.endswith(f"install this checkout into it (pip install -e {copy})"), reason
+    from minitrain import sandbox  # and where the sandbox sees another copy: it is named
+    here = Path(sandbox.__file__).resolve().parent
+    assert sandbox._not_this_minitrain(str(here / "__init__.py")) is None
+    other = sandbox._not_this_minitrain(str(copy / "minitrain" / "__init__.py"))
+    assert other.startswith(f"inside the sandbox, minitrain is {copy / 'minitrain'}, not the one "
+                            f"running ({here}): notebooks would be judged by another copy's "
+                            "checkers"), other
 
 
 def test_ctrl_c_during_a_boxs_cleanup_arrives_after_it_even_with_another_thread_running():

@@ -367,6 +367,54 @@ def test_a_killed_parents_rank_files_are_reaped_at_the_next_start(tmp_path, monk
             p.wait()
 
 
+KILLED_BEFORE_RENAME = """
+import importlib.util, os, signal, sys
+spec = importlib.util.spec_from_file_location("rankfolder", sys.argv[1])
+rankfolder = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(rankfolder)
+os.rename = lambda *a: os.kill(os.getpid(), signal.SIGKILL)  # killed after mkdtemp, before rename
+rankfolder.new_folder()
+"""
+
+
+def test_a_start_killed_before_its_folder_was_renamed_leaves_it_to_the_next_start(tmp_path,
+                                                                                    monkeypatch):
+    """SIGKILL between making a start's folder (``.minitrain-new-<pid>-*``, locked) and renaming it:
+    the next start removes it once its process is gone (after a minute's grace); one whose process
+    lives, or whose lock is held, or that is younger than that, is left alone."""
+    import fcntl
+    import tempfile
+
+    from minitrain import rankfolder
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    done = subprocess.run([sys.executable, "-c", KILLED_BEFORE_RENAME, rankfolder.__file__],
+                          env={**os.environ, "TMPDIR": str(tmp)}, timeout=60)
+    assert done.returncode == -signal.SIGKILL
+    [killed] = [p for p in tmp.iterdir()]
+    assert killed.name.startswith(".minitrain-new-") and (killed / "owner.lock").exists()
+    assert not pid_alive(int(killed.name.split("-")[2]))
+    young = tmp / ".minitrain-new-999999999-young"  # no such pid, but just made: a minute's grace
+    young.mkdir()
+    mine = tmp / f".minitrain-new-{os.getpid()}-live"  # this process: alive
+    held = tmp / ".minitrain-new-999999999-held"  # no such pid here, but its lock is held
+    for folder in (mine, held):
+        folder.mkdir()
+    (held / "owner.lock").write_text("")
+    lock = os.open(held / "owner.lock", os.O_RDWR)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        old = time.time() - 120
+        for folder in (killed, mine, held):
+            os.utime(folder, (old, old))
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+        folder, fd = rankfolder.new_folder()  # the next start
+        rankfolder.remove_folder(folder, fd)
+        assert sorted(p.name for p in tmp.iterdir()) == sorted([young.name, mine.name, held.name])
+    finally:
+        os.close(lock)
+
+
 EXIT_PROBE = """
 import atexit, sys
 atexit.register(lambda: print("torch._dynamo" in sys.modules))  # runs last: registered first

@@ -230,6 +230,43 @@ def test_a_full_disk_during_a_save_is_said_and_what_was_kept(tmp_path, clusters)
     assert find_checkpoint(save) == save / "step-000002" and check_output(tmp_path / "x.pt")
 
 
+def test_a_full_disk_during_a_consolidate_is_said_in_one_line_and_nothing_is_left(
+        first_run, tmp_path, monkeypatch, capsys):
+    """ENOSPC once the consolidated file's first bytes are written (injected at ``os.write`` on its
+    temporary): one line saying so, the earlier file as it was, no temporary left behind."""
+    import errno
+    import os
+
+    from minitrain.cli import main
+    out = tmp_path / "full.pt"
+    out.write_bytes(b"an earlier full.pt")
+    real, hits = os.write, []
+
+    def write(fd, data):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            target = ""
+        if os.path.dirname(target) == str(tmp_path) and target.endswith(".tmp"):
+            hits.append(target)
+            if len(hits) > 1:  # the first chunk lands: a partial temporary is on disk
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(fd, data[:4096])
+        return real(fd, data)
+    monkeypatch.setattr(os, "write", write)
+    with pytest.raises(SystemExit) as info:
+        main(["consolidate", str(first_run), str(out)])
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(hits) == 2, (hits, err)
+    assert err.startswith(f"minitrain consolidate: error: no space left on {tmp_path}: the "
+                          "consolidated state_dict needs "), err
+    assert f"nothing was written ({out} is as it was)" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full.pt"]  # no temporary left
+    assert out.read_bytes() == b"an earlier full.pt"
+
+
 def test_the_cli_says_a_ranks_checkpoint_error_in_one_line(first_run, tmp_path):
     """A checkpoint refused inside the ranks (a corrupt rank file: its SHA-256) is one line."""
     import shutil

@@ -32,6 +32,7 @@ from pathlib import Path
 from .checkpoint import check_files, checkpoint_support, read_meta
 from .checkpoint_format import (META, STEP_DIR, CheckpointError, find_checkpoint, size_text,
                                 step_of, unfinished_saves)
+from .rankfolder import HELD_LOCK_FDS  # a forked rank closes its copy of the lock
 from .strategies import TrainConfig, get_strategy, portable
 from .strategies.base import SAVED_BYTES
 
@@ -45,20 +46,6 @@ __all__ = ["check_checkpoint_config", "clear_save_dir", "skipped_saves", "SaveDi
 
 #: the lock file a run holds in its --save-dir (removed when it ends; a crashed run's stays, free)
 LOCK = ".minitrain-lock"
-_HELD_FDS: set[int] = set()  # this process's save-dir locks: not inherited by a forked rank
-
-
-def _drop_held_fds_in_child() -> None:
-    for fd in list(_HELD_FDS):  # (closing a copy does not release the parent's lock)
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    _HELD_FDS.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_drop_held_fds_in_child)
 
 
 class SaveDirLock:
@@ -77,7 +64,7 @@ class SaveDirLock:
         path = Path(save_dir) / LOCK
         fd = _try_lock(path)
         self.fd, self.path = fd, path
-        _HELD_FDS.add(fd)
+        HELD_LOCK_FDS.add(fd)
         holder = {"pid": os.getpid(), "host": socket.gethostname(),
                   "since": datetime.datetime.now().isoformat(timespec="seconds"),
                   "command": " ".join(sys.argv)[:300]}
@@ -89,7 +76,7 @@ class SaveDirLock:
 
     def release(self) -> None:
         if self.fd is not None:
-            _HELD_FDS.discard(self.fd)
+            HELD_LOCK_FDS.discard(self.fd)
             _unlock(self.fd, self.path)
         self.fd = self.path = None
 

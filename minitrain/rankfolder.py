@@ -32,20 +32,22 @@ _LEGACY_AGE_S = 86400.0
 #: is free); a minute's grace covers a pid seen from another pid namespace sharing this folder
 _NEW = re.compile(r"^\.minitrain-new-(\d+)-")
 _NEW_GRACE_S = 60.0
-_OWNED_FDS: set[int] = set()  # this process's folder locks: not inherited by a forked rank
+#: the locks this process holds (its rank folders', and a save dir's: checkpoint_checks adds those):
+#: a forked rank closes its copies at once, so a lock is never held by a rank that outlives its parent
+HELD_LOCK_FDS: set[int] = set()
 
 
-def _drop_owned_fds_in_child() -> None:
-    for fd in list(_OWNED_FDS):  # (closing a copy does not release the parent's lock)
+def _drop_held_locks_in_child() -> None:
+    for fd in list(HELD_LOCK_FDS):  # (closing a copy does not release the parent's lock)
         try:
             os.close(fd)
         except OSError:
             pass
-    _OWNED_FDS.clear()
+    HELD_LOCK_FDS.clear()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_drop_owned_fds_in_child)
+    os.register_at_fork(after_in_child=_drop_held_locks_in_child)
 
 
 def new_folder() -> tuple[str, int | None]:
@@ -66,7 +68,7 @@ def new_folder() -> tuple[str, int | None]:
                          FOLDER_PREFIX + os.path.basename(tmp)[len(".minitrain-new-"):])
     os.rename(tmp, final)
     if fd is not None:
-        _OWNED_FDS.add(fd)
+        HELD_LOCK_FDS.add(fd)
     return final, fd
 
 
@@ -74,7 +76,7 @@ def remove_folder(folder: str | None, fd: int | None) -> None:
     if folder:
         shutil.rmtree(folder, ignore_errors=True)
     if fd is not None:
-        _OWNED_FDS.discard(fd)
+        HELD_LOCK_FDS.discard(fd)
         try:
             os.close(fd)
         except OSError:

@@ -24,9 +24,12 @@ import torch.distributed as dist
 from .launch import Cluster, LaunchError, RankError, init_from_env, launched_by_torchrun
 from .model import PRESETS
 from .strategies import ConfigError, TrainConfig, get_strategy, strategy_names
-from .strategies.base import closest, did_you_mean, flag, option_fields
+from .strategies.base import Machine, closest, did_you_mean, flag, option_fields
 from .checkpoint_checks import SaveDirLock
 from .train import add_projection, check_config, check_projection_config, run_rank
+
+#: ``minitrain clusters --calibrate``: the most ranks a core measures at once
+CALIBRATE_RANKS_PER_CORE = 4
 
 __all__ = ["main", "build_parser", "config_from_args"]
 
@@ -395,6 +398,13 @@ def _main(argv: list[str] | None = None) -> int:
         if args.calibrate and args.ranks < 2:
             parser.exit(2, f"minitrain clusters: error: --ranks {args.ranks}: the α-β of lesson 01 "
                            "needs at least 2 ranks\n")
+        cores = Machine.here().cores
+        most = max(8, CALIBRATE_RANKS_PER_CORE * cores)
+        if args.calibrate and args.ranks > most:
+            parser.exit(2, f"minitrain clusters: error: --ranks {args.ranks}: at most {most} on this "
+                           f"machine's {cores} core(s) (every rank is measured at once, and past "
+                           f"{CALIBRATE_RANKS_PER_CORE} ranks a core the calibration would time the "
+                           "scheduler's turns, not the machine); the lessons use up to 8\n")
         rows = describe(calibrate_here(args.ranks) if args.calibrate else None)
         print(dumps(rows) if args.json else format_clusters(rows))
         return 0

@@ -132,6 +132,11 @@ def test_clusters_says_how_to_measure_this_machine_and_starts_nothing(no_spawn, 
     with pytest.raises(SystemExit) as info:
         main(["clusters", "--calibrate", "--ranks", "1"])
     assert info.value.code == 2 and "at least 2 ranks" in capsys.readouterr().err
+    # too many ranks for the cores is refused before any rank starts (no_spawn), naming the bound
+    with pytest.raises(SystemExit) as info:
+        main(["clusters", "--calibrate", "--ranks", "1000"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "--ranks 1000: at most" in err and "core(s)" in err
 
 
 def test_clusters_calibrate_lists_this_machine_measured_on_the_spot(clusters, monkeypatch, capsys):

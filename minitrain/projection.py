@@ -41,6 +41,7 @@ is importable from here, as before the split.
 from __future__ import annotations
 
 import math
+import numbers
 import statistics
 from collections import defaultdict
 
@@ -56,7 +57,7 @@ from .scaling import (MODEL_SIZES, NOT_REPLAYED, RankWork, Scaler, itemsize, lay
 __all__ = ["MODEL_SIZES", "target_model", "check_projection", "project", "replay", "Op",
            "Instance", "ReplayError", "rank_work", "RankWork", "Scaler", "format_projection",
            "breakdown", "warp", "ddp_timeline", "pipeline_timeline", "fsdp_timeline", "NOT_REPLAYED",
-           "fit_run", "message_times", "even_work"]
+           "fit_run", "message_times", "even_work", "checked_degrees"]
 
 #: Adam's update reads the weight, the gradient and two moments and writes three: 7 fp32 words
 ADAM_BYTES = 28
@@ -117,6 +118,26 @@ def even_work(summary: dict) -> bool:
 # --------------------------------------------------------------------------------------------------
 
 
+def checked_degrees(degrees: dict | None) -> dict:
+    """``degrees`` as :func:`project` takes them ({"dp": 8}: an axis, "dp" or "tp", and a whole
+    number of devices; None leaves an axis as the run had it), or a ValueError saying what is
+    wrong."""
+    if degrees is not None and not isinstance(degrees, dict):
+        raise ValueError(f"degrees is a dict of axis and devices, e.g. {{'dp': 8}}, got {degrees!r}")
+    out = {}
+    for axis, size in (degrees or {}).items():
+        if size is None:
+            continue
+        if axis not in ("dp", "tp"):
+            raise ValueError(f"degrees re-size data and tensor parallelism only ('dp', 'tp'), "
+                             f"got {axis!r}")
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
+            raise ValueError(f"degrees[{axis!r}] must be a whole number of devices, at least 1, "
+                             f"got {size!r}")
+        out[axis] = int(size)
+    return out
+
+
 def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | None = None,
             compute: str | None = None, degrees: dict | None = None, steps=None,
             recompute: bool | None = None, even: bool = False) -> dict:
@@ -128,8 +149,8 @@ def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | No
     the way such models are trained).  ``compute``: "measured" keeps each compute span's measured
     duration (this machine, same model: the self-consistency check; on "binder" stretched by the
     cores the ranks had here, as they would share one), "model" (default otherwise) prices it from
-    its FLOPs.  ``degrees``: {axis: size} re-sizes the groups of an axis ("dp",
-    "tp", "pp", "cp") — the run's ranks stand for a bigger mesh of the same shape (every replica
+    its FLOPs.  ``degrees``: {axis: size} re-sizes the groups of an axis ("dp"
+    or "tp"; a whole number of devices) — the run's ranks stand for a bigger mesh of the same shape (every replica
     alike), e.g. ``{"dp": 48}`` for 48 replicas where the run had 2.  ``steps``: which recorded
     steps (default: all but the first); the median step is drawn.  ``recompute``: count one more
     forward of the blocks (activation checkpointing) where the run did not recompute (a strategy
@@ -168,9 +189,7 @@ def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | No
     world = summary["world_size"]
     lay = layout(summary)
     axes = _axes(summary)
-    degrees = {k: v for k, v in (degrees or {}).items() if v}
-    if set(degrees) - {"dp", "tp"}:
-        raise ValueError(f"degrees re-size data and tensor parallelism only, got {sorted(degrees)}")
+    degrees = checked_degrees(degrees)
     sizes = {a: degrees.get(a, lay[a]) for a in _ORDER}
     if degrees and math.prod(sizes.values()) > spec.devices:
         raise ValueError(f"the mesh {sizes} needs {math.prod(sizes.values())} devices; "

@@ -242,6 +242,16 @@ def ddp_run(clusters):
                  project="dgx-h100", as_model="1.3b")
 
 
+def test_degrees_that_are_not_a_mesh_are_refused_saying_what_they_take(ddp_run):
+    """``degrees`` take an axis ("dp" or "tp") and a whole number of devices; anything else is one
+    ValueError naming it (before: 0 was taken as unset, 2.5 and "8" raised TypeErrors)."""
+    for bad, said in [({"dp": 0}, "got 0"), ({"dp": 2.5}, "got 2.5"), ({"dp": "8"}, "got '8'"),
+                      ({"dp": True}, "got True"), ({"pp": 2}, "got 'pp'"), ([8], "got [8]")]:
+        with pytest.raises(ValueError, match=re.escape(said)):
+            project(ddp_run, "dgx-h100", "1.3b", degrees=bad)
+    assert project(ddp_run, "dgx-h100", "1.3b", degrees={"dp": 8, "tp": None})["degrees"] == {"dp": 8}
+
+
 def test_recording_keeps_issue_order_waits_steps_and_optimizer_steps(ddp_run):
     log = ddp_run["events"][0]
     kinds = [k for _, k, _ in log["marks"]]

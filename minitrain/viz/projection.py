@@ -80,9 +80,10 @@ def _kind(result: dict) -> str:
 def devices(summary: dict, degrees: dict | None = None) -> int:
     """How many devices the projection stands for: the run's ranks, or the mesh ``degrees``
     re-sizes (``{"dp": 8}`` of a 2-rank DDP run: 8)."""
+    from ..projection import checked_degrees
     from ..scaling import layout
 
-    degrees = {k: v for k, v in (degrees or {}).items() if v}
+    degrees = checked_degrees(degrees)
     world = summary["world_size"]
     if not degrees:
         return world
@@ -95,7 +96,7 @@ def devices(summary: dict, degrees: dict | None = None) -> int:
 def _why_not(result: dict, cluster: str, model, degrees: dict | None = None) -> str | None:
     """Why ``result`` cannot be projected on ``cluster`` at ``model`` (its mesh re-sized by
     ``degrees``), in words; None if it can."""
-    from ..projection import NOT_REPLAYED, check_projection
+    from ..projection import NOT_REPLAYED, check_projection, checked_degrees
 
     if "summary" not in result or "events" not in result:
         return ("This run kept no events to re-time: train it with record_events (or project) "
@@ -105,7 +106,11 @@ def _why_not(result: dict, cluster: str, model, degrees: dict | None = None) -> 
         strategy = summary["strategy"]
         return f"A {strategy} run cannot be projected: {NOT_REPLAYED[strategy]}."
     options = dict(summary.get("options") or {})
-    if (degrees or {}).get("tp"):
+    try:
+        degrees = checked_degrees(degrees)
+    except ValueError as exc:
+        return f"This run could not be re-timed: {exc}."
+    if degrees.get("tp"):
         options["tp"] = degrees["tp"]
     try:
         check_projection(cluster, None if model == "own" else model,

@@ -302,6 +302,7 @@ if not spec["graceful"]:
 _JUDGE = r"""
 import base64, ctypes, json, os, select, shutil, signal, sys, time
 control, verdicts, sealed = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "sealed"
+PASSED, PASS_BITS = 64, 6  # a judged process exits 64 + (bit i set: exercise i passed)
 def emit(fd, item):
     data = (json.dumps(item) + "\n").encode()
     while data:
@@ -329,7 +330,8 @@ def judge_one():
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # nothing more to read
     todo = json.loads(line)
     del line
-    for name, item in todo:
+    passed = 0
+    for i, (name, item) in enumerate(todo):
         if "data" not in item:
             verdict = "fail: " + item["problem"]
         else:
@@ -344,11 +346,14 @@ def judge_one():
                 except BaseException as exc:
                     found = f"the checker raised {type(exc).__name__}: {exc}"
                 verdict = "pass" if found is None else f"fail: {found}"
+        if verdict == "pass" and i < PASS_BITS:
+            passed |= 1 << i
         emit(verdicts, {"name": name, "verdict": str(verdict)[:4000]})
     try:
         exercises.release()
     except BaseException:
         pass
+    return passed
 
 def others():
     return [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]
@@ -361,10 +366,11 @@ while True:
             os.close(control)
             if alone:
                 libc.prctl(4, 1, 0, 0, 0)  # the judged process is an ordinary one
-            judge_one()
+            os._exit(PASSED + judge_one())
         finally:
             os._exit(0)
     status = os.waitpid(pid, 0)[1]
+    code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
     if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 3:
         break
     if alone:  # nothing of this notebook is left for the next
@@ -387,13 +393,15 @@ while True:
                         os.unlink(path)
                     except OSError:
                         pass
-    emit(control, {"done": True, "killed": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None})
+    emit(control, {"done": True, "killed": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+                   "passed": code - PASSED if code is not None and code >= PASSED else None})
     if not alone:
         break  # unsealed: a fresh judge for each notebook
 os._exit(0)
 """
 
 MAX_VERDICTS = 1 << 20  # bytes of verdicts read back for one notebook
+JUDGED_AT_ONCE = 6  # exercises one judged process can report passed (_JUDGE's PASS_BITS)
 
 
 class _Judge:
@@ -428,6 +436,9 @@ class _Judge:
 
     def judge(self, todo: list, timeout: float) -> tuple[dict, str]:
         """({exercise: verdict}, "" or why some have none) for one notebook's functions."""
+        if len(todo) > JUDGED_AT_ONCE:
+            raise RuntimeError(f"a lesson with {len(todo)} exercises: the judge's exit status "
+                               f"carries {JUDGED_AT_ONCE} verdicts (PASS_BITS in _JUDGE)")
         self.start()
         box, kills = self.box, self.box.memory_kills()
         line = json.dumps(todo).encode() + b"\n"
@@ -462,11 +473,21 @@ class _Judge:
             elif not ready and box.proc.poll() is not None:
                 break
         verdicts += self._drain(len(verdicts))  # all its writers are gone once it is done
-        found = {}
+        # Which exercise passed comes from the judged process's exit status, through the judge's
+        # control pipe, which no judged process holds; the verdicts pipe only gives a failure its
+        # words (what a process the function left behind writes there cannot make a pass).
+        said = {}
         for raw in verdicts.splitlines():
             item = _json(raw)
-            if isinstance(item, dict) and isinstance(item.get("verdict"), str):
-                found[item.get("name")] = item["verdict"]
+            if (isinstance(item, dict) and isinstance(item.get("verdict"), str)
+                    and item["verdict"].startswith("fail: ")):
+                said.setdefault(item.get("name"), item["verdict"])
+        passed = (answer or {}).get("passed")
+        found = {}
+        if isinstance(passed, int):
+            for i, (name, _) in enumerate(todo):
+                found[name] = ("pass" if passed >> i & 1 else
+                               said.get(name, "fail: (the checker gave no reason)"))
         problem = ""
         if box.memory_kills() > kills:
             problem = f"memory limit: judging used more than {_gib(self.memory)} and was stopped"

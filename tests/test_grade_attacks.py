@@ -234,7 +234,9 @@ daemon({rewrite!r})"""
 def judge_daemon() -> str:
     """An exercise function that, when judged, leaves a daemon behind which, for a minute, writes a
     forged pass into every file descriptor it inherited (the judge's verdicts among them), so that
-    the next notebook judged (a blank one) would pass."""
+    the next notebook judged (a blank one) would pass — and, written every millisecond, one of its
+    lines lands after the judged process's own verdict (the grader once took the last line for a
+    name: this notebook then passed, once in three CI runs with a 50 ms loop)."""
     forger = """\
 import os, time
 line = b'{"name": "zero_bytes_per_device", "verdict": "pass"}\\n'
@@ -245,7 +247,7 @@ while time.time() < end:
             os.write(fd, line)
         except OSError:
             pass
-    time.sleep(0.05)"""
+    time.sleep(0.001)"""
     return f"""\
 import os, sys
 

@@ -96,26 +96,15 @@ def reap_stale_folders(tmpdir: str | None = None) -> list[str]:
     for entry in entries:
         try:
             if entry.name.startswith(FOLDER_PREFIX) and entry.is_dir(follow_symlinks=False):
-                if fcntl is None:
-                    continue
-                try:
-                    fd = os.open(os.path.join(entry.path, OWNER), os.O_RDWR | os.O_CLOEXEC)
-                except OSError:
-                    continue  # not one of ours
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError:
-                    continue  # its cluster is alive
-                else:
-                    shutil.rmtree(entry.path, ignore_errors=True)
-                    removed.append(entry.path)
-                finally:
-                    os.close(fd)
+                lock = _free_lock(entry.path)  # no lock file: not one of ours; held: alive
+                if lock is not None and lock is not False:
+                    _remove(entry.path, lock, removed)
             elif (new := _NEW.match(entry.name)) and entry.is_dir(follow_symlinks=False):
                 if (time.time() - entry.stat(follow_symlinks=False).st_mtime > _NEW_GRACE_S
-                        and not _alive(int(new.group(1))) and not _locked(entry.path)):
-                    shutil.rmtree(entry.path, ignore_errors=True)
-                    removed.append(entry.path)
+                        and not _alive(int(new.group(1)))):
+                    lock = _free_lock(entry.path)  # killed before it locked, or after: free
+                    if lock is not False:
+                        _remove(entry.path, lock, removed)
             elif _LEGACY.match(entry.name) and entry.is_file(follow_symlinks=False):
                 if time.time() - entry.stat(follow_symlinks=False).st_mtime > _LEGACY_AGE_S:
                     os.unlink(entry.path)
@@ -136,18 +125,28 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _locked(folder: str) -> bool:
-    """True if ``folder``'s owner lock is held by a process (False: no lock file, or it is free)."""
+def _free_lock(folder: str):
+    """``folder``'s owner lock, taken (an fd: close it when done) if it was free; None if the folder
+    has no lock file (or locks are not to be had here); False if a process holds it."""
     if fcntl is None:
-        return False
+        return None
     try:
         fd = os.open(os.path.join(folder, OWNER), os.O_RDWR | os.O_CLOEXEC)
     except OSError:
-        return False
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        return True
-    finally:
         os.close(fd)
-    return False
+        return False
+    return fd
+
+
+def _remove(folder: str, lock: int | None, removed: list) -> None:
+    """Remove ``folder`` while holding its free ``lock`` (if it has one), and note it."""
+    try:
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    finally:
+        if lock is not None:
+            os.close(lock)

@@ -5,26 +5,20 @@
     within 15 %: each recorded step but the first replayed and divided by its own measured time
     (all ranks), the median of those ratios judged (at least MIN_STEPS steps are run, so that one
     step that stalled on a shared machine does not decide), the mean step's ratio printed beside.
-    Neither statistic is the fix for zero3 on 2 ranks (1.38 at --steps 5 with the mean): on a
-    loaded 2-core machine its per-step ratios stayed 0.9-1.7 (medians 0.86, 1.14, 1.23, 1.51 in
-    four runs of 5 steps; 1.28 against a mean of 1.30 here at 6 steps) — a bias, not an outlier:
-    the replay's waits came to 46-50 ms a step where the ranks waited 15-20 ms, its gathers and
-    reduce-scatters priced about 3 ms each, one after another on the group's stream.  Why
-    (zero3, tiny, batch 8, 4 ranks on 2 cores, loaded; step by step, every rank's events against
-    the replay): the step is communication-bound (compute 14-24 ms of ~100 ms per rank), and no
-    modelling rule goes missing — each wait matches a gather or reduce-scatter in flight — but
-    the prices do.  The α fitted on the run's own messages is 1.24 ms (the sweep's: 0.16 ms): the
-    only collectives it can time are the 11 blocking ones a step (the forward's and backward's
-    first gathers, the loss all-reduce), whose time on 4 ranks sharing 2 cores is the scheduler's
-    (2.6 ms for 11.5 KB).  So every gather is priced 4.8-5.0 ms where the prefetched 199 KB gathers
-    took a median 2.3 ms (40 samples) from their last issue; and gloo's reduce-scatter returns a
-    Work without a future (torch 2.13: "getFuture not implemented"), so its end is recorded when
-    it is waited for, it is never timed, and it is priced by the gathers' α at 3.7-4.0 ms where it
-    ran up to 8 ms (median, an upper bound).  Errors of opposite sign whose balance is the load:
-    replayed/measured 1.05-1.23 step by step in that run (waits 77 ms replayed, 58 measured per
-    rank), 0.80 in others.  The same on 2 ranks, smaller (gathers 2.2 ms priced, 1.3 ms taken).
-    Not a rule to add, nor a constant to tune: what this machine's α is for a collective depends
-    on how many ranks the 2 cores run at that moment.  Open.
+    What it took for ZeRO-3 (zero3 on 4 ranks, 0.76-0.90 in three of six runs before; on 2
+    ranks, 0.84-0.95): pricing its collectives by what this machine does.  The α fitted on the run
+    was timed on blocking collectives only (the forward's and backward's first gathers, the loss
+    all-reduce: 11 a step, 1.24 ms each on 4 ranks sharing 2 cores, where lesson 01's sweep gives
+    0.16 ms), so every prefetched gather was priced by the scheduler's delays.  Now every
+    collective whose completion every member saw is timed (minitrain.recorded.message_times),
+    prefetched ones included, from when the replay would start it — its last issue, or the
+    previous collective on its group done — to its last member's completion; gloo's reduce-scatter
+    has no future in torch 2.13, so its completion is seen only by ranks already waiting, and
+    timing just those (the slow ones) replayed zero3 on 2 ranks at 1.12-1.38: it is left untimed
+    and takes the α of all.  α is the typical step's (the median over the steps of a step's mean),
+    not the mean over all (a stalled step moved every gather's price: zero3 on 2 ranks, 1.26).
+    Over 51 recorded runs replayed under these rules (every row three times, ddp, zero3 and tensor
+    six): worst 12.9 % off (zero3 on 4 ranks 0.99-1.13, on 2 ranks 0.98-1.10).
 (b) Published results: the same code path — a small run of the layout, projected on a preset at the
     published model size with the published degrees — against published measurements, within 25 %.
     Partly circular for the A100: the presets' sustained fraction of peak is Narayanan et al., 2021,

@@ -20,8 +20,8 @@ from collections import defaultdict
 
 from .replay import Op
 
-__all__ = ["windows", "program", "step_programs", "drop_unmatched", "smooth", "message_times",
-           "fit_run"]
+__all__ = ["windows", "program", "step_programs", "drop_unmatched", "smooth", "completed_at",
+           "message_times", "fit_run"]
 
 
 def windows(marks: list) -> list[tuple]:
@@ -188,17 +188,34 @@ def even(result: dict, step_index: int, programs: dict) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
+def completed_at(e: dict) -> float | None:
+    """When this rank saw the communication ``e`` complete, or None where it did not: a blocking
+    call when it returned; an asynchronous one when its work's future fired (before its wait
+    returned).  A work without a future (gloo's point-to-point, and its reduce-scatter in torch
+    2.13: "getFuture not implemented") records its wait's return as its end, which is not its
+    completion unless the rank was already waiting; and timing only those its members all waited
+    for would time only the slow ones (zero3 on 2 ranks then replayed 1.12-1.38 times its measured
+    step, 0.94-1.09 without them): its price is the α of all the run's collectives."""
+    if not e["async_op"] or e["wait_end"] is None or e["end"] < e["wait_end"]:
+        return e["end"]
+    return None
+
+
 def message_times(result: dict) -> list[tuple]:
-    """(op, ranks, bytes, seconds) of the run's own communications, as the ranks saw them (one
-    clock: the ranks of one host): a collective from its last member's issue to its members'
-    completion (their mean: each rank waits for its own, and a loaded machine delays some), when
-    every member blocked on it (a rank computing meanwhile slows its completion on shared cores); a message from its send's post to its arrival, seen by a receiver that
-    was already waiting for it.  The first recorded step is left out (warm-up)."""
+    """(op, ranks, bytes, seconds, step) of the run's own communications, as the ranks saw them
+    (one clock: the ranks of one host).  A collective is timed when every member saw it complete
+    (:func:`completed_at`), from when the replay would start it — its last member's issue, or the
+    completion of the collective before it on the same group, whichever is later (one stream per
+    group: what the replay prices is a collective's time on the wire, not its wait in the queue) —
+    to its last member's completion.  Prefetched and overlapped collectives count as blocking ones
+    do: the ranks computing meanwhile slow them here, and the replay's measured compute ran beside
+    them as well.  A message from its send's post to its arrival, seen by a receiver that was
+    already waiting for it.  The first recorded step is left out (warm-up)."""
     out = []
     logs = result["events"]
     steps = len(windows(logs[0]["marks"]))
     for i in range(1 if steps > 1 else 0, steps):
-        issue, finish, meta, sends, recvs = defaultdict(dict), defaultdict(dict), {}, {}, {}
+        issue, done, meta, sends, recvs = defaultdict(dict), defaultdict(dict), {}, {}, {}
         for r, log in enumerate(logs):
             _, t0, t1, opts = windows(log["marks"])[i]
             _, keyed = program(r, log["events"], t0, t1, opts)
@@ -207,51 +224,55 @@ def message_times(result: dict) -> list[tuple]:
                     (sends if e["op"] == "send" else recvs)[key] = e
                     continue
                 issue[key][r] = e["start"]
-                # when this rank could go on: its call returned, or its wait did
-                finish[key][r] = max(e["end"], e["returned"] or 0.0, e["wait_end"] or 0.0)
-                if key not in meta or meta[key] is not None:
-                    meta[key] = (e["op"], len(key[1]), e["bytes"])
-                # a rank that went on computing meanwhile delayed the op's completion (two cores):
-                # only communications every member blocked on at once are timed
-                if e["async_op"] and e["end"] > (e["returned"] or e["start"]) + 1e-4 and (
-                        e["wait_start"] is None or e["wait_start"] - (e["returned"] or 0) > 5e-5):
-                    meta[key] = None
-        for key, m in meta.items():
-            if m is None:
+                meta[key] = (e["op"], len(key[1]), e["bytes"])
+                seen = completed_at(e)
+                if seen is not None:
+                    done[key][r] = seen
+        finished: dict = {}  # key -> the last completion its members saw
+        for key in sorted(meta, key=lambda k: (k[1], k[2])):
+            op, n, nbytes = meta[key]
+            if done[key]:
+                finished[key] = max(done[key].values())
+            if len(issue[key]) != n or len(done[key]) != n:
                 continue
-            op, n, nbytes = m
-            if n > 1 and len(issue[key]) == n:
-                out.append((op, n, nbytes, max(1e-7, max(finish[key].values())
-                                              - max(issue[key].values()))))
+            start = max(issue[key].values())
+            before = ("c", key[1], key[2] - 1)
+            if before in finished:
+                start = max(start, finished[before])
+            if n > 1:
+                out.append((op, n, nbytes, max(1e-7, finished[key] - start), i))
         for key, rv in recvs.items():
             sd = sends.get(key)
             if sd is None or rv["wait_start"] is None:
                 continue
             # only a receiver already waiting when the send was posted saw the message arrive
             if rv["start"] <= sd["start"] and rv["wait_start"] <= sd["start"]:
-                out.append(("send", 2, rv["bytes"], max(1e-7, rv["wait_end"] - sd["start"])))
+                out.append(("send", 2, rv["bytes"], max(1e-7, rv["wait_end"] - sd["start"]), i))
     return out
 
 
 def fit_run(result: dict, beta: float | None = None) -> dict | None:
-    """This machine's α-β from the run's own messages (:func:`message_times`): least squares on
-    T = α·steps + β·bytes per rank over every collective the run made — in absolute error, so that
-    the fitted times add up to what its steps spent (a loaded machine's delays are heavy-tailed;
-    lesson 01's relative-error fit would follow the luckiest); β only when the sizes span a factor
-    of 100 and reach 1 KB — or ``beta`` given (an all-reduce sweep's, lesson 01: its fastest repeats
-    measure the wire; the run's messages, on a loaded machine, mostly its delays).  Each collective
-    also on its own (``per_op``: gloo's algorithms differ), its α the mean excess over β.  A point-to-point
-    message's latency apart (``p2p_alpha``: the median of the messages a receiver waited for —
-    gloo's are a rendezvous, unlike a collective's step).  None when nothing was sent."""
+    """This machine's α-β from the run's own messages (:func:`message_times`).  With ``beta``
+    given (an all-reduce sweep's, lesson 01: its fastest repeats measure the wire; the run's
+    messages, on a loaded machine, mostly its delays), α is the typical step's: the median over the
+    steps of a step's mean excess over β per ring step — a step's many collectives add up to its
+    mean (the delays of a loaded machine are heavy-tailed), and a step the shared machine stalled
+    whole is one step of several, as the replay's compute is the median step's.  Without it, least
+    squares on T = α·steps + β·bytes over every collective, in absolute error; β only when the
+    sizes span a factor of 100 and reach 1 KB.  Each collective also on its own (``per_op``:
+    gloo's algorithms differ), its α the typical step's as above; one the run never timed (a
+    reduce-scatter without a future) takes the α of all.  A point-to-point message's latency apart
+    (``p2p_alpha``: the median of the messages a receiver waited for — gloo's are a rendezvous,
+    unlike a collective's step).  None when nothing was sent."""
     import numpy as np
 
     from .costmodel import ring_steps, ring_volume
     groups, p2p = defaultdict(list), []
-    for op, n, b, sec in message_times(result):
+    for op, n, b, sec, step in message_times(result):
         if op == "send":
             p2p.append((b, sec))
         else:
-            groups[(op, n, b)].append(sec)
+            groups[(op, n, b)].append((sec, step))
     if not groups and not p2p:
         return None
     out: dict = {}
@@ -267,23 +288,26 @@ def fit_run(result: dict, beta: float | None = None) -> dict | None:
                 return float(alpha), float(beta)
         return float(np.sum(t * A[:, 0]) / max(np.sum(A[:, 0] ** 2), 1e-30)), None
 
-    rows = [(op, n, b, sec) for (op, n, b), secs in groups.items() for sec in secs]
+    def typical_alpha(ops, beta: float) -> float:
+        """The median over the steps of a step's mean excess over β, per ring step."""
+        by_step = defaultdict(list)
+        for (o, n, by), secs in groups.items():
+            if o in ops:
+                for sec, step in secs:
+                    by_step[step].append((sec - ring_volume(o, by, n) * beta) / ring_steps(o, n))
+        return max(0.0, statistics.median(float(np.mean(x)) for x in by_step.values()))
+
+    rows = [(op, n, b, sec) for (op, n, b), secs in groups.items() for sec, _ in secs]
     if rows:
+        names = {r[0] for r in rows}
         if beta is None:
             alpha, beta = fit(rows)
+            out["alpha"] = max(alpha, 0.0)
         else:  # the sweep's β (its fastest repeats: the wire); the run's messages give α
-            alpha = float(np.mean([(sec - ring_volume(o, by, n) * beta) / ring_steps(o, n)
-                                   for o, n, by, sec in rows]))
-        out["alpha"] = max(alpha, 0.0)
+            out["alpha"] = typical_alpha(names, beta)
         if beta is not None:
             out["beta"] = beta
-        per_op = {}
-        for name in {r[0] for r in rows}:
-            b = out.get("beta")
-            a = float(np.mean([(sec - ring_volume(o, by, n) * (b or 0.0)) / ring_steps(o, n)
-                               for o, n, by, sec in rows if o == name]))
-            per_op[name] = (max(a, 0.0), b or 0.0)
-        out["per_op"] = per_op
+        out["per_op"] = {name: (typical_alpha({name}, beta or 0.0), beta or 0.0) for name in names}
     if p2p:
         out["p2p_alpha"] = max(0.0, statistics.median(sec - by * out.get("beta", beta or 0.0)
                                                       for by, sec in p2p))

@@ -302,7 +302,7 @@ if not spec["graceful"]:
 _JUDGE = r"""
 import base64, ctypes, json, os, select, shutil, signal, sys, time
 control, verdicts, sealed = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "sealed"
-PASSED, PASS_BITS = 64, 6  # a judged process exits 64 + (bit i set: exercise i passed)
+PASSED, PASS_BITS = 64, int(sys.argv[4])  # a judged process exits 64 + (bit i: exercise i passed)
 def emit(fd, item):
     data = (json.dumps(item) + "\n").encode()
     while data:
@@ -401,7 +401,9 @@ os._exit(0)
 """
 
 MAX_VERDICTS = 1 << 20  # bytes of verdicts read back for one notebook
-JUDGED_AT_ONCE = 6  # exercises one judged process can report passed (_JUDGE's PASS_BITS)
+#: exercises one judged process can report passed (_JUDGE's PASS_BITS): its exit status is 64 plus
+#: a bit per pass, below 128 (what a shell reports for a signal)
+JUDGED_AT_ONCE = 6
 
 
 class _Judge:
@@ -426,7 +428,7 @@ class _Judge:
         self.control, self.verdicts = control[0], verdicts[0]
         try:
             self.box.start([sys.executable, "-I", "-c", _JUDGE, str(control[1]), str(verdicts[1]),
-                            "sealed" if self.sealed else "unsealed"],
+                            "sealed" if self.sealed else "unsealed", str(JUDGED_AT_ONCE)],
                            env=_env(self.box, self.sealed), stdin=subprocess.PIPE, stdout=self.log,
                            pass_fds=[control[1], verdicts[1]])
         finally:

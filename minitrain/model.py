@@ -58,23 +58,21 @@ class GPTConfig:
 
     def num_params(self) -> int:
         """Parameter count from the shapes alone (equals ``GPT(cfg).num_params()``)."""
-        d, ff, v = self.d_model, self.ff, self.vocab_size
-        mlp = (d * ff + ff) + (ff * d + d)
-        if self.n_expert:
-            mlp = self.n_expert * mlp + d * self.n_expert  # the experts and the router
-        block = 2 * d + 3 * d * d + (d * d + d) + 2 * d + mlp
-        head = 2 * d + (0 if self.tie_weights else v * d)
-        return v * d + self.seq_len * d + self.n_layer * block + head
+        return self.embed_params() + self.n_layer * self.block_params() + self.head_params()
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def mlp_params(self) -> int:
+        """Parameters of one d→ff→d MLP with biases (with ``n_expert``: one expert's)."""
+        d, ff = self.d_model, self.ff
+        return (d * ff + ff) + (ff * d + d)
+
     def block_params(self) -> int:
         """Parameters of one transformer block (its share of :meth:`num_params`)."""
-        d, ff = self.d_model, self.ff
-        mlp = (d * ff + ff) + (ff * d + d)
+        d, mlp = self.d_model, self.mlp_params()
         if self.n_expert:
-            mlp = self.n_expert * mlp + d * self.n_expert
+            mlp = self.n_expert * mlp + d * self.n_expert  # the experts and the router
         return 2 * d + 3 * d * d + (d * d + d) + 2 * d + mlp
 
     def embed_params(self) -> int:

@@ -57,7 +57,7 @@ from .scaling import (MODEL_SIZES, NOT_REPLAYED, RankWork, Scaler, itemsize, lay
 __all__ = ["MODEL_SIZES", "target_model", "check_projection", "project", "replay", "Op",
            "Instance", "ReplayError", "rank_work", "RankWork", "Scaler", "format_projection",
            "breakdown", "warp", "ddp_timeline", "pipeline_timeline", "fsdp_timeline", "NOT_REPLAYED",
-           "fit_run", "message_times", "even_work", "checked_degrees"]
+           "fit_run", "message_times", "even_work", "checked_degrees", "mesh_sizes"]
 
 #: Adam's update reads the weight, the gradient and two moments and writes three: 7 fp32 words
 ADAM_BYTES = 28
@@ -138,6 +138,13 @@ def checked_degrees(degrees: dict | None) -> dict:
     return out
 
 
+def mesh_sizes(lay: dict, degrees: dict) -> dict:
+    """{axis: size} of the mesh a projection stands for: the run's layout (``scaling.layout``),
+    each axis ``degrees`` names (checked: :func:`checked_degrees`) re-sized; their product is its
+    devices."""
+    return {a: degrees.get(a, lay[a]) for a in _ORDER}
+
+
 def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | None = None,
             compute: str | None = None, degrees: dict | None = None, steps=None,
             recompute: bool | None = None, even: bool = False) -> dict:
@@ -190,7 +197,7 @@ def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | No
     lay = layout(summary)
     axes = _axes(summary)
     degrees = checked_degrees(degrees)
-    sizes = {a: degrees.get(a, lay[a]) for a in _ORDER}
+    sizes = mesh_sizes(lay, degrees)
     if degrees and math.prod(sizes.values()) > spec.devices:
         raise ValueError(f"the mesh {sizes} needs {math.prod(sizes.values())} devices; "
                          f"{spec.title} has {spec.devices}")

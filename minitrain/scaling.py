@@ -150,9 +150,7 @@ def rank_work(summary: dict, cfg: GPTConfig, rank: int, degrees: dict | None = N
     model_flops = training_flops(cfg, tokens, blocks, head, tp=tp)
     block = cfg.block_params() / tp
     if cfg.n_expert and lay["ep"] > 1:
-        d, ff = cfg.d_model, cfg.ff
-        expert = (d * ff + ff) + (ff * d + d)
-        block -= cfg.n_expert * expert * (1 - 1 / lay["ep"])
+        block -= cfg.n_expert * cfg.mlp_params() * (1 - 1 / lay["ep"])
     emb = cfg.embed_params() / (tp if tp > 1 else 1) if embed else 0.0
     hd = cfg.head_params() / tp if head else 0.0
     params = blocks * block + emb + hd
@@ -244,8 +242,7 @@ class Scaler:
 def _replicated_params(cfg: GPTConfig) -> float:
     """The parameters every expert-parallel rank holds a copy of: all but the experts' MLPs
     (the router stays)."""
-    d, ff = cfg.d_model, cfg.ff
-    return cfg.num_params() - cfg.n_layer * cfg.n_expert * ((d * ff + ff) + (ff * d + d))
+    return cfg.num_params() - cfg.n_layer * cfg.n_expert * cfg.mlp_params()
 
 
 def itemsize(precision: str) -> int:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import html
 import io
+import math
 
 from . import LABEL
 
@@ -80,17 +81,13 @@ def _kind(result: dict) -> str:
 def devices(summary: dict, degrees: dict | None = None) -> int:
     """How many devices the projection stands for: the run's ranks, or the mesh ``degrees``
     re-sizes (``{"dp": 8}`` of a 2-rank DDP run: 8)."""
-    from ..projection import checked_degrees
+    from ..projection import checked_degrees, mesh_sizes
     from ..scaling import layout
 
     degrees = checked_degrees(degrees)
-    world = summary["world_size"]
     if not degrees:
-        return world
-    lay = layout(summary)
-    for axis, size in degrees.items():
-        world = world * size / lay.get(axis, 1)
-    return round(world)
+        return summary["world_size"]
+    return math.prod(mesh_sizes(layout(summary), degrees).values())
 
 
 def _why_not(result: dict, cluster: str, model, degrees: dict | None = None) -> str | None:

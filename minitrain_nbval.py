@@ -5,7 +5,7 @@ correct — …`` when ``fn`` is right, ``✗ name: …`` otherwise.  The lesson
 ✓ line as the cell's output (a learner opening the notebook would read the verdict, and part of the
 answer, before running anything): they store "name: not checked yet".  Under nbval (``pytest
 --nbval-lax NOTEBOOK``) this plugin makes each check cell's expected output the pass line of the
-installed checkers (:func:`minitrain.exercises.verdict`), whatever the notebook stores: a correct
+installed checkers (:func:`minitrain.course.exercises.verdict`), whatever the notebook stores: a correct
 notebook passes, a blank or wrong one fails at its check cell with the checker's ``✗ …`` line in the
 diff — and a student's notebook saved after a failed run (its ``✗`` line stored) still fails.
 
@@ -44,7 +44,7 @@ def expect_verdicts(cells) -> int:
         return 0
     import nbformat
 
-    from minitrain.exercises import CHECKS, verdict
+    from minitrain.course.exercises import CHECKS, verdict
 
     changed = 0
     for cell, name in cells:

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minitrain import PRESETS, Cluster, GPT
-from minitrain.analysis import overlap_fraction
-from minitrain.benchmarking import alternate
+from minitrain.planning.analysis import overlap_fraction
+from minitrain.runtime.benchmarking import alternate
 from minitrain.data import ArithmeticData, shard
 from minitrain.parallel.data_parallel import DistributedDataParallel
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-from minitrain.launch import descendants
+from minitrain.runtime.launch import descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET_S, BUDGET_BYTES = 60, 2 * 1024 ** 3

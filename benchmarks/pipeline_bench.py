@@ -37,10 +37,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minitrain import PRESETS, Cluster, GPT
-from minitrain.benchmarking import alternate
+from minitrain.runtime.benchmarking import alternate
 from minitrain.data import ArithmeticData
 from minitrain.model import GPTConfig, loss_fn
-from minitrain.analysis import bubble_formula, bubble_fraction
+from minitrain.planning.analysis import bubble_formula, bubble_fraction
 from minitrain.parallel.schedules import Action, as_action, dependencies, split_layers
 
 #: the presets, plus one deep enough for 4 stages whose compute dominates the point-to-point traffic

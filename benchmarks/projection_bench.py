@@ -10,7 +10,7 @@
     was timed on blocking collectives only (the forward's and backward's first gathers, the loss
     all-reduce: 11 a step, 1.24 ms each on 4 ranks sharing 2 cores, where lesson 01's sweep gives
     0.16 ms), so every prefetched gather was priced by the scheduler's delays.  Now every
-    collective whose completion every member saw is timed (minitrain.recorded.message_times),
+    collective whose completion every member saw is timed (minitrain.planning.recorded.message_times),
     prefetched ones included, from when the replay would start it — its last issue, or the
     previous collective on its group done — to its last member's completion; gloo's reduce-scatter
     has no future in torch 2.13, so its completion is seen only by ranks already waiting, and
@@ -24,13 +24,13 @@
     Partly circular for the A100: the presets' sustained fraction of peak is Narayanan et al., 2021,
     Table 1, row 1 (1.7B GPT, 137 TFLOP/s per A100 = 44 %), and the 39.1B check below is a row of
     the same table (138 TFLOP/s) — the same team, code and cluster — so it tests the bubble and the
-    communication the projection adds more than the compute rate.  minitrain/clusters.py cites no
+    communication the projection adds more than the compute rate.  minitrain/planning/clusters.py cites no
     independent source for a training step's A100 fraction: its only other A100 number, Bekman's
     Maximum Achievable Matmul FLOPS (86.9 % of peak), is a matmul ceiling, used to carry the anchor
     to the H100.  The H100 checks (Megatron-LM's table, torchtitan) are measurements not used to set
     any number, but their fraction is that same A100 anchor carried over.
 (c) One model, not two: the projection of a small run scaled to a layout the chooser prices
-    (:func:`minitrain.chooser.evaluate` on the same preset's numbers) against the chooser's step
+    (:func:`minitrain.planning.chooser.evaluate` on the same preset's numbers) against the chooser's step
     time, within 20 %.
 
     python benchmarks/projection_bench.py [--steps 10] [--only a|b|c]
@@ -46,10 +46,10 @@ import sys
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from minitrain import Cluster  # noqa: E402
-from minitrain.chooser import Layout, ModelSpec, Workload, evaluate  # noqa: E402
-from minitrain.clusters import get_cluster  # noqa: E402
+from minitrain.planning.chooser import Layout, ModelSpec, Workload, evaluate  # noqa: E402
+from minitrain.planning.clusters import get_cluster  # noqa: E402
 from minitrain.model import PRESETS, GPTConfig  # noqa: E402
-from minitrain.projection import MODEL_SIZES, project  # noqa: E402
+from minitrain.planning.projection import MODEL_SIZES, project  # noqa: E402
 from minitrain.train import train  # noqa: E402
 
 #: (a): (label, strategy, world size, options, batch, model)

@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minitrain import PRESETS, Cluster, GPT, train
-from minitrain.benchmarking import alternate
+from minitrain.runtime.benchmarking import alternate
 from minitrain.comm import Comm
 from minitrain.data import ArithmeticData
 from minitrain.model import GPTConfig

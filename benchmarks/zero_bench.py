@@ -27,8 +27,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minitrain import PRESETS, Cluster, GPT
-from minitrain.analysis import hidden_fraction
-from minitrain.benchmarking import alternate
+from minitrain.planning.analysis import hidden_fraction
+from minitrain.runtime.benchmarking import alternate
 from minitrain.comm import Comm
 from minitrain.data import ArithmeticData, shard
 from minitrain.memory import ledger, rss_bytes

@@ -7,7 +7,7 @@ tiny model), :func:`minitrain.train` (a whole training run) and :mod:`minitrain.
 
 from .comm import Comm, Tracer, ring_all_reduce
 from .data import ArithmeticData
-from .launch import Cluster, CollectiveTimeout, RankError, launch
+from .runtime.launch import Cluster, CollectiveTimeout, RankError, launch
 from .model import GPT, GPTConfig, PRESETS
 from .strategies import ConfigError, TrainConfig
 from .train import train

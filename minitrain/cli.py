@@ -21,11 +21,11 @@ from dataclasses import replace
 
 import torch.distributed as dist
 
-from .launch import Cluster, LaunchError, RankError, init_from_env, launched_by_torchrun
+from .runtime.launch import Cluster, LaunchError, RankError, init_from_env, launched_by_torchrun
 from .model import PRESETS
 from .strategies import ConfigError, TrainConfig, get_strategy, strategy_names
 from .strategies.base import Machine, closest, did_you_mean, flag, option_fields
-from .checkpoint_checks import SaveDirLock
+from .checkpoint.checks import SaveDirLock
 from .train import add_projection, check_config, check_projection_config, run_rank
 
 #: ``minitrain clusters --calibrate``: the most ranks a core measures at once
@@ -275,7 +275,7 @@ def format_summary(result: dict) -> str:
                      f"{pipe['bubble_measured']:.1%}, ideal table {pipe['bubble_ideal']:.1%}, "
                      f"(p-1)/(v*m+p-1) = {pipe['bubble_formula']:.1%}")
     if s.get("projection"):
-        from .projection import format_projection
+        from .planning.projection import format_projection
         lines.append(format_projection(s["projection"]))
     offloaded = any(v for mem in s["memory"] for v in (mem.get("host") or {}).values())
     if offloaded:
@@ -387,14 +387,14 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["grade"]:
-        from .grade import main as grade
+        from .course.grade import main as grade
         return grade(argv[1:])
     parser = build_parser()
     args, extras = parser.parse_known_args(argv)
     if extras:
         parser.refuse_unknown(extras, args.command)
     if args.command == "clusters":
-        from .clusters import calibrate_here, describe
+        from .planning.clusters import calibrate_here, describe
         if args.calibrate and args.ranks < 2:
             parser.exit(2, f"minitrain clusters: error: --ranks {args.ranks}: the α-β of lesson 01 "
                            "needs at least 2 ranks\n")
@@ -414,8 +414,8 @@ def _main(argv: list[str] | None = None) -> int:
             print(f"{name:14s} {get(name).help}")
         return 0
     if args.command == "consolidate":
-        from .checkpoint import find_checkpoint, read_meta
-        from .consolidate import consolidate_to
+        from .checkpoint.core import find_checkpoint, read_meta
+        from .checkpoint.consolidate import consolidate_to
         try:
             out = consolidate_to(args.checkpoint, args.out)
             path = find_checkpoint(args.checkpoint)

@@ -96,7 +96,7 @@ class Event:
     group: str
     peer: int | None = None
     tag: str = ""
-    # what the projection (minitrain.projection) replays: issue order, asynchronous issue and wait
+    # what the projection (minitrain.planning.projection) replays: issue order, asynchronous issue and wait
     id: int = -1                      # issue order on this rank
     async_op: bool = False
     returned: float | None = None     # when the issuing call returned (asynchronous calls)
@@ -147,7 +147,7 @@ class Tracer:
         self.t0 = time.perf_counter()
 
     def export(self) -> dict:
-        """Everything recorded, as plain data (what :mod:`minitrain.projection` replays)."""
+        """Everything recorded, as plain data (what :mod:`minitrain.planning.projection` replays)."""
         keys = ("op", "bytes", "start", "end", "group", "peer", "tag", "id", "async_op", "returned",
                 "wait_start", "wait_end", "ranks", "channel", "root", "traced")
         return {"events": [{k: getattr(e, k) for k in keys} for e in self.events + self.untraced],
@@ -218,7 +218,7 @@ def _untraced_call(tracer: "Tracer", name: str, fn):
 
 @contextmanager
 def recording(tracer: "Tracer"):
-    """Record what :mod:`minitrain.projection` needs to re-time a run, cheaply, while the block runs:
+    """Record what :mod:`minitrain.planning.projection` needs to re-time a run, cheaply, while the block runs:
     each forward's, backward's and optimizer step's start and end (``tracer.marks``: a forward is
     the outermost module call outside backward; a backward, ``torch.autograd.backward``; a
     recomputation inside it belongs to it), and the collectives that strategies call on

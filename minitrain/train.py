@@ -2,7 +2,7 @@
 
 :func:`fit` steps a :class:`~minitrain.strategies.Lockstep` strategy through ``cfg.steps`` batches
 (saving checkpoints as asked); a :class:`~minitrain.strategies.FreeRunning` one runs its own loop.
-``run_rank(cfg)`` is what each rank executes — from :class:`minitrain.launch.Cluster`, from
+``run_rank(cfg)`` is what each rank executes — from :class:`minitrain.runtime.launch.Cluster`, from
 ``launch``, or directly under ``torchrun`` — so the same code path serves notebooks, scripts and real
 clusters.  Rank 0 reports each step through ``on_step``; at the end every rank's tracer summary and
 memory ledger are gathered to rank 0 (outside the tracer, so they do not count as training traffic).
@@ -18,11 +18,11 @@ import time
 
 import torch.distributed as dist
 
-from .checkpoint import load_checkpoint, maybe_save
-from .checkpoint_checks import SaveDirLock, check_checkpoint_config, clear_save_dir
+from .checkpoint.core import load_checkpoint, maybe_save
+from .checkpoint.checks import SaveDirLock, check_checkpoint_config, clear_save_dir
 from .comm import Comm, Tracer, recording
 from .data import ArithmeticData
-from .launch import Cluster
+from .runtime.launch import Cluster
 from .memory import rss_bytes
 from .strategies import (ConfigError, FreeRunning, Seams, Strategy, TrainConfig, check_strategy,
                          get_strategy)
@@ -47,8 +47,8 @@ def _diverged(cfg: TrainConfig, step: int, loss: float) -> Diverged:
 def check_config(cfg: TrainConfig, seams=None, *, lock: SaveDirLock | bool | None = None) -> None:
     """Refuse a configuration that cannot run (unknown strategy, bad sizes or options, a seam the
     strategy does not have, a checkpoint that does not match, a save dir another run uses) before
-    spawning.  ``lock`` (a :class:`~minitrain.checkpoint_checks.SaveDirLock`) takes the save dir
-    for the run: see :func:`~minitrain.checkpoint_checks.check_checkpoint_config`."""
+    spawning.  ``lock`` (a :class:`~minitrain.checkpoint.checks.SaveDirLock`) takes the save dir
+    for the run: see :func:`~minitrain.checkpoint.checks.check_checkpoint_config`."""
     check_strategy(cfg, seams)
     check_checkpoint_config(cfg, lock)
     cores = os.cpu_count() or 1
@@ -71,7 +71,7 @@ def fit(strategy: Strategy, data, on_step=None) -> tuple[list[float], list[float
     tracer = strategy.comm.tracer
     for step in range(strategy.start_step, cfg.steps):
         x, y = data.batch(step, cfg.batch_size)
-        tracer.mark("step", step)  # while recording (minitrain.projection): the step's edges
+        tracer.mark("step", step)  # while recording (minitrain.planning.projection): the step's edges
         t0 = time.perf_counter()
         loss = strategy.train_step(x, y)
         times.append(time.perf_counter() - t0)
@@ -103,7 +103,7 @@ def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False, seams=N
     ``{"losses": [...], "summary": {...}}`` (plus ``"state"``, the trained weights as a plain
     state_dict, with ``return_state``); on the other ranks ``{"rank": r}``.  ``seams`` (a
     :class:`~minitrain.strategies.Seams` or ``{name: function}``) puts a learner's functions in
-    the strategy's seams.  ``record_events`` keeps what :mod:`minitrain.projection` replays
+    the strategy's seams.  ``record_events`` keeps what :mod:`minitrain.planning.projection` replays
     (``"events"``: each rank's log); ``calibrate`` also measures this machine afterwards
     (``summary["calibration"]``, for the "local" and "binder" clusters).
     """
@@ -133,7 +133,7 @@ def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False, seams=N
     strategy.close()
     calibration = None
     if calibrate:
-        from .clusters import calibrate_rank
+        from .planning.clusters import calibrate_rank
         with comm.tracer.paused():
             calibration = calibrate_rank()
     if comm.rank != 0:
@@ -187,7 +187,7 @@ def train(cfg: TrainConfig | None = None, *, cluster: Cluster | None = None, on_
     (:class:`~minitrain.strategies.Seams`).
 
     ``project="dgx-h100"`` (``as_model="7b"``) re-times the run on that cluster at that model size
-    and adds ``summary["projection"]`` (:func:`minitrain.projection.project`); ``record_events``
+    and adds ``summary["projection"]`` (:func:`minitrain.planning.projection.project`); ``record_events``
     keeps the events (``result["events"]``) to project later, on any cluster.
     """
     cfg = (cfg or TrainConfig()).with_(**overrides) if overrides else (cfg or TrainConfig())
@@ -212,7 +212,7 @@ def train(cfg: TrainConfig | None = None, *, cluster: Cluster | None = None, on_
 def check_projection_config(cfg: TrainConfig, project: str | None, as_model=None) -> None:
     """Refuse, before any process starts, a projection that cannot be made (an unknown cluster or
     model size, a free-running strategy, a layout the bigger model cannot take)."""
-    from .projection import MODEL_SIZES, check_projection
+    from .planning.projection import MODEL_SIZES, check_projection
     if project is not None and isinstance(as_model, str) and as_model.lower() not in MODEL_SIZES:
         raise ConfigError(f"unknown model size {as_model!r}{did_you_mean(as_model, MODEL_SIZES)}; "
                           f"choose one of: {', '.join(MODEL_SIZES)}")
@@ -233,14 +233,14 @@ def _options_dict(cfg: TrainConfig) -> dict:
 
 def add_projection(result: dict, project: str | None, as_model=None) -> dict:
     """``result`` with ``summary["projection"]``: the run re-timed on ``project`` at ``as_model``
-    (the fields of :func:`minitrain.projection.project`, without the per-rank timelines).  A
+    (the fields of :func:`minitrain.planning.projection.project`, without the per-rank timelines).  A
     GPipe or 1F1B pipeline of equal micro-batches is projected with ``even=True`` (each gets the
-    same share of its rank's FLOPs, as in lesson 05: :func:`minitrain.projection.even_work`);
+    same share of its rank's FLOPs, as in lesson 05: :func:`minitrain.planning.projection.even_work`);
     ``"even"`` says which."""
     if project is None or "summary" not in result:
         return result
-    from .projection import even_work
-    from .projection import project as reproject
+    from .planning.projection import even_work
+    from .planning.projection import project as reproject
     even = even_work(result["summary"])
     p = reproject(result, project, as_model, even=even)
     keep = ("cluster", "cluster_title", "model", "params", "precision", "compute_mode",

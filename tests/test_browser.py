@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-from minitrain.launch import descendants
+from minitrain.runtime.launch import descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 LESSONS = ROOT / "lessons"

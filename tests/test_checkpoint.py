@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from minitrain import GPT, GPTConfig, TrainConfig, train
-from minitrain.checkpoint import CheckpointError, checkpoint_support, find_checkpoint
-from minitrain.consolidate import consolidate
+from minitrain.checkpoint.core import CheckpointError, checkpoint_support, find_checkpoint
+from minitrain.checkpoint.consolidate import consolidate
 from minitrain.cli import build_parser, config_from_args, main
-from minitrain.launch import RankError
+from minitrain.runtime.launch import RankError
 from minitrain.model import PRESETS
 from minitrain.strategies import Checkpointer, Lockstep, Single, get_strategy, strategy_names
 

@@ -5,7 +5,7 @@ returns float64 — each gets a sentence, never an exception out of the checker.
 import pytest
 import torch
 
-from minitrain.exercises import CHECKS
+from minitrain.course.exercises import CHECKS
 
 
 def _returning(value):

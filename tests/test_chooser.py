@@ -4,7 +4,7 @@ prices with, its rules, and the widget's pure parts."""
 
 import pytest
 
-from minitrain.chooser import (ETHERNET, GPT2_XL, GPT3, IB, LLAMA_7B, LLAMA_13B, LONG, NODE,
+from minitrain.planning.chooser import (ETHERNET, GPT2_XL, GPT3, IB, LLAMA_7B, LLAMA_13B, LONG, NODE,
                                ONE_H100, SCENARIO_TABLE, SCENARIOS, Hardware, Layout, ModelSpec,
                                Workload, choose, evaluate, layouts, links_fast, scenario)
 from minitrain.memory import GB, activation_bytes_per_layer, model_state_bytes
@@ -248,7 +248,7 @@ def test_the_widget_shows_cp_and_ep():
 def test_when_not_even_a_layer_fits_whole_layers_are_not_kept_on_every_device():
     """The source's row: the largest layer does not fit one GPU -> TP (or ZeRO-3's gather of one
     layer at a time); a layout that keeps every whole layer on every device is rejected, saying why."""
-    from minitrain.chooser import WIDE, Hardware, scenario
+    from minitrain.planning.chooser import WIDE, Hardware, scenario
 
     hw = Hardware(device_memory_gb=24)
     assert scenario(WIDE, hw) == "one-node-layer-too-big"
@@ -262,7 +262,7 @@ def test_when_not_even_a_layer_fits_whole_layers_are_not_kept_on_every_device():
 def test_links_and_memory_per_device_are_what_evaluate_prices_with():
     """Lesson 08's exercise prices layouts with ``links`` and keeps those ``memory_per_device``
     lets fit: the same numbers ``evaluate`` uses (one cost model)."""
-    from minitrain.chooser import USABLE, links, memory_per_device
+    from minitrain.planning.chooser import USABLE, links, memory_per_device
 
     hw = Hardware(nodes=4, inter_node_gbps=IB)
     inside, across = (hw.intra_node_gbps * 1e9, hw.latency_intra_s), (hw.inter_per_device_bps(),
@@ -280,7 +280,7 @@ def test_links_and_memory_per_device_are_what_evaluate_prices_with():
 def test_the_lesson_08_exercise_checks_every_term_of_the_step_time_somewhere():
     """The pick_layout check compares compute, bubble, tp, pp and dp with the chooser's: each is
     non-zero on some case (so a wrong one is seen) and nothing else of the step is priced there."""
-    from minitrain.exercises.lesson08 import TERMS, _jobs, step_time_cases
+    from minitrain.course.exercises.lesson08 import TERMS, _jobs, step_time_cases
 
     jobs = _jobs()
     seen = set()

@@ -9,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from minitrain import GPT, ArithmeticData, Comm, GPTConfig, PRESETS, TrainConfig, train
 from minitrain.comm import loopback_tx_bytes
 from minitrain.data import shard
-from minitrain.analysis import overlap_fraction
+from minitrain.planning.analysis import overlap_fraction
 from minitrain.parallel.data_parallel import DistributedDataParallel, NaiveDataParallel
 from minitrain.parallel.flat import FIRST_BUCKET_BYTES, MIB, make_buckets
 from conftest import assert_same_run

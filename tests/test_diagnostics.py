@@ -13,9 +13,9 @@ import torch.distributed as dist
 
 from conftest import pid_alive
 from minitrain import Cluster, CollectiveTimeout, RankError
-from minitrain.diagnostics import format_error
-from minitrain.launch import Deadlock
-from minitrain.watch import died
+from minitrain.runtime.diagnostics import format_error
+from minitrain.runtime.launch import Deadlock
+from minitrain.runtime.watch import died
 
 
 def skips_the_all_reduce():
@@ -248,11 +248,11 @@ def test_a_cell_defined_after_the_ranks_started_still_shows_its_line(two):
 
 
 def test_shipping_keeps_a_cells_file_name_and_source(tmp_path):
-    """What the ranks get (minitrain.shipping): the code's real file name, whatever cloudpickle
+    """What the ranks get (minitrain.runtime.shipping): the code's real file name, whatever cloudpickle
     renames it to, and the source of a file that exists only in this process's linecache."""
     import linecache
 
-    from minitrain import shipping
+    from minitrain.runtime import shipping
 
     src = "def cell_fn(x):\n    y = x + 1  # the second line\n    return y\n"
     path = "/tmp/ipykernel_0/shipped_cell.py"  # never on disk, as with a notebook cell

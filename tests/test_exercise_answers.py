@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from minitrain.exercises import CHECKS, problem
+from minitrain.course.exercises import CHECKS, problem
 
 import answers
 

@@ -5,15 +5,15 @@ from pathlib import Path
 
 import pytest
 
-from minitrain import exercises
-from minitrain.exercises import (PLACEHOLDER, build_exercise, check, normalise, pending, problem,
+from minitrain.course import exercises
+from minitrain.course.exercises import (PLACEHOLDER, build_exercise, check, normalise, pending, problem,
                                  verdict)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_lessons_are_generated_from_the_solutions_and_up_to_date(capsys):
-    assert exercises.main(["build", "--check"]) == 0, "run: python -m minitrain.exercises build"
+    assert exercises.main(["build", "--check"]) == 0, "run: python -m minitrain.course.exercises build"
     stale = ROOT / "solutions" / "00_why_one_device_is_not_enough.ipynb"
     text = stale.read_text()
     try:  # the check must be able to fail: a solution edited without a build is caught
@@ -37,8 +37,8 @@ def test_no_answer_reaches_the_learners_notebooks():
 def test_no_verdict_and_no_answer_before_running():
     """A learner opening a lesson sees no ✓, no ✗ and no part of an answer under any cell: a check
     cell stores only "not checked yet" (nbval gets the verdict from minitrain_nbval)."""
-    from minitrain.exercises import CHECKS, pending
-    from minitrain.exercises.build import _check_name
+    from minitrain.course.exercises import CHECKS, pending
+    from minitrain.course.exercises.build import _check_name
 
     answers = {name: passes for name, (_, passes) in CHECKS.items()}
     for folder in ("lessons", "solutions"):
@@ -72,7 +72,7 @@ def test_no_verdict_and_no_answer_before_running():
 def test_a_blank_prediction_prints_nothing_and_asks_for_the_prediction():
     """A prediction cell keeps its target (``my_prediction = ...``): a bare ``...`` at a cell's top
     level would print ``Ellipsis``; predicted() given the ``...`` asks for the prediction."""
-    from minitrain.exercises import predicted
+    from minitrain.course.exercises import predicted
 
     cell = {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None,
             "source": "my_prediction = None  # bytes\n# BEGIN SOLUTION\nmy_prediction = 3 * 4\n"
@@ -145,7 +145,7 @@ def test_other_right_answers_pass_too():
     report says it sent more than the ring; the float16 norm fixed by scaling instead of float32
     passes too."""
     from answers import lab, lesson01
-    from minitrain.exercises import report
+    from minitrain.course.exercises import report
 
     for module in (lesson01, lab):
         for name, fns in module.ALSO_RIGHT.items():
@@ -161,7 +161,7 @@ def test_unknown_exercise_names_the_known_ones():
 
 
 def test_a_blank_exercise_says_not_written_yet_and_an_error_names_the_learners_line():
-    from minitrain.exercises import CHECKS
+    from minitrain.course.exercises import CHECKS
 
     def blank_bytes(psi, n, stage):
         ...  # YOUR CODE HERE

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minitrain.comm import Comm
 from minitrain.parallel.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy
-from minitrain.analysis import hidden_fraction, merge_intervals
+from minitrain.planning.analysis import hidden_fraction, merge_intervals
 from minitrain.viz.fsdp import unit_timeline_rows
 
 

@@ -120,7 +120,7 @@ def test_bad_arguments_are_refused(tmp_path, capsys):
 
 
 def test_a_lab_notebook_is_matched_by_its_prefix():
-    from minitrain.grade import _which_lesson, lessons
+    from minitrain.course.grade import _which_lesson, lessons
 
     known = lessons()
     assert known["01b"].name == "01b_debugging_lab.ipynb"

@@ -54,7 +54,7 @@ def notebook(*sources: str) -> dict:
 
 def sealed_or_skip():
     """Sandbox tests skip where this machine cannot make one, except on CI, where they must run."""
-    from minitrain.sandbox import unavailable
+    from minitrain.course.sandbox import unavailable
 
     reason = unavailable()
     if reason and os.environ.get("CI"):
@@ -92,8 +92,8 @@ def leftovers(pid: int) -> list[str]:
 # --------------------------------------------------------------------------------------------------
 
 REPLACE_CHECK = """\
-import minitrain.exercises as exercises
-import minitrain.exercises.core as core
+import minitrain.course.exercises as exercises
+import minitrain.course.exercises.core as core
 
 def check(name, fn):
     print(f"✓ {name}: correct — trust me")
@@ -101,11 +101,11 @@ def check(name, fn):
 exercises.check = core.check = check"""
 
 REPLACE_PROBLEM = """\
-import minitrain.exercises.core as core
+import minitrain.course.exercises.core as core
 core.problem = lambda name, fn: None"""
 
 REPLACE_CHECKS = """\
-import minitrain.exercises.core as core
+import minitrain.course.exercises.core as core
 core.CHECKS["zero_bytes_per_device"] = (lambda fn: None, "trust me")"""
 
 INPUT_TRANSFORMER = """\
@@ -155,7 +155,7 @@ def vandal(folder: Path, victim: Path, out: Path, planted: str, port: int) -> st
     127.0.0.1); it reports what it saw and managed as its error."""
     return f"""\
 import json, os, pathlib, socket
-import minitrain.exercises.lesson00 as lesson00
+import minitrain.course.exercises.lesson00 as lesson00
 report = []
 
 def scan_cmdlines():
@@ -514,9 +514,9 @@ def test_an_interrupted_run_keeps_its_rows_and_resume_finishes_the_rest(tmp_path
 
 
 def test_grading_refuses_to_run_unsealed_unless_asked_and_then_says_so(tmp_path, monkeypatch, capsys):
-    import minitrain.sandbox
+    import minitrain.course.sandbox
 
-    monkeypatch.setattr(minitrain.sandbox, "unavailable", lambda: "no bubblewrap here (a test)")
+    monkeypatch.setattr(minitrain.course.sandbox, "unavailable", lambda: "no bubblewrap here (a test)")
     (tmp_path / "00_a.ipynb").write_text(json.dumps(notebook(SOLVED, CHECK)))
     out = tmp_path / "gradebook.csv"
     with pytest.raises(SystemExit) as info:
@@ -539,7 +539,7 @@ def test_a_sandbox_that_would_not_import_the_running_minitrain_is_refused_with_t
     copy = tmp_path / "another-checkout"
     shutil.copytree(ROOT / "minitrain", copy / "minitrain",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import minitrain.sandbox as s; "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import minitrain.course.sandbox as s; "
             "assert s.__file__.startswith(sys.argv[1]), s.__file__; print(s.unavailable())")
     done = subprocess.run([sys.executable, "-c", code, str(copy)], capture_output=True, text=True,
                           timeout=300, cwd=tmp_path)
@@ -548,7 +548,7 @@ def test_a_sandbox_that_would_not_import_the_running_minitrain_is_refused_with_t
     assert ("minitrain is not importable inside the sandbox" in reason
             or "notebooks would be judged by another copy's checkers" in reason), reason
     assert reason.endswith(f"install this checkout into it (pip install -e {copy})"), reason
-    from minitrain import sandbox  # and where the sandbox sees another copy: it is named
+    from minitrain.course import sandbox  # and where the sandbox sees another copy: it is named
     here = Path(sandbox.__file__).resolve().parent
     assert sandbox._not_this_minitrain(str(here / "__init__.py")) is None
     other = sandbox._not_this_minitrain(str(copy / "minitrain" / "__init__.py"))
@@ -563,7 +563,7 @@ def test_ctrl_c_during_a_boxs_cleanup_arrives_after_it_even_with_another_thread_
     interrupted-run test once graded the whole class after its Ctrl-C."""
     import threading
 
-    from minitrain.sandbox import _uninterrupted
+    from minitrain.course.sandbox import _uninterrupted
 
     stop = threading.Event()
     other = threading.Thread(target=stop.wait, daemon=True)  # a thread that is just alive

@@ -1,11 +1,11 @@
-"""What wraps a learner's function before it goes into its seam (minitrain.exercises.guards): a
+"""What wraps a learner's function before it goes into its seam (minitrain.course.exercises.guards): a
 looser function made to fit the seam's one shape, and what would crash a rank or corrupt a run
 turned into an error that says what happened.  No ranks needed: the guards are plain wrappers."""
 
 import pytest
 import torch
 
-from minitrain.exercises.guards import (GUARDS, GuardedUnit, ReturnsTheTensor, TopkAsTensors,
+from minitrain.course.exercises.guards import (GUARDS, GuardedUnit, ReturnsTheTensor, TopkAsTensors,
                                         WatchedWork, plug)
 from minitrain.parallel.flat import FlatUnit, Slot
 
@@ -109,7 +109,7 @@ def test_dist_calls_sees_what_goes_past_the_tracer(clusters):
     def on_rank():
         import torch.distributed as dist
         from minitrain.comm import Comm
-        from minitrain.exercises.guards import bypassed, dist_calls
+        from minitrain.course.exercises.guards import bypassed, dist_calls
         comm = Comm()
         with dist_calls() as calls:
             comm.all_reduce(torch.ones(3))

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from conftest import pid_alive
 from minitrain import Cluster, CollectiveTimeout, RankError, launch
-from minitrain.launch import choose_backend
+from minitrain.runtime.launch import choose_backend
 
 
 def rank_and_sum():
@@ -89,8 +89,8 @@ def test_a_rank_that_raises_is_named_quickly_and_cleaned_up():
 def test_ranks_that_do_not_start_are_forked_again(monkeypatch, capsys):
     """A forked rank stuck before joining the group (once in CI: a lock held by a parent thread
     at fork time) — the ranks are stopped and forked again, and the cluster works."""
-    launch_module = sys.modules["minitrain.launch"]  # (minitrain.launch is also a function)
-    worker_module = sys.modules["minitrain.worker"]
+    launch_module = sys.modules["minitrain.runtime.launch"]  # (minitrain.launch is also a function)
+    worker_module = sys.modules["minitrain.runtime.worker"]
     stuck = mp.Value("i", 0)  # shared with the forked ranks: how many got stuck so far
     original = worker_module._die_with_parent
 
@@ -249,7 +249,7 @@ def test_functions_defined_in_a_notebook_run_on_the_ranks(tmp_path):
 TORCHRUN_SCRIPT = textwrap.dedent("""
     import sys, torch
     from minitrain import Comm, ring_all_reduce
-    from minitrain.launch import init_from_env
+    from minitrain.runtime.launch import init_from_env
     rank, world = init_from_env()
     t = torch.arange(5.0) * (rank + 1)
     ring_all_reduce(t, Comm())
@@ -385,7 +385,7 @@ def test_a_start_killed_before_its_folder_was_renamed_leaves_it_to_the_next_star
     import fcntl
     import tempfile
 
-    from minitrain import rankfolder
+    from minitrain.runtime import rankfolder
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     done = subprocess.run([sys.executable, "-c", KILLED_BEFORE_RENAME, rankfolder.__file__],
@@ -438,10 +438,10 @@ def _cpu_seconds(code: str, env=None) -> float:
 def test_importing_the_launcher_and_exiting_costs_what_importing_torch_does():
     """Nothing is imported at exit (torch._dynamo, 1-2 s of CPU, is imported only when a Cluster
     forks its ranks), so a CLI call or a script pays for torch and little more."""
-    for module in ("minitrain", "minitrain.launch"):
+    for module in ("minitrain", "minitrain.runtime.launch"):
         out = subprocess.run([sys.executable, "-c", EXIT_PROBE.format(module=module)],
                              capture_output=True, text=True, check=True)
         assert out.stdout.strip() == "False", f"importing {module} imports torch._dynamo at exit"
     torch_s = _cpu_seconds("import torch")
-    launcher_s = _cpu_seconds("import minitrain.launch")
+    launcher_s = _cpu_seconds("import minitrain.runtime.launch")
     assert launcher_s <= 1.25 * torch_s + 0.4, (launcher_s, torch_s)

@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 
 from minitrain import TrainConfig, train
-from minitrain.analysis import hidden_fraction
+from minitrain.planning.analysis import hidden_fraction
 from minitrain.parallel.zero import reduce_scatter_when_full, wait_for_shards
-from minitrain.projection import MODEL_SIZES, fsdp_timeline, project
+from minitrain.planning.projection import MODEL_SIZES, fsdp_timeline, project
 
 CFG = TrainConfig(steps=4, batch_size=12, seed=0)
 

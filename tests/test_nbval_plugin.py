@@ -40,7 +40,7 @@ def test_the_plugin_is_registered_with_pytest():
 
 @pytest.mark.timeout(300)
 def test_the_teachers_command_fails_a_blank_check_and_passes_a_solved_one(tmp_path):
-    from minitrain.exercises import verdict
+    from minitrain.course.exercises import verdict
 
     blank, solved = _exercise("lessons"), _exercise("solutions")
     wrong = json.loads(json.dumps(blank))

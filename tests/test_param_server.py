@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from minitrain import PRESETS, GPT, TrainConfig, train
-from minitrain.launch import RankError
+from minitrain.runtime.launch import RankError
 from minitrain.parallel.param_server import delay_compensated, partition
 from minitrain.strategies.param_server import parse_slow_workers
 from minitrain.strategies import ConfigError

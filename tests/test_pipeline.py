@@ -7,7 +7,7 @@ schedule on 2–4 ranks against a single process, and measure the bubble of real
 
 import pytest
 
-from minitrain.analysis import bubble_formula, bubble_fraction, peak_in_flight
+from minitrain.planning.analysis import bubble_formula, bubble_fraction, peak_in_flight
 from minitrain.parallel.schedules import (COSTS, SCHEDULES, Action, ScheduleError, make_schedule,
                                           orders, simulate, split_layers, validate)
 from minitrain.strategies.base import in_cli_words

@@ -13,11 +13,11 @@ import sys
 import pytest
 
 from minitrain import train
-from minitrain import clusters as clusters_module
-from minitrain.clusters import PRESETS, calibrate_here, describe, get_cluster
+from minitrain.planning import clusters as clusters_module
+from minitrain.planning.clusters import PRESETS, calibrate_here, describe, get_cluster
 from minitrain.cli import format_clusters, main
 from minitrain.model import GPTConfig, PRESETS as MODELS, training_flops
-from minitrain.projection import (MODEL_SIZES, Instance, Op, ReplayError, breakdown,
+from minitrain.planning.projection import (MODEL_SIZES, Instance, Op, ReplayError, breakdown,
                                   check_projection, ddp_timeline, even_work, pipeline_timeline,
                                   project, rank_work, replay, target_model)
 from minitrain.viz.pipeline import bubble_summary

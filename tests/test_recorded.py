@@ -1,10 +1,10 @@
-"""This machine's α-β, fitted on a run's own recorded events (minitrain.recorded), on hand-made
+"""This machine's α-β, fitted on a run's own recorded events (minitrain.planning.recorded), on hand-made
 logs: what is timed, from when, and what a stalled step does to the fit (issue 25)."""
 
 import pytest
 
-from minitrain.costmodel import ring_steps
-from minitrain.recorded import completed_at, fit_run, message_times
+from minitrain.planning.costmodel import ring_steps
+from minitrain.planning.recorded import completed_at, fit_run, message_times
 
 MS = 1e-3
 

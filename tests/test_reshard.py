@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from minitrain import GPT, GPTConfig, TrainConfig, train
-from minitrain.checkpoint import CheckpointError
-from minitrain.consolidate import portable_state
+from minitrain.checkpoint.core import CheckpointError
+from minitrain.checkpoint.consolidate import portable_state
 from minitrain.model import PRESETS
 
 BASE = TrainConfig(steps=4, batch_size=12, seed=0, model=PRESETS["nano"])  # 12 splits on 1-4 ranks

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from minitrain import TrainConfig, train
-from minitrain.checkpoint import CheckpointError, find_checkpoint
-from minitrain.launch import RankError
+from minitrain.checkpoint.core import CheckpointError, find_checkpoint
+from minitrain.runtime.launch import RankError
 from minitrain.model import PRESETS
 
 NANO = TrainConfig(steps=4, batch_size=4, seed=0, model=PRESETS["nano"])
@@ -194,7 +194,7 @@ def _rank_with_full_disk(cfg, full_at_save: int):
     (each rank's rank file write raises ENOSPC, as the kernel does)."""
     import errno
 
-    from minitrain import checkpoint
+    from minitrain.checkpoint import core as checkpoint
     from minitrain.train import run_rank
     real, calls = checkpoint.write_whole, [0]
 
@@ -214,7 +214,7 @@ def _rank_with_full_disk(cfg, full_at_save: int):
 def test_a_full_disk_during_a_save_is_said_and_what_was_kept(tmp_path, clusters):
     """ENOSPC at a rank file's write (injected where the bytes are written): every rank stops with
     the same one-line error, the unfinished step is removed, the complete ones are kept."""
-    from minitrain.consolidate import check_output
+    from minitrain.checkpoint.consolidate import check_output
     save = tmp_path / "ck"
     cfg = NANO.with_(strategy="ddp", world_size=2, steps=6, save_every=2, save_dir=str(save))
     with pytest.raises(RankError) as info:
@@ -288,9 +288,9 @@ from pathlib import Path
 root = Path(sys.argv[1])
 subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(root)], check=True)
 from minitrain import TrainConfig, train
-from minitrain.launch import RankError
-from minitrain.checkpoint import CheckpointError
-from minitrain.consolidate import consolidate_to
+from minitrain.runtime.launch import RankError
+from minitrain.checkpoint.core import CheckpointError
+from minitrain.checkpoint.consolidate import consolidate_to
 from minitrain.model import PRESETS
 
 def fill_after_the_first_save(step, loss):

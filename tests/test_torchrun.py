@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from minitrain import TrainConfig, train
-from minitrain.consolidate import consolidate
-from minitrain.launch import descendants
+from minitrain.checkpoint.consolidate import consolidate
+from minitrain.runtime.launch import descendants
 from minitrain.model import PRESETS
 
 STEPS, BATCH = 4, 8

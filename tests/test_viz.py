@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from minitrain.costmodel import bus_bandwidth, crossover_bytes, fit_alpha_beta, predict
+from minitrain.planning.costmodel import bus_bandwidth, crossover_bytes, fit_alpha_beta, predict
 from minitrain.memory import GB
 from minitrain.viz.collectives import before_after_html, collective_demo
 from minitrain.viz.memory import MODELS, MemoryCalculator, bar_html, per_device
@@ -138,7 +138,7 @@ def test_sharding_grid_follows_the_stages():
 
 def test_sharding_widget_draws_the_real_partition():
     from minitrain import GPT, PRESETS
-    from minitrain.analysis import shard_layout
+    from minitrain.planning.analysis import shard_layout
     from minitrain.viz.sharding import ShardingWidget
 
     model = GPT(PRESETS["nano"], seed=0)

@@ -4,7 +4,7 @@ seconds)."""
 
 import pytest
 
-from minitrain.analysis import bubble_fraction
+from minitrain.planning.analysis import bubble_fraction
 from minitrain.parallel.schedules import Action, ScheduleError, make_schedule, simulate
 from minitrain.viz.pipeline import (BubbleWidget, bar_color, bubble_summary, gantt_figure,
                                     gantt_rows, ideal_timeline, plot_gantt)
@@ -255,7 +255,7 @@ def test_run_button_is_disabled_for_what_the_model_or_batch_cannot_run():
 def test_a_refused_run_teaches_the_widget_the_models_limit():
     """Not told n_layer, the widget runs V = 4 on a 4-layer model; the ranks refuse it (in the
     CLI's words); the widget says why in its own and disables the button for such settings."""
-    from minitrain.launch import RankError
+    from minitrain.runtime.launch import RankError
 
     calls = []
 

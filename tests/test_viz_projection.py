@@ -9,8 +9,8 @@ import re
 import pytest
 
 from minitrain import train
-from minitrain.clusters import get_cluster
-from minitrain.projection import MODEL_SIZES, pipeline_timeline, project
+from minitrain.planning.clusters import get_cluster
+from minitrain.planning.projection import MODEL_SIZES, pipeline_timeline, project
 from minitrain.viz.projection import (ProjectionWidget, projection_figure, projection_view,
                                       step_parts, stream_rows, summary_html)
 

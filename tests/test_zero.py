@@ -11,7 +11,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minitrain import GPT, ArithmeticData, GPTConfig, PRESETS, TrainConfig, train
-from minitrain.analysis import shard_layout
+from minitrain.planning.analysis import shard_layout
 from minitrain.comm import Comm
 from minitrain.data import shard
 from minitrain.memory import model_state_bytes

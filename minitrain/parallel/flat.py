@@ -5,7 +5,7 @@ Papers: Li et al., 2020, "PyTorch Distributed: Experiences on Accelerating Data 
 Memory Optimizations Toward Training Trillion Parameter Models" (the flat, padded partition).
 
 * :class:`FlatUnit` — parameters laid end to end in one vector, zero-padded to a multiple of N;
-  rank r owns ``[r·S, (r+1)·S)`` (:func:`minitrain.analysis.shard_layout` describes it for a widget).
+  rank r owns ``[r·S, (r+1)·S)`` (:func:`minitrain.planning.analysis.shard_layout` describes it for a widget).
 * :func:`make_buckets` — parameters grouped, in reverse order, into units of about a byte cap.
 * :class:`Slot` and :func:`copy_into_bucket` — a bucket during one backward, and its gradient
   hook: DDP's hooks (:mod:`.data_parallel`) fill and launch slots.

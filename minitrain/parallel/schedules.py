@@ -9,7 +9,7 @@ A schedule is a :data:`Table`: for each rank the ordered :class:`Action` s it ru
 for zero bubble ``I`` then ``W``), ``None`` for one unit of idle time.  :func:`make_schedule` writes
 it, :func:`validate` checks it, :func:`simulate` times it with :data:`COSTS`;
 :class:`~minitrain.parallel.pipeline.PipelineExecutor` runs it on real ranks.  What a timeline says
-(the bubble, the activations in flight) is :mod:`minitrain.analysis`.
+(the bubble, the activations in flight) is :mod:`minitrain.planning.analysis`.
 """
 
 from __future__ import annotations

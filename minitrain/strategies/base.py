@@ -625,14 +625,14 @@ def _check_precision(cls: type["Strategy"], cfg: TrainConfig) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Checkpointers: how a strategy's training state lies in the files of minitrain.checkpoint
+# Checkpointers: how a strategy's training state lies in the files of minitrain.checkpoint.core
 # --------------------------------------------------------------------------------------------------
 
 
 class Checkpointer(abc.ABC):
     """How one strategy's training state lies in checkpoint files: a strategy's ``checkpointer``
     is one of these, complete (save, load, consolidate), or a sentence saying why it has none.
-    :mod:`minitrain.checkpoint` writes, verifies and reads the files; ``read(r)`` is rank r's saved
+    :mod:`minitrain.checkpoint.core` writes, verifies and reads the files; ``read(r)`` is rank r's saved
     part.  ``reshards``: it also resumes the checkpoints of other layouts through the portable form
     (:mod:`minitrain.strategies.portable`), with :meth:`portable_optimizer` and
     :meth:`load_portable`.  One stateless object per strategy class; ``strategy`` is the live one.
@@ -690,7 +690,7 @@ class Strategy(abc.ABC):
     optimizer: torch.optim.Optimizer | None  # what steps it (None where nothing does)
 
     # -- what the harness sets ---------------------------------------------------------------------
-    start_step: int = 0  # where the loop starts (set by minitrain.checkpoint when resuming)
+    start_step: int = 0  # where the loop starts (set by minitrain.checkpoint.core when resuming)
     resumed_from: str | None = None  # the checkpoint directory resumed
     resharded_from: str | None = None  # "zero3 on 4 ranks": the layout it was resharded from
 
@@ -712,7 +712,7 @@ class Strategy(abc.ABC):
             torch.distributed.get_backend() == "nccl") else torch.device("cpu")
         self.master_weights: dict = {}  # {16-bit parameter: fp32 copy}, filled by build_model
         self.loss_scaler: DynamicLossScaler | None = None  # set by make_optimizer (fp16-mixed)
-        self.saved_checkpoints: list[str] = []  # set by minitrain.checkpoint
+        self.saved_checkpoints: list[str] = []  # set by minitrain.checkpoint.core
 
     @functools.cached_property
     def meter(self) -> ActivationMeter:

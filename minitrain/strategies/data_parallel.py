@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..analysis import overlap_fraction
+from ..planning.analysis import overlap_fraction
 from ..data import shard
 from ..parallel.compression import FORMS, as_error_feedback, parse_compressor
 from ..parallel.data_parallel import DistributedDataParallel, NaiveDataParallel, mean_over_ranks

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..analysis import bubble_formula, bubble_fraction, peak_in_flight
+from ..planning.analysis import bubble_formula, bubble_fraction, peak_in_flight
 from ..comm import Comm
 from ..data import ArithmeticData
 from ..memory import ledger

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..analysis import bubble_formula, bubble_fraction
+from ..planning.analysis import bubble_formula, bubble_fraction
 from ..comm import Comm, all_reduce_coalesced
 from ..data import shard
 from ..memory import ledger

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..analysis import hidden_fraction, overlap_fraction
+from ..planning.analysis import hidden_fraction, overlap_fraction
 from ..memory import ActivationMeter, ledger, model_state_bytes
 from ..parallel.flat import FlatUnit
 from ..parallel.fsdp import FullyShardedDataParallel
@@ -305,7 +305,7 @@ class Zero3(_ZeroStrategy):
 
     def report(self) -> dict:
         """The stages' report; with ``timeline`` each step's unit events and the share of the
-        all-gather time hidden behind compute (``hidden``: :func:`~minitrain.analysis.hidden_fraction`)."""
+        all-gather time hidden behind compute (``hidden``: :func:`~minitrain.planning.analysis.hidden_fraction`)."""
         out = super().report()
         if self.cfg.options.timeline:
             out["timeline"] = self.steps_timeline

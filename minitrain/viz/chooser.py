@@ -1,6 +1,6 @@
 """The strategy chooser of lesson 08, behind controls: pick a model and a cluster, see the layout.
 
-:func:`minitrain.chooser.choose` does the work; here ``candidate_rows`` picks the rows worth showing
+:func:`minitrain.planning.chooser.choose` does the work; here ``candidate_rows`` picks the rows worth showing
 (the recommendation, the layouts as fast as it, the next fastest, and for each rule the rejected
 layout that came closest) and ``recommendation_html`` draws them with the reasons — both pure and
 unit-tested.  ``ChooserWidget`` only wires ipywidgets to them.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 from dataclasses import asdict
 
-from ..chooser import SCENARIOS, Hardware, ModelSpec, Recommendation, Workload, choose
+from ..planning.chooser import SCENARIOS, Hardware, ModelSpec, Recommendation, Workload, choose
 from ..memory import GB
 from . import LABEL
 from .memory import DEVICES, MODELS

@@ -9,7 +9,7 @@ unit's gather runs under the current unit's compute.
 
 from __future__ import annotations
 
-from ..analysis import hidden_fraction
+from ..planning.analysis import hidden_fraction
 
 __all__ = ["unit_timeline_rows", "plot_fsdp_timeline"]
 
@@ -31,7 +31,7 @@ def plot_fsdp_timeline(timelines: list[list[dict]], unit_names: dict[int, str] |
                        title: str | None = None):
     """Gather, compute and reduce-scatter lanes per rank (one colour per unit, named in a legend
     beside the axis by ``unit_names`` — unit index → name — or "unit 3"), frees as ticks; a real
-    run's, or its projection's (:func:`minitrain.projection.fsdp_timeline`)."""
+    run's, or its projection's (:func:`minitrain.planning.projection.fsdp_timeline`)."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 

@@ -55,7 +55,7 @@ def _as_actions(timeline: list[dict]) -> list[dict]:
 
 
 def _window(timeline: list[dict]) -> tuple[float, float]:
-    """The span the bubble is measured over, as :func:`~minitrain.analysis.bubble_fraction`
+    """The span the bubble is measured over, as :func:`~minitrain.planning.analysis.bubble_fraction`
     does: from the first start to the last end (of any rank)."""
     return min(e["start"] for e in timeline), max(e["end"] for e in timeline)
 
@@ -139,7 +139,7 @@ def gantt_rows(timeline: list[dict], stages: int) -> list[dict]:
 def bubble_summary(timeline: list[dict], stages: int, microbatches: int, chunks: int = 1) -> dict:
     """Bubble measured on ``timeline`` (ideal or measured) beside (p−1)/(v·m+p−1), the makespan,
     busy and idle time per rank and the peak number of micro-batches in flight per rank."""
-    from ..analysis import bubble_formula, bubble_fraction, peak_in_flight
+    from ..planning.analysis import bubble_formula, bubble_fraction, peak_in_flight
 
     timeline = _as_actions(timeline)
     rows = gantt_rows(timeline, stages)

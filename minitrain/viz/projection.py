@@ -4,20 +4,20 @@ cluster at a named model size.
 One line in a lesson, under the cell that trained ``run`` with ``record_events=True`` (or
 ``project=...``)::
 
-    from minitrain.viz.projection import ProjectionWidget
+    from .projection import ProjectionWidget
     ProjectionWidget(run)                      # or ProjectionWidget(run, "ib-h100x4", "7b")
     ProjectionWidget(run, "dgx-h100", "1.3b", degrees={"dp": 8})  # re-projected as the lesson does
 
-The keyword options are :func:`minitrain.projection.project`'s own (``degrees``, ``even``,
+The keyword options are :func:`minitrain.planning.projection.project`'s own (``degrees``, ``even``,
 ``precision``, ``compute``, ``recompute``) and apply at every setting of the controls, so the
 widget re-times the run the way the lesson's static figure beside it does — e.g. a run's 2 ranks
 standing for 8 data-parallel replicas (``degrees={"dp": 8}``), or a pipeline's equal
 micro-batches (``even=True``).
 
-Two dropdowns — the cluster (the presets of :mod:`minitrain.clusters`, and this machine when the
+Two dropdowns — the cluster (the presets of :mod:`minitrain.planning.clusters`, and this machine when the
 run was calibrated with ``project="local"``) and the model size (the run's own, or one of
-:data:`minitrain.projection.MODEL_SIZES`) — re-project the one recorded run at every change
-(:func:`minitrain.projection.project`: milliseconds; nothing is trained again).  Shown, always with
+:data:`minitrain.planning.projection.MODEL_SIZES`) — re-project the one recorded run at every change
+(:func:`minitrain.planning.projection.project`: milliseconds; nothing is trained again).  Shown, always with
 the measurement beside it: the measured step's timeline on top, the projected one below it, in the
 form the run's lesson draws — DDP's backward and bucket all-reduces (:mod:`.timeline`, for a run with
 ``options={"timeline": True}``), a pipeline's Gantt chart (:mod:`.pipeline`), or, for any other
@@ -48,7 +48,7 @@ __all__ = ["CLUSTERS", "SIZES", "devices", "projection_view", "stream_rows", "st
 CLUSTERS = ("dgx-h100", "dgx-a100", "ib-h100", "ib-a100", "eth-25g")
 #: model sizes: "own" is the run's own model
 SIZES = ("own", "gpt2", "1.3b", "2.7b", "7b", "13b")
-#: the step's parts, as :func:`minitrain.projection.project` names them, and how they are drawn
+#: the step's parts, as :func:`minitrain.planning.projection.project` names them, and how they are drawn
 PARTS = (("compute_s", "compute", "#4c72b0"),
          ("exposed_comm_s", "exposed communication", "#dd8452"),
          ("bubble_s", "bubble", "#c9c9c9"), ("idle_s", "idle", "#eeeeee"))
@@ -81,8 +81,8 @@ def _kind(result: dict) -> str:
 def devices(summary: dict, degrees: dict | None = None) -> int:
     """How many devices the projection stands for: the run's ranks, or the mesh ``degrees``
     re-sizes (``{"dp": 8}`` of a 2-rank DDP run: 8)."""
-    from ..projection import checked_degrees, mesh_sizes
-    from ..scaling import layout
+    from ..planning.projection import checked_degrees, mesh_sizes
+    from ..planning.scaling import layout
 
     degrees = checked_degrees(degrees)
     if not degrees:
@@ -93,7 +93,7 @@ def devices(summary: dict, degrees: dict | None = None) -> int:
 def _why_not(result: dict, cluster: str, model, degrees: dict | None = None) -> str | None:
     """Why ``result`` cannot be projected on ``cluster`` at ``model`` (its mesh re-sized by
     ``degrees``), in words; None if it can."""
-    from ..projection import NOT_REPLAYED, check_projection, checked_degrees
+    from ..planning.projection import NOT_REPLAYED, check_projection, checked_degrees
 
     if "summary" not in result or "events" not in result:
         return ("This run kept no events to re-time: train it with record_events (or project) "
@@ -130,7 +130,7 @@ def stream_rows(result: dict, projection: dict, measured: bool) -> list[dict]:
     intervals ``(start_ms, end_ms, group, bytes)`` (the group "untraced" for a metric's or a
     synchronisation's), in ms from the step's start: as ``measured`` here (the run's recorded
     events; the earliest rank's step start is 0) or as projected."""
-    from ..recorded import step_programs
+    from ..planning.recorded import step_programs
 
     out = []
     if measured:
@@ -169,7 +169,7 @@ def projection_view(result: dict, cluster: str = "dgx-h100", model="1.3b", *,
                     precision: str | None = None, compute: str | None = None,
                     recompute: bool | None = None) -> dict:
     """Everything the widget draws for ``result`` on ``cluster`` at ``model`` ("own": the run's).
-    The keyword options are :func:`~minitrain.projection.project`'s, passed through (``degrees``:
+    The keyword options are :func:`~minitrain.planning.projection.project`'s, passed through (``degrees``:
     the run's ranks standing for a bigger mesh, ``{"dp": 8}``; ``even``: a pipeline's equal
     micro-batches, by default where they are equal, as the CLI projects; ``precision``, ``compute``,
     ``recompute``).
@@ -179,9 +179,9 @@ def projection_view(result: dict, cluster: str = "dgx-h100", model="1.3b", *,
     timelines :func:`.pipeline.plot_gantt` draws, or :func:`stream_rows`), ``stages`` (the run's
     ranks, all drawn), ``devices`` (those the projection stands for: :func:`devices`),
     ``measured_step_ms`` (the drawn step, measured here), ``projection`` (what
-    :func:`~minitrain.projection.project` returned), ``parts`` (:func:`step_parts`) and ``html``
+    :func:`~minitrain.planning.projection.project` returned), ``parts`` (:func:`step_parts`) and ``html``
     (:func:`summary_html`)."""
-    from ..projection import ddp_timeline, even_work, pipeline_timeline, project
+    from ..planning.projection import ddp_timeline, even_work, pipeline_timeline, project
     from .timeline import timeline_rows
 
     why = _why_not(result, cluster, model, degrees)
@@ -242,7 +242,7 @@ def summary_html(view: dict) -> str:
     if fits is None:
         memory = f"{gb:,.3g} GB per device at most"
     else:
-        from ..clusters import get_cluster
+        from ..planning.clusters import get_cluster
         cap = get_cluster(p["cluster"]).device.memory_gb
         memory = (f"{gb:,.3g} GB per device at most, of {cap:g} GB: "
                   + ("fits" if fits else "<b>does not fit</b>"))
@@ -387,7 +387,7 @@ class ProjectionWidget:
     dropdowns beside the run's measured timeline, its projection redrawn at every change (see the
     module's docstring).  ``run``: what ``train(..., record_events=True)`` (or ``project=...``)
     returned.  The keyword options (``degrees``, ``even``, ``precision``, ``compute``,
-    ``recompute``) are :func:`~minitrain.projection.project`'s, kept for every setting of the
+    ``recompute``) are :func:`~minitrain.planning.projection.project`'s, kept for every setting of the
     controls: ``ProjectionWidget(run, "dgx-h100", "1.3b", degrees={"dp": 8})`` re-projects the run
     as ``project(run, "dgx-h100", "1.3b", degrees={"dp": 8})`` does, on whichever cluster and model
     size is chosen.  Views are kept per setting: coming back to one redraws nothing."""

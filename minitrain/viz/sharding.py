@@ -68,13 +68,13 @@ def grid_html(rows: list[dict], total: int, boundaries: list[tuple[str, int, int
 
 class ShardingWidget:
     """ZeRO stage and N as controls; the partition of ``model`` recomputed by ``layout_fn(params,
-    n)`` (default: :func:`minitrain.analysis.shard_layout`) at every change."""
+    n)`` (default: :func:`minitrain.planning.analysis.shard_layout`) at every change."""
 
     def __init__(self, model, layout_fn=None, n: int = 4, stage: int = 1):
         import ipywidgets as w
 
         if layout_fn is None:
-            from ..analysis import shard_layout as layout_fn
+            from ..planning.analysis import shard_layout as layout_fn
         self.model, self.layout_fn = model, layout_fn
         self.stage = w.ToggleButtons(options=["0", "1", "2", "3"], value=str(stage),
                                      description="ZeRO stage",

@@ -25,7 +25,7 @@ def timeline_rows(reports: list[dict], step: int = -1) -> list[dict]:
 def plot_ddp_timeline(reports: list[dict], step: int = -1, ax=None, title: str | None = None,
                       legend: bool = True, what: str = "all-reduce"):
     """Backward compute and each bucket's collective (``what``), per rank, for one step of a real
-    run — or of its projection (:func:`minitrain.projection.ddp_timeline`), drawn by the same
+    run — or of its projection (:func:`minitrain.planning.projection.ddp_timeline`), drawn by the same
     function; ``ax`` to draw beside another."""
     import matplotlib.pyplot as plt
 

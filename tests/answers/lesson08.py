@@ -5,8 +5,8 @@ import math
 
 from answers import Answers
 
-from minitrain.chooser import USABLE, Layout, links, memory_per_device
-from minitrain.costmodel import collective_seconds
+from minitrain.planning.chooser import USABLE, Layout, links, memory_per_device
+from minitrain.planning.costmodel import collective_seconds
 
 
 def mesh_groups(dp, pp, tp, axis):

@@ -83,7 +83,7 @@ class GPTConfig:
 
 
 # --------------------------------------------------------------------------------------------------
-# FLOPs from the shapes (the projection of issue 25 and the chooser's compute term)
+# FLOPs from the shapes (the projection's and the chooser's compute term)
 # --------------------------------------------------------------------------------------------------
 
 

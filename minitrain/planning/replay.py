@@ -1,4 +1,4 @@
-"""The discrete-event replay under the projection (issue 25): each rank's step as a program of
+"""The discrete-event replay under the projection: each rank's step as a program of
 compute spans, communication issues and waits, replayed on a cost model.
 
 The rules, each proved on hand-made programs in ``tests/test_projection.py``:

@@ -24,9 +24,6 @@ __all__ = ["new_folder", "remove_folder", "reap_stale_folders", "FOLDER_PREFIX",
 #: holding ``owner.lock``, locked (flock) by the parent while the cluster lives: the kernel releases
 #: the lock when the parent dies, so a folder whose lock can be taken belongs to no one
 FOLDER_PREFIX, OWNER = "minitrain-ranks-", "owner.lock"
-#: files of minitrain before its folders (``minitrain-PORT-rankN.stderr``): reaped after a day
-_LEGACY = re.compile(r"^minitrain-\d+-rank\d+\.stderr$")
-_LEGACY_AGE_S = 86400.0
 #: a folder :func:`new_folder` made and had not yet renamed when its process was killed
 #: (``.minitrain-new-<pid>-<random>``): reaped once that pid is gone (and its lock, if it has one,
 #: is free); a minute's grace covers a pid seen from another pid namespace sharing this folder
@@ -105,10 +102,6 @@ def reap_stale_folders(tmpdir: str | None = None) -> list[str]:
                     lock = _free_lock(entry.path)  # killed before it locked, or after: free
                     if lock is not False:
                         _remove(entry.path, lock, removed)
-            elif _LEGACY.match(entry.name) and entry.is_file(follow_symlinks=False):
-                if time.time() - entry.stat(follow_symlinks=False).st_mtime > _LEGACY_AGE_S:
-                    os.unlink(entry.path)
-                    removed.append(entry.path)
         except OSError:
             continue
     return removed

@@ -280,7 +280,7 @@ def graded(tmp_path_factory):
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
     planted = f"planted-{MARK}.txt"
-    package_file = ROOT / "minitrain" / "exercises" / "lesson00.py"
+    package_file = ROOT / "minitrain" / "course" / "exercises" / "lesson00.py"
     package_before = package_file.read_bytes()
 
     def write(name: str, nb) -> None:

@@ -1,22 +1,22 @@
 """The package's layers only point down: every module's imports (module-level and inside functions,
 read from the source with ``ast``) go to its own layer or a lower one, and no chain of imports comes
-back to where it started (issue 24, item 5).
+back to where it started.
 
-The layers, lowest first — each may import from itself and below:
+The layers, lowest first — each may import from itself and below (docs/architecture.md draws them):
 
-1. foundation: ``shipping``, ``data``, ``model``, ``memory``, ``precision``, ``benchmarking``
-2. ranks and collectives: ``launch`` (the parent), ``worker`` (a rank), ``watch``, ``rankfolder``, ``diagnostics``,
-   ``torchrun``, ``comm``
-3. techniques: ``parallel`` (one technique per file; imports nothing from the harness)
-4. what runs and layouts mean: ``analysis``, ``costmodel``, ``chooser``, ``clusters``, and the
-   projection: ``replay``, ``recorded``, ``scaling``, ``projection``
-5. the harness: ``strategies``
-6. the loop and its files: ``train``, ``checkpoint_format``, ``checkpoint``, ``checkpoint_checks``,
-   ``consolidate``
-7. for learners: ``viz`` (widgets), ``exercises`` (checkers, guards, the lab)
-8. ``grade`` (grades notebooks with the exercises' checks) and ``sandbox`` (what it runs them in)
-9. entry points: ``cli``, ``__main__``, and the package's own ``__init__`` (a facade: no module
-   inside the package imports it)
+1. the core's vocabulary: ``model``, ``data``, ``memory``, ``precision``, ``comm``, ``record``
+2. ``runtime/``: starting and watching ranks (launch, worker, watch, rank folders, diagnostics,
+   shipping, torchrun)
+3. ``parallel/``: the techniques, one per file (imports only the vocabulary)
+4. ``planning/``: what a run means and what it would take elsewhere (analysis, cost model,
+   clusters, chooser, projection and its replay)
+5. ``strategies/``: the harness, on top of the techniques and the supports
+6. ``checkpoint/``: the files a strategy's checkpointer writes and reads
+7. ``train``: the one loop
+8. ``viz/``: widgets
+9. ``course/``: the course machinery (exercise checkers, the lab, grading, the sandbox)
+10. entry points: ``cli``, ``__main__``, and the package's own ``__init__`` (a facade: no module
+    inside the package imports it)
 """
 
 from __future__ import annotations

@@ -309,8 +309,8 @@ def emit(fd, item):
         data = data[os.write(fd, data):]
 try:
     import minitrain.course.exercises as exercises
-    from .exercises import problem
-    from ..runtime.shipping import loads
+    from minitrain.course.exercises import problem
+    from minitrain.runtime.shipping import loads
 except BaseException as exc:
     emit(control, {"failed": f"the checkers did not load: {type(exc).__name__}: {exc}"[:2000]})
     sys.exit(1)

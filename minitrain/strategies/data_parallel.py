@@ -15,8 +15,8 @@ from ..data import shard
 from ..parallel.compression import FORMS, as_error_feedback, parse_compressor
 from ..parallel.data_parallel import DistributedDataParallel, NaiveDataParallel, mean_over_ranks
 from ..parallel.errors import ParameterError
-from .base import (ConfigError, Lockstep, NoOptions, Options, TrainConfig, in_cli_words, option,
-                   positive, register)
+from .base import Lockstep, TrainConfig, register
+from .options import ConfigError, NoOptions, Options, in_cli_words, option, positive
 from .single import Replica
 
 __all__ = ["Buckets", "Compression", "Timeline", "DDPOptions", "NaiveDDP", "DDP", "DataParallel",

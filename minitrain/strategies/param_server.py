@@ -16,7 +16,8 @@ from ..data import shard
 from ..parallel.compression import as_error_feedback, parse_compressor
 from ..parallel.flat import FlatUnit
 from ..parallel.param_server import FINAL, ParameterServer, Worker, partition
-from .base import ConfigError, FreeRunning, TrainConfig, at_least, option, register
+from .base import FreeRunning, TrainConfig, register
+from .options import ConfigError, at_least, option
 from .data_parallel import Compression, check_batch_split, check_compression
 
 __all__ = ["PSOptions", "PSSync", "PSAsync", "parse_slow_workers", "parse_crash_worker"]

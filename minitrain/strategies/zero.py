@@ -20,7 +20,8 @@ from ..memory import ActivationMeter, ledger, model_state_bytes
 from ..parallel.flat import FlatUnit
 from ..parallel.fsdp import FullyShardedDataParallel
 from ..parallel.zero import HostOffload, ZeroRedundancyOptimizer, shard_optimizer
-from .base import Checkpointer, ConfigError, Options, TrainConfig, option, register
+from .base import Checkpointer, TrainConfig, register
+from .options import ConfigError, Options, option
 from .data_parallel import Buckets, DataParallel, Timeline, check_batch_split
 from .portable import shard_optimizer_state, unshard_optimizer
 

@@ -128,7 +128,8 @@ class _ParameterServerStrategy(FreeRunning):
             self.model, self.optimizer = nn.ParameterList(self.role.params), self.role.optimizer
         else:
             self.index = comm.rank - self.n_servers
-            ef = as_error_feedback(compressor, o.error_feedback, topk=self.seams.topk_error_feedback)
+            ef = as_error_feedback(compressor, o.error_feedback,
+                                   topk_error_feedback=self.seams.topk_error_feedback)
             self.role = Worker(comm, self.model, self.keys, self.server_ranks, ef,
                                delay_s=parse_slow_workers(o.slow_worker).get(self.index, 0.0))
             self.optimizer = None

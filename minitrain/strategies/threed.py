@@ -228,7 +228,7 @@ class ThreeD(Lockstep):
                                          stage_step=seams.stage_step)
         if self.zero_stage == 1:
             self.optimizer = ZeroRedundancyOptimizer(self.model.parameters(), torch.optim.Adam,
-                                                     self.mesh.dp, step_shard=seams.zero1_step,
+                                                     self.mesh.dp, zero1_step=seams.zero1_step,
                                                      lr=cfg.lr)
         else:
             self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.lr)

@@ -28,9 +28,9 @@ def step_times(model_name: str, bucket_mb: float, steps: int, batch: int):
     """Train two identical replicas side by side, one under each wrapper, alternating step by step
     (so drifting machine load hits both alike); return each one's step times and our overlap."""
     cfg = PRESETS[model_name]
-    wrappers = {"minitrain": DistributedDataParallel(GPT(cfg, seed=0), bucket_cap_mb=bucket_mb,
-                                                     record_timeline=True),
+    wrappers = {"minitrain": DistributedDataParallel(GPT(cfg, seed=0), bucket_cap_mb=bucket_mb),
                 "torch": TorchDDP(GPT(cfg, seed=0), bucket_cap_mb=bucket_mb)}
+    wrappers["minitrain"].timeline = []
     optims = {k: torch.optim.Adam(w.module.parameters(), lr=1e-3) for k, w in wrappers.items()}
     data, r, n = ArithmeticData(cfg.seq_len, 0), dist.get_rank(), dist.get_world_size()
 

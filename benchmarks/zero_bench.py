@@ -45,7 +45,8 @@ def build(kind: str, model_name: str):
     bf16 = kind.endswith("-bf16")
     if kind.startswith("zero3"):
         policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else None
-        fsdp = FullyShardedDataParallel(model, Comm(), mp_policy=policy, record_timeline=True)
+        fsdp = FullyShardedDataParallel(model, Comm(), mp_policy=policy)
+        fsdp.timeline = []
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # the shards, as with FSDP2
 
         def states():

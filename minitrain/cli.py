@@ -24,7 +24,8 @@ import torch.distributed as dist
 from .runtime.launch import Cluster, LaunchError, RankError, init_from_env, launched_by_torchrun
 from .model import PRESETS
 from .strategies import ConfigError, TrainConfig, get_strategy, strategy_names
-from .strategies.base import Machine, closest, did_you_mean, flag, option_fields
+from .strategies.fit import Machine
+from .strategies.options import closest, did_you_mean, flag, option_fields
 from .checkpoint.checks import SaveDirLock
 from .train import add_projection, check_config, check_projection_config, run_rank
 

@@ -26,7 +26,7 @@ from .runtime.launch import Cluster
 from .memory import rss_bytes
 from .strategies import (ConfigError, FreeRunning, Seams, Strategy, TrainConfig, check_strategy,
                          get_strategy)
-from .strategies.base import did_you_mean
+from .strategies.options import did_you_mean
 
 __all__ = ["run_rank", "train", "check_config", "fit", "Diverged", "add_projection",
            "check_projection_config"]

@@ -217,7 +217,8 @@ def test_an_optimizer_built_before_wrapping_is_refused_with_the_fix(clusters):
 
 def timeline_run():
     model = EmbedNorm()
-    fsdp = FullyShardedDataParallel(model, Comm(), record_timeline=True)
+    fsdp = FullyShardedDataParallel(model, Comm())
+    fsdp.timeline = []
     for step in range(2):
         x, y = EmbedNorm.batch(step, dist.get_world_size())
         fsdp.timeline.clear()

@@ -12,7 +12,7 @@ from minitrain import TrainConfig, train
 from minitrain.cli import build_parser
 from minitrain.precision import DynamicLossScaler
 from minitrain.strategies import ConfigError, get_strategy, strategy_names
-from minitrain.strategies.base import option_fields
+from minitrain.strategies.options import option_fields
 
 from answers.lesson07 import scale_update as _reference_loss_scale_update  # lesson 07's solution
 

@@ -10,7 +10,7 @@ import pytest
 from minitrain.planning.analysis import bubble_formula, bubble_fraction, peak_in_flight
 from minitrain.parallel.schedules import (COSTS, SCHEDULES, Action, ScheduleError, make_schedule,
                                           orders, simulate, split_layers, validate)
-from minitrain.strategies.base import in_cli_words
+from minitrain.strategies.options import in_cli_words
 
 F, B = (lambda m, s: Action("F", m, s)), (lambda m, s: Action("B", m, s))
 

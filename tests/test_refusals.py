@@ -4,7 +4,8 @@ message that names the flag to fix (the table is the learner's and the engineer'
 import pytest
 
 from minitrain.strategies import get_strategy, strategy_names
-from minitrain.strategies.base import Machine, flag, option_fields
+from minitrain.strategies.fit import Machine
+from minitrain.strategies.options import flag, option_fields
 from minitrain.cli import main
 
 FILE = __file__  # a regular file: nothing can be saved under it
@@ -175,7 +176,7 @@ def test_the_courses_runs_fit_the_smallest_machine_it_runs_on(cfg):
     """The bounds only refuse what cannot run: every size a lesson uses fits Binder's 1 CPU, 2 GB."""
     from minitrain import TrainConfig
     from minitrain.model import PRESETS
-    from minitrain.strategies.base import check_fits_machine
+    from minitrain.strategies.fit import check_fits_machine
     cfg = dict(cfg)
     model = PRESETS[cfg.pop("model", "tiny")]
     check_fits_machine(TrainConfig(model=model, **cfg), BINDER)
@@ -187,7 +188,7 @@ def test_the_bounds_follow_the_machine():
     import re
 
     from minitrain import ConfigError, TrainConfig
-    from minitrain.strategies.base import check_fits_machine
+    from minitrain.strategies.fit import check_fits_machine
     with pytest.raises(ConfigError, match=r"--world-size 100 does not fit this machine: each rank "
                                           r"takes at least 24.0 MiB .* at most --world-size 85 "):
         check_fits_machine(TrainConfig(strategy="ddp", world_size=100, batch_size=100), BINDER)

@@ -18,7 +18,7 @@ from minitrain.memory import model_state_bytes
 from minitrain.parallel.data_parallel import DistributedDataParallel
 from minitrain.parallel.flat import FlatUnit
 from minitrain.parallel.fsdp import FullyShardedDataParallel
-from minitrain.parallel.zero import ZeroRedundancyOptimizer
+from minitrain.parallel.zero import Zero2Optimizer, ZeroRedundancyOptimizer
 from minitrain.strategies import ConfigError
 from minitrain.train import check_config
 from conftest import assert_same_run
@@ -200,10 +200,13 @@ def train_stage(stage, make_model, steps=5, optimizer_class=torch.optim.Adam, **
     if stage == 3:
         wrapper = FullyShardedDataParallel(model, comm)
         opt = optimizer_class(wrapper.sharded_parameters(), **defaults)
+    elif stage == 2:
+        wrapper = model
+        opt = Zero2Optimizer(model.parameters(), optimizer_class, comm, bucket_cap_mb=0.01,
+                             **defaults)
     else:
         wrapper = model
-        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class, comm,
-                                      shard_gradients=stage == 2, bucket_cap_mb=0.01, **defaults)
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class, comm, **defaults)
     data = ArithmeticData(16, 0)
     for step in range(steps):
         x, y = data.batch(step, 4 * n)
@@ -326,8 +329,7 @@ def overlap_and_freeing():
     x, y = ArithmeticData(32, 0).batch(0, 4 * n)
     x, y = shard(x, r, n), shard(y, r, n)
     model = GPT(PRESETS["tiny"], seed=0)
-    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, comm, shard_gradients=True,
-                                  bucket_cap_mb=0.1, lr=1e-3)
+    opt = Zero2Optimizer(model.parameters(), torch.optim.Adam, comm, bucket_cap_mb=0.1, lr=1e-3)
     last = []  # the token embedding's gradient is the last one backward produces
     model.embed.tok.weight.register_post_accumulate_grad_hook(lambda p: last.append(
         __import__("time").perf_counter()))

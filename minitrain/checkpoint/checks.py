@@ -34,7 +34,7 @@ from .format import (META, STEP_DIR, CheckpointError, find_checkpoint, size_text
                                 step_of, unfinished_saves)
 from ..runtime.rankfolder import HELD_LOCK_FDS  # a forked rank closes its copy of the lock
 from ..strategies import TrainConfig, get_strategy, portable
-from ..strategies.base import SAVED_BYTES
+from ..strategies.fit import SAVED_BYTES
 
 try:
     import fcntl
@@ -249,7 +249,7 @@ def _check_save_dir(cfg: TrainConfig, lock: SaveDirLock | bool | None = None) ->
 
 def _check_space(cfg: TrainConfig, where: Path) -> None:
     """The checkpoints the run will keep must fit the free space of the save dir's file system:
-    each at least :data:`~minitrain.strategies.base.SAVED_BYTES` per parameter (the weight and
+    each at least :data:`~minitrain.strategies.fit.SAVED_BYTES` per parameter (the weight and
     Adam's two moments, in fp32)."""
     try:
         st = os.statvfs(where)

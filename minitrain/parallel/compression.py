@@ -240,16 +240,17 @@ def topk_error_feedback(grad: torch.Tensor, residual: torch.Tensor, k: int):
 class ErrorFeedback:
     """A compressor plus per-key residuals: send C(g + e), keep e ← (g + e) − D(C(g + e)).
 
-    With a :class:`TopK` compressor, ``topk(grad, residual, k) -> (indices, values, new_residual)``
-    chooses what is sent and what is kept (default :func:`topk_error_feedback`; the lesson-03
+    With a :class:`TopK` compressor, ``topk_error_feedback(grad, residual, k) -> (indices, values,
+    new_residual)`` chooses what is sent and what is kept (default :func:`topk_error_feedback`; the lesson-03
     exercise writes one); ``grad`` and ``residual`` are flat fp32 (residual zeros at first).
     """
 
-    def __init__(self, compressor: Compressor, enabled: bool = True, topk=None):
-        if topk is not None and not isinstance(compressor, TopK):
-            raise ValueError(f"topk= replaces top-k's selection; the compressor is {compressor}")
+    def __init__(self, compressor: Compressor, enabled: bool = True, topk_error_feedback=None):
+        if topk_error_feedback is not None and not isinstance(compressor, TopK):
+            raise ValueError("topk_error_feedback= replaces top-k's selection; the compressor is "
+                             f"{compressor}")
         self.compressor, self.enabled = compressor, enabled
-        self.topk = topk or topk_error_feedback
+        self.topk_error_feedback = topk_error_feedback  # None: the package's topk_error_feedback
         self.residual: dict = {}
 
     def corrected(self, x: torch.Tensor, key) -> torch.Tensor:
@@ -274,21 +275,23 @@ class ErrorFeedback:
     def _compress_topk(self, x: torch.Tensor, key) -> tuple[list[torch.Tensor], torch.Tensor]:
         n = x.numel()
         residual = self.residual.get(key) if self.enabled else None
-        idx, values, new_residual = self.topk(x, torch.zeros_like(x) if residual is None else residual,
-                                              self.compressor.k(n))
+        select = self.topk_error_feedback or topk_error_feedback
+        idx, values, new_residual = select(x, torch.zeros_like(x) if residual is None else residual,
+                                           self.compressor.k(n))
         payload = [idx.to(torch.int32), values.float()]
         if self.enabled:
             self.residual[key] = new_residual.reshape(-1)
         return payload, self.compressor.decompress(payload, n)
 
 
-def as_error_feedback(compression, error_feedback: bool = True, topk=None) -> ErrorFeedback | None:
+def as_error_feedback(compression, error_feedback: bool = True,
+                      topk_error_feedback=None) -> ErrorFeedback | None:
     """None, a spec, a Compressor or an ErrorFeedback (kept as is) → an ErrorFeedback or None;
-    ``topk``: :class:`ErrorFeedback`'s."""
+    ``topk_error_feedback``: :class:`ErrorFeedback`'s."""
     if compression is None or isinstance(compression, ErrorFeedback):
         return compression
     compressor = parse_compressor(compression)
-    return None if compressor is None else ErrorFeedback(compressor, error_feedback, topk)
+    return None if compressor is None else ErrorFeedback(compressor, error_feedback, topk_error_feedback)
 
 
 def _pack(payload: list[torch.Tensor]) -> torch.Tensor:

@@ -64,15 +64,16 @@ def average_gradients(model: nn.Module, comm: Comm) -> None:
 class NaiveDataParallel(nn.Module):
     """Replicas kept equal by one all-reduce per gradient, after backward (call ``sync_gradients``).
 
-    ``sync``: ``sync(model, comm)`` averages the gradients (default :func:`average_gradients`; the
-    lesson-02 exercise writes one).
+    ``sync_gradients``: ``sync_gradients(model, comm)`` averages the gradients (default
+    :func:`average_gradients`; the lesson-02 exercise writes one).
     """
 
-    def __init__(self, module: nn.Module, comm: Comm | None = None, process_group=None, sync=None):
+    def __init__(self, module: nn.Module, comm: Comm | None = None, process_group=None,
+                 sync_gradients=None):
         super().__init__()
         self.module = module
         self.comm = comm_for(comm, process_group)
-        self.sync = sync or average_gradients
+        self.sync = sync_gradients or average_gradients
         broadcast_module(module, self.comm)
 
     def forward(self, *args, **kwargs):
@@ -80,7 +81,7 @@ class NaiveDataParallel(nn.Module):
 
     @torch.no_grad()
     def sync_gradients(self) -> None:
-        """Average every gradient over the ranks with ``sync``.
+        """Average every gradient over the ranks with the ``sync_gradients`` given.
 
         A parameter without a gradient on this rank contributes zeros, so that every rank makes
         the same sequence of calls (a missing call would leave the others waiting).
@@ -155,35 +156,34 @@ class DistributedDataParallel(nn.Module):
             Which buckets fill during backward may then differ between ranks, so the hooks run at
             the end of backward, in bucket order (no overlap; PyTorch keeps it by launching full
             buckets strictly in order).
-        record_timeline: keep, per step, when backward ran and when each bucket's all-reduce
-            started and ended (``.timeline``) — lesson 02 plots it.
         compression: average each bucket from compressed payloads (lesson 03): a spec
-            (``"topk:0.01"``, ``"int8"``, ``"sign"``, ``"powersgd:4"``), a ``Compressor`` or an
-            ``ErrorFeedback`` (residuals keyed by bucket index), blocking.  Default None.
-        error_feedback: keep what compression leaves out for the next step (ignored when
-            ``compression`` is already an ``ErrorFeedback``).
-        all_reduce: ``all_reduce(buffer, comm) -> the sum`` sums a full bucket over the ranks,
-            e.g. :func:`minitrain.comm.ring_all_reduce`.  The buffer holds g/N, so the sum is the
-            mean.  A sum function blocks by its shape, so it does not overlap with backward;
-            default None: ``comm.all_reduce``, which can (see :meth:`_bucket_reduction`).
+            (``"topk:0.01"``, ``"int8"``, ``"sign"``, ``"powersgd:4"``) or a ``Compressor``, with
+            error feedback, or an ``ErrorFeedback`` (residuals keyed by bucket index: without
+            feedback, ``as_error_feedback(spec, False)``), blocking.  Default None.
+        ring_all_reduce: ``ring_all_reduce(buffer, comm) -> the sum`` sums a full bucket over the
+            ranks, e.g. :func:`minitrain.comm.ring_all_reduce` (the lesson-01 exercise).  The
+            buffer holds g/N, so the sum is the mean.  A sum function blocks by its shape, so it
+            does not overlap with backward; default None: ``comm.all_reduce``, which can (see
+            :meth:`_bucket_reduction`).
         bucket_hooks: :class:`BucketHooks` ``(grad_ready, end_of_backward)`` (default
             :func:`launch_when_full`, :func:`wait_for_buckets`).  Each bucket's ``comm`` is a
-            :class:`BucketComm` that sums as the three arguments above say.
+            :class:`BucketComm` that sums as the two arguments above say.
+
+    ``timeline``: None, or a list (set by whoever wants it) that gets, per step, when backward ran
+    and when each bucket's all-reduce started and ended — lesson 02 plots it.
     """
 
     def __init__(self, module: nn.Module, comm: Comm | None = None, bucket_cap_mb: float | None = None,
-                 find_unused_parameters: bool = False, record_timeline: bool = False,
-                 process_group=None, compression=None, error_feedback: bool = True,
-                 all_reduce=None, bucket_hooks=None):
+                 find_unused_parameters: bool = False, process_group=None, compression=None,
+                 ring_all_reduce=None, bucket_hooks=None):
         super().__init__()
         cap, first = bucket_caps(bucket_cap_mb)
         self.module = module
         self.comm = comm_for(comm, process_group)
         self.find_unused_parameters = find_unused_parameters
-        self.record_timeline = record_timeline
-        self.timeline: list[dict] = []
-        self.ef = as_error_feedback(compression, error_feedback)
-        self.all_reduce = all_reduce
+        self.timeline: list[dict] | None = None  # a list: each step's times kept in it
+        self.ef = as_error_feedback(compression)
+        self.ring_all_reduce = ring_all_reduce
         self.hooks = BucketHooks(*(bucket_hooks or ()))
         broadcast_module(module, self.comm)
         names = {id(p): n for n, p in module.named_parameters()}
@@ -209,19 +209,19 @@ class DistributedDataParallel(nn.Module):
         blocking launch from one waited for too early by what reaches the communicator).
 
         By default that is the communicator's all-reduce, which can overlap with backward.  A sum
-        function — the ``all_reduce`` given, or with ``compression`` the compressed average — has
+        function — the ``ring_all_reduce`` given, or with ``compression`` the compressed average — has
         the shape ``(tensor) -> the sum`` and blocks by that shape, whatever the hook asks: it runs
         at once, its sum is copied into the bucket (a no-op when it summed in place), and the
         handle it gives is already done (:class:`~.flat.Done`)."""
-        comm, ef, all_reduce = self.comm, self.ef, self.all_reduce
-        if ef is None and all_reduce is None:
+        comm, ef, ring_all_reduce = self.comm, self.ef, self.ring_all_reduce
+        if ef is None and ring_all_reduce is None:
             return lambda t, k, async_op: comm.all_reduce(t, async_op=async_op, tag=f"bucket{k}")
         if ef is not None:  # the sum of the ranks' payloads of g/N is the mean
             def total(t, k):
                 return compressed_all_reduce(t, comm, ef, key=k, average=False)
         else:
             def total(t, k):
-                return all_reduce(t, comm)
+                return ring_all_reduce(t, comm)
 
         def reduce(t, k, async_op):
             t.copy_(total(t, k))
@@ -274,7 +274,7 @@ class DistributedDataParallel(nn.Module):
 
     def _hook(self, s: Slot, i: int, grad: torch.Tensor) -> None:
         self.hooks.grad_ready(s, i, grad, self.comms[s.index])
-        if self.record_timeline:
+        if self.timeline is not None:
             self._step["ready"][self._names[self._pos[id(s.unit.params[i])]]] = time.perf_counter()
 
     @torch.no_grad()
@@ -296,7 +296,7 @@ class DistributedDataParallel(nn.Module):
                                               end=end or time.perf_counter()))
             self._copy_back(s, used)
         self._step["synced"] = time.perf_counter()
-        if self.record_timeline:
+        if self.timeline is not None:
             self.timeline.append(self._step)
 
     def _copy_back(self, b: Slot, used: dict) -> None:

@@ -223,17 +223,16 @@ class GradientReducer:
             handle they leave in ``slot.work``); each slot also gets ``grad_shard``, an
             empty tensor of the unit's shard size.  A unit none of whose gradients came is fed
             zeros through ``grad_ready`` at the end of backward.  ``finish`` then runs as usual.
-        record_timeline: keep, per backward, when it started and ended and when each unit's
-            collective was launched and completed (``timeline``: DDP's timeline form).
 
     ``begin()`` starts a backward early (ZeRO-3 calls it before a unit's first gradient).
+    ``timeline``: None, or a list (set by whoever wants it) that gets, per backward, when it
+    started and ended and when each unit's collective was launched and completed (DDP's form).
     """
 
     def __init__(self, units: list[FlatUnit], world_size: int, launch, finish, *,
                  ordered: bool = True, max_in_flight: int | None = None,
                  flush_untouched=lambda slot: True, after_flush=None,
-                 dtype: torch.dtype | None = None, hooks=None, hook_comm=None,
-                 record_timeline: bool = False):
+                 dtype: torch.dtype | None = None, hooks=None, hook_comm=None):
         self.slots = [Slot(k, u) for k, u in enumerate(units)]
         self.world_size = world_size
         self.launch, self.finish = launch, finish
@@ -241,8 +240,7 @@ class GradientReducer:
         self.flush_untouched, self.after_flush = flush_untouched, after_flush
         self.dtype = dtype
         self.hooks, self.hook_comm = hooks, hook_comm
-        self.record_timeline = record_timeline
-        self.timeline: list[dict] = []
+        self.timeline: list[dict] | None = None  # a list: kept, per backward
         self._step: dict = {}
         self._arrived: dict = {}  # slot index -> the gradients handed to the hooks this backward
         self.in_backward = False
@@ -315,7 +313,7 @@ class GradientReducer:
 
     def _note(self, s: Slot) -> None:
         """The timeline's bar of slot ``s`` (its collective done): launched, completed."""
-        if self.record_timeline and s.launched_at is not None:
+        if self.timeline is not None and s.launched_at is not None:
             end = s.work.end or time.perf_counter()
             self._step["buckets"].append(dict(index=s.index, bytes=s.unit.nbytes,
                                               start=s.launched_at, end=end))
@@ -328,7 +326,7 @@ class GradientReducer:
             self._end_with_hooks()
         else:
             self._end_launching()
-        if self.record_timeline:
+        if self.timeline is not None:
             self.timeline.append(self._step)
         if self.after_flush is not None:
             self.after_flush()

@@ -89,8 +89,8 @@ class FullyShardedDataParallel(nn.Module):
         comm / process_group: the data-parallel ranks (default: the whole world).
         units: the submodules to shard one by one (default :func:`default_units`); parameters no
             unit holds form one more unit for ``module`` itself.
-        hook: ``hook(unit, comm, moment)``, what happens around a unit's compute: called with a
-            :class:`Unit` at "before forward", "after forward", "before backward" (the unit must
+        zero3_hook: ``zero3_hook(unit, comm, moment)``, what happens around a unit's compute
+            (the lesson-04 exercise): called with a :class:`Unit` at "before forward", "after forward", "before backward" (the unit must
             then be gathered) and "after backward" (its gradient is complete: reduce it into
             ``unit.grad_shard``; it may return the work of an asynchronous collective).  Default
             None: :func:`zero3_hook`, which prefetches the units ``unit.ahead`` lists.
@@ -99,7 +99,6 @@ class FullyShardedDataParallel(nn.Module):
         prefetch: how many units ahead the hook is offered (``unit.ahead``) before a unit computes
             (forward: the next units in the last forward's order; backward: the previous ones).
             0: none (every unit gathered when needed).
-        record_timeline: keep ``timeline`` (gather, compute, free, reduce-scatter per unit).
 
     After wrapping, ``module.parameters()`` are this rank's shards (1-D: each parameter's piece of
     its unit's flat shard, possibly empty): hand them to any ``torch.optim`` optimizer; after
@@ -115,20 +114,22 @@ class FullyShardedDataParallel(nn.Module):
     ``full_state_dict()`` gathers the model.  The flat shards themselves
     (``sharded_parameters()``) can be stepped instead, e.g. with fp32 masters of a 16-bit model:
     ``shard_optimizer(fsdp.sharded_parameters(), cls, fsdp.master_shards(masters))``.
+    ``timeline``: None, or a list (set by whoever wants it) that gets each unit's gather, compute,
+    free and reduce-scatter (:func:`~minitrain.planning.analysis.hidden_fraction` reads it).
     """
 
     def __init__(self, module: nn.Module, comm: Comm | None = None, process_group=None,
-                 units: list | None = None, hook=None, mp_policy: MixedPrecisionPolicy | None = None,
-                 replicate=(), prefetch: int = 1, record_timeline: bool = False):
+                 units: list | None = None, zero3_hook=None,
+                 mp_policy: MixedPrecisionPolicy | None = None, replicate=(), prefetch: int = 1):
         super().__init__()
         self.module = module
         self.comm = comm_for(comm, process_group)
-        self.hook = hook or zero3_hook
+        self.zero3_hook = zero3_hook  # None: the package's zero3_hook
         self.prefetch = prefetch
         self.gathered_peak = 0  # bytes of full parameters held at once, at most
         self.policy = mp_policy or MixedPrecisionPolicy()
         self.replicated = list(replicate)
-        self.timeline: list[dict] | None = [] if record_timeline else None
+        self.timeline: list[dict] | None = None  # a list: each unit's events kept in it
         self._order: list[int] = []       # units in the order the last forward ran them
         self._running: list[int] = []     # ... and the order this forward runs them
         self._fresh: dict = {}            # replicated parameter -> [this backward's gradient, new?]
@@ -209,7 +210,8 @@ class FullyShardedDataParallel(nn.Module):
         """The hook at ``moment`` for unit ``u``; what it returned (the work of a collective)."""
         ahead = [Unit(v, self._source(v)) for v in ahead
                  if v.refs == 0 and v.pending is None and not v.gathered]
-        work = self.hook(Unit(u, self._source(u), grad, grad_shard, ahead), self.comm, moment)
+        hook = self.zero3_hook or zero3_hook
+        work = hook(Unit(u, self._source(u), grad, grad_shard, ahead), self.comm, moment)
         held = sum(v.full.untyped_storage().nbytes() for v in self._sharded)
         self.gathered_peak = max(self.gathered_peak, held)
         return work

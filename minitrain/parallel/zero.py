@@ -3,9 +3,10 @@
 Papers: Rajbhandari et al., 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 Models" (SC'20); Ren et al., 2021, "ZeRO-Offload: Democratizing Billion-Scale Model Training"
 (USENIX ATC'21).  Each rank keeps and steps the optimizer states of its shard of the flat, padded
-parameter vector (:class:`~minitrain.parallel.flat.FlatUnit`): stage 1 reduce-scatters the
-gradients after backward (:func:`zero1_step`, the lesson's exercise), stage 2 bucket by bucket
-during it (and drops the full gradients); the updated shards are all-gathered.  :class:`HostOffload` keeps the fp32 masters, the states and the
+parameter vector (:class:`~minitrain.parallel.flat.FlatUnit`): stage 1
+(:class:`ZeroRedundancyOptimizer`) reduce-scatters the gradients after backward (:func:`zero1_step`,
+the lesson's exercise), stage 2 (:class:`Zero2Optimizer`) bucket by bucket during it (and drops the
+full gradients); the updated shards are all-gathered.  :class:`HostOffload` keeps the fp32 masters, the states and the
 step on the host.  Stage 3 is :mod:`minitrain.parallel.fsdp`.  Limits: one parameter group and
 one dtype; fp16 loss scaling is not supported (an overflow verdict would need every rank's shard).
 """
@@ -22,7 +23,7 @@ from .data_parallel import comm_for
 from .flat import FlatUnit, GradientReducer, bucket_caps, make_buckets
 
 __all__ = ["zero1_step", "master_shard", "shard_optimizer", "HostOffload", "ZeroRedundancyOptimizer",
-           "reduce_scatter_when_full", "wait_for_shards", "ShardComm"]
+           "Zero2Optimizer", "reduce_scatter_when_full", "wait_for_shards", "ShardComm"]
 
 
 def _trainable(params) -> tuple[list, list]:
@@ -219,7 +220,7 @@ class _Bucket:
 
 
 class ZeroRedundancyOptimizer(_WrappedOptimizer):
-    """ZeRO stage 1 (and 2): each rank keeps and steps the optimizer states of its shard only.
+    """ZeRO stage 1: each rank keeps and steps the optimizer states of its shard only.
 
     Built like ``torch.distributed.optim.ZeroRedundancyOptimizer(params, optimizer_class,
     process_group=None, **defaults)``, so either can be swapped in.  Arguments:
@@ -232,54 +233,48 @@ class ZeroRedundancyOptimizer(_WrappedOptimizer):
             reduce-scatter (each rank only needs its shard of the average) — use it *without* DDP.
             False: the gradients are already averaged (the model is wrapped in a DDP, as torch's
             ZeroRedundancyOptimizer expects) and each rank just reads its slice.
-        shard_gradients: stage 2.  Gradients are reduce-scattered bucket by bucket *during* backward,
-            from hooks (``bucket_cap_mb`` as our DDP's), and the full ``.grad`` are not kept.
         offload: the fp32 master shard, the optimizer states and the step on the host (:class:`HostOffload`).
         master_weights: mixed precision — ``{16-bit parameter: fp32 copy}`` from
             :func:`~minitrain.precision.cast_model_`.  16-bit parameters are reduced and gathered in
             16 bits and stepped on fp32 master *shards* cut from these (:func:`shard_optimizer`);
             without it a 16-bit parameter's master starts from its rounded value.
-        bucket_hooks: stage 2's hooks ``(grad_ready(bucket, i, grad, comm), end_of_backward(buckets))``
-            (:func:`reduce_scatter_when_full`, :func:`wait_for_shards`: the lesson-04 exercise),
-            in place of the package's own launch, which reduce-scatters full buckets strictly in
-            order.  ``bucket``: ``buffer``, ``views[i]``, ``ready``, ``work``, ``index``,
-            ``grad_shard``; ``comm``: a :class:`ShardComm`.
-        record_timeline: stage 2: keep, per backward, when it ran and when each bucket's
-            reduce-scatter was launched and completed (``.timeline``, DDP's form).
-        step_shard: stage 1's step, ``step_shard(flat_params, flat_grads, shard, optimizer, comm)``
-            with this rank's own flat gradient (:func:`zero1_step`'s contract; the lesson-04
-            exercise).  Default None: :func:`zero1_step`.  Not with ``shard_gradients`` (stage 2
-            reduces during backward) nor ``reduce_gradients=False`` (nothing left to reduce).
+        zero1_step: the step, ``zero1_step(flat_params, flat_grads, shard, optimizer, comm)`` with
+            this rank's own flat gradient (the lesson-04 exercise).  Default None: the package's
+            :func:`zero1_step`.  Not with ``reduce_gradients=False`` (nothing left to reduce).
         **defaults: the optimizer's arguments (``lr=...``).
 
     ``step()`` then steps the shard and all-gathers the updated parameters into every rank's buffers.
     Every rank must start from the same weights (rank 0's are broadcast, untraced as ``init``).
+    Stage 2, the gradients sharded too, is :class:`Zero2Optimizer`.
     """
 
     def __init__(self, params, optimizer_class, comm: Comm | None = None, process_group=None, *,
-                 reduce_gradients: bool = True, shard_gradients: bool = False,
-                 bucket_cap_mb: float | None = None, offload: bool = False,
-                 master_weights: dict | None = None, step_shard=None, bucket_hooks=None,
-                 record_timeline: bool = False, **defaults):
+                 reduce_gradients: bool = True, offload: bool = False,
+                 master_weights: dict | None = None, zero1_step=None, **defaults):
+        if zero1_step is not None and not reduce_gradients:
+            raise ValueError("zero1_step= is the step from each rank's own gradients; with "
+                             "reduce_gradients=False there is nothing to reduce")
+        self.zero1_step = zero1_step  # None: the package's zero1_step
+        self.reduce_gradients = reduce_gradients
+        names, tensors = self._shard(params, comm, process_group)
+        self._build([FlatUnit(tensors, self.comm.size, names)], optimizer_class, offload,
+                    master_weights, defaults)
+
+    def _shard(self, params, comm, process_group) -> tuple[list, list]:
+        """The communicator and the parameters to shard: ``(names, tensors)``."""
         self.comm = comm_for(comm, process_group)
-        self.stage = 2 if shard_gradients else 1
-        if step_shard is not None and (shard_gradients or not reduce_gradients):
-            raise ValueError("step_shard= is stage 1's step from each rank's own gradients; stage 2 "
-                             "reduces in backward, and reduce_gradients=False has nothing to reduce")
-        if (bucket_hooks is not None or record_timeline) and not shard_gradients:
-            raise ValueError("bucket_hooks= and record_timeline= are stage 2's (shard_gradients=True)")
-        self.step_shard = step_shard or zero1_step
-        self.reduce_gradients = reduce_gradients or shard_gradients
-        self.offload = offload
         names, tensors = _trainable(params)
         if not tensors:
-            raise ValueError("ZeroRedundancyOptimizer got no parameters that require grad")
+            raise ValueError(f"{type(self).__name__} got no parameters that require grad")
         self.params = tensors
-        n, r = self.comm.size, self.comm.rank
-        if shard_gradients:
-            layouts = make_buckets(tensors, *bucket_caps(bucket_cap_mb), world_size=n, names=names)
-        else:
-            layouts = [FlatUnit(tensors, n, names)]
+        return names, tensors
+
+    def _build(self, layouts: list[FlatUnit], optimizer_class, offload: bool, master_weights,
+               defaults: dict) -> None:
+        """Bind the parameters into the units' flat buffers, broadcast rank 0's weights, and build
+        the optimizer of this rank's shards."""
+        r = self.comm.rank
+        self.offload = offload
         self.buckets = [_Bucket(layout, r) for layout in layouts]
         with torch.no_grad():
             for b in self.buckets:
@@ -288,22 +283,6 @@ class ZeroRedundancyOptimizer(_WrappedOptimizer):
                    for b in self.buckets} if master_weights else None
         self.optim = shard_optimizer([b.shard for b in self.buckets], optimizer_class, masters,
                                      offload, **defaults)
-        if shard_gradients:
-            comms: dict = {}
-
-            def hook_comm(slot):
-                if slot.index not in comms:
-                    comms[slot.index] = ShardComm(self.comm, slot)
-                return comms[slot.index]
-            self.reducer = GradientReducer(layouts, n, self._launch, self._finish,
-                                           hooks=tuple(bucket_hooks) if bucket_hooks else None,
-                                           hook_comm=hook_comm, record_timeline=record_timeline)
-
-    @property
-    def timeline(self) -> list[dict]:
-        """Stage 2 with ``record_timeline``: per backward, its start and end and each bucket's
-        reduce-scatter (launched, completed)."""
-        return self.reducer.timeline if self.stage == 2 else []
 
     # -- what torch.optim users expect (state, param_groups: _WrappedOptimizer) ----------------------
 
@@ -314,54 +293,40 @@ class ZeroRedundancyOptimizer(_WrappedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Stage 1: :func:`zero1_step` (or ``step_shard``) from each rank's own flat gradient.
-        Stage 2 (gradient shards already reduced in backward) and gradients already averaged by a
-        DDP: step the shards, all-gather."""
+        """:func:`zero1_step` (or the ``zero1_step`` given) from each rank's own flat gradient;
+        with gradients already averaged by a DDP: this rank's slice of them stepped, all-gathered."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.stage == 1 and self.reduce_gradients:  # one flat unit: one optimizer step
+        if self.reduce_gradients:  # one flat unit: one optimizer step
+            step = self.zero1_step or zero1_step
             for b in self.buckets:
                 flat_grads = b.layout.flatten([p.grad for p in b.layout.params])
-                self.step_shard(b.flat, flat_grads, b.shard, self.optim, self.comm)
+                step(b.flat, flat_grads, b.shard, self.optim, self.comm)
                 b.shard.grad = None
             return loss
-        if self.stage == 1:
-            self._slice_gradients()
+        for b in self.buckets:
+            lo, hi = b.layout.owned_range(self.comm.rank)
+            b.grad_shard = b.layout.flatten([p.grad for p in b.layout.params])[lo:hi].clone()
+        self._step_shards()
+        for b in self.buckets:
+            b.grad_shard = None  # stage 1 keeps the full gradients; the shard was transient
+        return loss
+
+    def _step_shards(self) -> None:
+        """Step each bucket's shard on its ``grad_shard``, then all-gather the updated shards."""
         for b in self.buckets:
             b.shard.grad = b.grad_shard
         self.optim.step()
         for b in self.buckets:
             b.shard.grad = None
-            if self.stage == 1:
-                b.grad_shard = None  # stage 1 keeps the full gradients; the shard was transient
         self._all_gather_parameters()
-        return loss
-
-    # -- stage 1 behind a DDP: the gradients are already averaged -------------------------------------
-
-    def _slice_gradients(self) -> None:
-        for b in self.buckets:
-            lo, hi = b.layout.owned_range(self.comm.rank)
-            b.grad_shard = b.layout.flatten([p.grad for p in b.layout.params])[lo:hi].clone()
 
     def _all_gather_parameters(self) -> None:
         for b in self.buckets:
             # the input must not alias the output: send a copy of the shard
             self.comm.all_gather(b.flat, b.shard.clone(), tag="params")
-
-    # -- stage 2: during backward (the reducer's callbacks) ------------------------------------------
-
-    def _launch(self, slot):
-        slot.out = torch.empty_like(self.buckets[slot.index].shard)
-        return self.comm.reduce_scatter(slot.out, slot.buffer, async_op=True,
-                                        tag=f"grad-bucket{slot.index}")
-
-    def _finish(self, slot) -> None:
-        b = self.buckets[slot.index]
-        out = slot.grad_shard if self.reducer.hooks is not None else slot.out
-        b.grad_shard = out if b.grad_shard is None else b.grad_shard.add_(out)
 
     # -- for reports and the ledger ------------------------------------------------------------------
 
@@ -375,3 +340,61 @@ class ZeroRedundancyOptimizer(_WrappedOptimizer):
             return extra, []
         more, host = self.optim.memory_tensors()
         return {k: extra.get(k, []) + more.get(k, []) for k in {*extra, *more}}, host
+
+
+class Zero2Optimizer(ZeroRedundancyOptimizer):
+    """ZeRO stage 2: the gradients sharded too, reduce-scattered bucket by bucket *during* backward
+    from hooks, and the full ``.grad`` not kept.
+
+    Built as :class:`ZeroRedundancyOptimizer` (``params``, ``optimizer_class``, ``comm`` /
+    ``process_group``, ``offload``, ``master_weights``, ``**defaults``), plus:
+
+        bucket_cap_mb: the buckets' size in MiB, as our DDP's (:func:`~.flat.make_buckets`).
+        zero2_hooks: the hooks ``(grad_ready(bucket, i, grad, comm), end_of_backward(buckets))``
+            (:func:`reduce_scatter_when_full`, :func:`wait_for_shards`: the lesson-04 exercise),
+            in place of the package's own launch, which reduce-scatters full buckets strictly in
+            order.  ``bucket``: ``buffer``, ``views[i]``, ``ready``, ``work``, ``index``,
+            ``grad_shard``; ``comm``: a :class:`ShardComm`.
+
+    ``step()`` steps the gradient shards reduced in backward and all-gathers the parameters.  The
+    reducer (``.reducer``, a :class:`~.flat.GradientReducer`) keeps a timeline when its
+    ``timeline`` is set to a list.
+    """
+
+    def __init__(self, params, optimizer_class, comm: Comm | None = None, process_group=None, *,
+                 bucket_cap_mb: float | None = None, offload: bool = False,
+                 master_weights: dict | None = None, zero2_hooks=None, **defaults):
+        names, tensors = self._shard(params, comm, process_group)
+        n = self.comm.size
+        layouts = make_buckets(tensors, *bucket_caps(bucket_cap_mb), world_size=n, names=names)
+        self._build(layouts, optimizer_class, offload, master_weights, defaults)
+        comms: dict = {}
+
+        def hook_comm(slot):
+            if slot.index not in comms:
+                comms[slot.index] = ShardComm(self.comm, slot)
+            return comms[slot.index]
+        self.reducer = GradientReducer(layouts, n, self._launch, self._finish,
+                                       hooks=tuple(zero2_hooks) if zero2_hooks else None,
+                                       hook_comm=hook_comm)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step_shards()
+        return loss
+
+    # -- during backward (the reducer's callbacks) ---------------------------------------------------
+
+    def _launch(self, slot):
+        slot.out = torch.empty_like(self.buckets[slot.index].shard)
+        return self.comm.reduce_scatter(slot.out, slot.buffer, async_op=True,
+                                        tag=f"grad-bucket{slot.index}")
+
+    def _finish(self, slot) -> None:
+        b = self.buckets[slot.index]
+        out = slot.grad_shard if self.reducer.hooks is not None else slot.out
+        b.grad_shard = out if b.grad_shard is None else b.grad_shard.add_(out)

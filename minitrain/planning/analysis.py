@@ -1,7 +1,7 @@
 """What a run's records say, and what the lessons' widgets draw: pure functions, no processes.
 
 The techniques (:mod:`minitrain.parallel`) record what they did — DDP each bucket's all-reduce
-(``record_timeline``), ZeRO-3 each unit's gather, compute and free, the pipeline executor each
+(into its ``timeline``, once set to a list), ZeRO-3 each unit's gather, compute and free, the pipeline executor each
 action — and these functions read those records, beside the formulas the lessons derive:
 
 * :func:`overlap_fraction` — the share of DDP's all-reduce time hidden behind backward (lesson 02);
@@ -92,7 +92,7 @@ def hidden_fraction(timeline: list[dict]) -> float | None:
     """The share of the total all-gather time during which some unit was computing (None: no
     gather recorded).  ``timeline``: ZeRO-3's events ``{"unit", "kind", "start", "end",
     "backward"}``, ``kind`` one of ``gather``, ``compute``, ``free`` (an instant) and
-    ``reduce_scatter`` (``FullyShardedDataParallel(record_timeline=True).timeline``)."""
+    ``reduce_scatter`` (a ``FullyShardedDataParallel``'s ``timeline``, once set to a list)."""
     compute = merge_intervals((e["start"], e["end"]) for e in timeline if e["kind"] == "compute")
     total = hidden = 0.0
     for e in timeline:

@@ -16,19 +16,18 @@ place of ``train_step``):
     report(), memory(), final_state(), close(), check_seams(cfg, seams): defaults serve a
                       replica; override where its facts or its state lie elsewhere
 
-Also here: :class:`TrainConfig` (a run's configuration, the same object on every rank), typed
-:class:`Options` made with :func:`option`, :class:`Seams` (a learner's functions inside a real
-strategy), the registry, and the checks every strategy gets (:func:`check_common`).
+Also here: :class:`TrainConfig` (a run's configuration, the same object on every rank),
+:class:`Seams` (a learner's functions inside a real strategy) and the registry.  Beside it:
+:mod:`.options` (typed :class:`Options` made with :func:`option`, :class:`ConfigError`),
+:mod:`.checks` (the checks every strategy gets before its own) and :mod:`.fit` (what fits the
+machine).
 """
 
 from __future__ import annotations
 
 import abc
-import dataclasses
-import difflib
 import functools
 import importlib
-import math
 import os
 import pkgutil
 import typing
@@ -39,134 +38,12 @@ import torch.nn as nn
 
 from ..comm import Comm
 from ..memory import ActivationMeter, ledger
-from ..model import GPT, GPTConfig, PRESETS, training_flops
-from ..parallel.errors import ParameterError
+from ..model import GPT, GPTConfig, PRESETS
 from ..precision import PRECISIONS, DynamicLossScaler, MixedPrecisionOptimizer, cast_model_
+from .options import ConfigError, NoOptions, Options, did_you_mean, flag
 
-__all__ = ["ConfigError", "TrainConfig", "Options", "NoOptions", "Replicas", "option", "positive",
-           "at_least", "Seams", "Strategy", "Lockstep", "FreeRunning", "Checkpointer", "register",
-           "get_strategy", "strategy_names", "check_common", "check_strategy", "option_fields",
-           "closest", "did_you_mean", "check_fits_machine", "machine_memory", "Machine",
-           "flag", "in_cli_words", "CLI_FORMS"]
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; raised before any process starts, with the fix in it."""
-
-
-def closest(given, choices) -> str | None:
-    """The choice a mistyped ``given`` most likely meant (``difflib``; else the same word in another
-    case, or the one choice it begins), or None."""
-    choices = [str(c) for c in choices]
-    close = difflib.get_close_matches(str(given), choices, n=1, cutoff=0.6)
-    if not close:  # "ZERO3", "pipe"
-        low = str(given).lower()
-        close = [c for c in choices if c.lower() == low] or \
-                ([c for c in choices if c.lower().startswith(low)] if len(low) >= 2 else [])
-    return close[0] if close else None
-
-
-def did_you_mean(given, choices) -> str:
-    """``" (did you mean 'zero3'?)"`` for a mistyped ``given``, else ``""``."""
-    close = closest(given, choices)
-    return f" (did you mean {close!r}?)" if close else ""
-
-
-# --------------------------------------------------------------------------------------------------
-# Typed options
-# --------------------------------------------------------------------------------------------------
-
-
-def positive(value) -> str | None:
-    """A check for :func:`option`: None (unset) or a positive finite number."""
-    if value is None or (math.isfinite(value) and value > 0):
-        return None
-    return "must be a positive number"
-
-
-def at_least(low: int):
-    """A check for :func:`option`: None (unset) or an integer >= ``low``."""
-    def check(value) -> str | None:
-        return None if value is None or value >= low else f"must be at least {low}"
-    return check
-
-
-def option(default, help: str, *, check=None, choices=None, metavar: str | None = None):
-    """One field of an :class:`Options` record: its default, its ``--help`` text, and optionally a
-    ``check(value) -> problem or None`` and the allowed ``choices``."""
-    return field(default=default, metadata={"help": help, "check": check, "choices": choices,
-                                            "metavar": metavar})
-
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-#: how the CLI says a technique's parameter where it is not simply its flag: ``{name: form}``,
-#: ``form`` with ``{}`` for the value
-CLI_FORMS = {"batch": "--batch-size {}"}
-
-
-def in_cli_words(refusal: ParameterError, forms: dict | None = None) -> ConfigError:
-    """A technique's refusal (a :class:`~minitrain.parallel.errors.ParameterError`) in the CLI's
-    words, from its fields: each parameter it mentions as its flag and value (``--chunks 1``), or as
-    :data:`CLI_FORMS` and ``forms`` word it (3d says ``stages`` as ``{"stages": "--pp {}"}``)."""
-    forms = {**CLI_FORMS, **(forms or {})}
-    return ConfigError(refusal.worded(
-        lambda name, shown: forms.get(name, flag(name) + " {}").format(shown)))
-
-
-@dataclass(frozen=True)
-class Options:
-    """Base of a strategy's typed options.  Combine shared fields by inheritance, so each is
-    defined once (``class Zero2Options(Buckets, Offload)``)."""
-
-    @classmethod
-    def from_mapping(cls, values, strategy: str) -> "Options":
-        """The record from a ``{name: value}`` mapping; a name this record does not have is refused,
-        naming the strategies that take it."""
-        names = {f.name for f in fields(cls)}
-        for key in values:
-            if key not in names:
-                raise ConfigError(_not_taken(key, strategy))
-        return cls(**values)
-
-    def validate(self) -> None:
-        """Each field's own check and choices; a :class:`ConfigError` naming the flag."""
-        for f in fields(self):
-            value = getattr(self, f.name)
-            choices = f.metadata.get("choices")
-            if choices is not None and value is not None and value not in choices:
-                raise ConfigError(f"{flag(f.name)} must be one of {', '.join(map(str, choices))}, "
-                                  f"got {value!r}{did_you_mean(value, choices)}")
-            check = f.metadata.get("check")
-            problem = check(value) if check is not None else None
-            if problem:
-                raise ConfigError(f"{flag(f.name)} {problem}, got {value!r}")
-
-    def given(self) -> dict:
-        """The fields that differ from their defaults."""
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if getattr(self, f.name) != f.default}
-
-
-@dataclass(frozen=True)
-class NoOptions(Options):
-    """A strategy without options of its own."""
-
-
-@dataclass(frozen=True)
-class Replicas(Options):
-    """The data-parallel axis beside a model-parallel one (3d, context)."""
-
-    dp: int | None = option(None, "data-parallel replicas beside the other axes (default: the "
-                            "world size divided by the other axes)", check=at_least(1))
-
-
-def option_fields(cls: type[Options]) -> list[tuple[dataclasses.Field, type]]:
-    """``(field, its resolved type)`` for every field of an options record (for the CLI)."""
-    hints = typing.get_type_hints(cls)
-    return [(f, hints[f.name]) for f in fields(cls)]
+__all__ = ["TrainConfig", "Seams", "Strategy", "Lockstep", "FreeRunning", "Checkpointer",
+           "register", "get_strategy", "strategy_names"]
 
 
 def _not_taken(name: str, strategy: str) -> str:
@@ -226,7 +103,11 @@ class TrainConfig:
         if cls is None or type(self.options) is cls.options:
             return  # an unknown strategy is refused by check_config
         given = self.options.given() if isinstance(self.options, Options) else dict(self.options)
-        object.__setattr__(self, "options", cls.options.from_mapping(given, self.strategy))
+        names = {f.name for f in fields(cls.options)}
+        for key in given:  # a name this record does not have: refused, naming who takes it
+            if key not in names:
+                raise ConfigError(_not_taken(key, self.strategy))
+        object.__setattr__(self, "options", cls.options(**given))
 
     def with_(self, **changes) -> "TrainConfig":
         return replace(self, **changes)
@@ -328,300 +209,6 @@ def get_strategy(name: str) -> type["Strategy"]:
                           f"choose one of: {', '.join(strategy_names())}")
     return cls
 
-
-# --------------------------------------------------------------------------------------------------
-# Checks every strategy gets (before its own)
-# --------------------------------------------------------------------------------------------------
-
-
-def check_common(cls: type["Strategy"], cfg: TrainConfig, seams: Seams | None = None) -> None:
-    """Sizes (at least 1, and what fits the machine: :func:`check_fits_machine`), seed, learning
-    rate, timeout, precision, backend, the options' own checks and the seams."""
-    for name in ("world_size", "steps", "batch_size"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
-    if not SEED_RANGE[0] <= cfg.seed <= SEED_RANGE[1]:
-        raise ConfigError(f"--seed must be from {SEED_RANGE[0]} to {SEED_RANGE[1]} (2**64 - 1: torch's "
-                          f"random generators take a 64-bit unsigned seed), got {cfg.seed}")
-    if not (math.isfinite(cfg.lr) and cfg.lr > 0):
-        raise ConfigError(f"--lr must be a positive number, got {cfg.lr}")
-    if not (math.isfinite(cfg.timeout) and cfg.timeout > 0):
-        raise ConfigError(f"--timeout must be a positive number of seconds, got {cfg.timeout}")
-    if not MIN_TIMEOUT_S <= cfg.timeout <= MAX_TIMEOUT_S:
-        raise ConfigError(f"--timeout must be from {MIN_TIMEOUT_S:g} s (starting the ranks and one "
-                          "step's collectives take longer than that on a busy machine: a shorter "
-                          f"timeout fails runs that are fine) to {MAX_TIMEOUT_S:g} s (a week: a "
-                          f"collective that waits longer is stuck), got {cfg.timeout:g}")
-    _check_precision(cls, cfg)
-    if cfg.backend == "nccl" and torch.cuda.device_count() < cfg.world_size:
-        raise ConfigError(f"--backend nccl needs {cfg.world_size} GPUs, found "
-                          f"{torch.cuda.device_count()}; use --backend gloo")
-    if isinstance(cfg.options, Options):
-        cfg.options.validate()
-    for name in (seams.given() if seams else []):
-        if name not in cls.seams:
-            takers = [n for n in strategy_names() if name in _REGISTRY[n].seams]
-            raise ConfigError(f"strategy {cls.name!r} has no seam {name!r}; strategies that take it: "
-                              f"{', '.join(takers) or 'none'}")
-    if seams is not None and seams.given():
-        cls.check_seams(cfg, seams)
-    check_fits_machine(cfg)
-
-
-# --------------------------------------------------------------------------------------------------
-# What fits the machine: an upper bound on every size, checked before any process starts
-# --------------------------------------------------------------------------------------------------
-
-#: a forked rank's own memory (its unique set size) after a run of the tiny model: 23-24 MiB,
-#: measured with 2 to 32 ranks (issue 28); the parent's imported torch is shared, not counted
-RANK_BYTES = 24 * 2**20
-#: file descriptors per rank: the parent holds ~4 (pipe, sentinel, rendezvous connection), each
-#: rank ~24 of its own plus one per peer (gloo's full mesh); measured with 2 to 32 ranks
-PARENT_FDS_PER_RANK, RANK_FDS = 4, 24
-#: a CPU core's fp32 rate, optimistically: two AVX-512 FMA units at 3 GHz give 192 GFLOP/s, and
-#: this course's small matrices run at a tenth of that; a GPU (nccl): ~1 PFLOP/s, H100's dense bf16
-CORE_FLOPS, GPU_FLOPS = 2e11, 1e15
-#: the longest step a run may ask for, at those rates (the course's steps take milliseconds)
-MAX_STEP_S = 600.0
-#: per parameter: fp32 weight and gradient, Adam's two moments (mixed precision: 16-bit weight and
-#: gradient plus fp32 master and moments, as many); a checkpoint keeps the weight and the moments
-STATE_BYTES, SAVED_BYTES = 16, 12
-#: what a run keeps per step: its loss and time on rank 0 (Python floats in lists) and in the result
-STEP_RECORD_BYTES = 128
-#: every rank builds the global batch of each step: int64 token ids
-TOKEN_BYTES = 8
-#: numbers a layer keeps for backward, per token: at least 12·d_model (the activation meter
-#: measures ~17·d_model for the tiny model: layer norms' inputs, Q/K/V, attention's output, the
-#: MLP's 4·d_model twice); with --checkpoint-activations each layer keeps its input, d_model, and
-#: one layer's 12·d_model exist at a time
-ACTIVATION_NUMBERS = 12
-MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 7 * 86400.0
-SEED_RANGE = (0, 2**64 - 1)
-
-
-def machine_memory() -> int:
-    """Bytes of memory this process may use: the machine's, or its cgroup's limit when lower."""
-    total = None
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        pass
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(path) as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        if text.isdigit():
-            total = min(total or int(text), int(text))
-    return total or 2**40
-
-
-@dataclass(frozen=True)
-class Machine:
-    """What one machine offers a run: memory, CPU cores (or GPUs), open files."""
-
-    memory: int
-    cores: int
-    open_files: int
-    gpu: bool = False
-
-    @classmethod
-    def here(cls, backend: str | None = None) -> "Machine":
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cores = os.cpu_count() or 1
-        try:
-            import resource
-            files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-            files = files if files > 0 else 2**20
-        except (ImportError, OSError, ValueError):
-            files = 2**20
-        gpu = backend == "nccl"
-        return cls(machine_memory(), torch.cuda.device_count() if gpu else cores, files, gpu)
-
-    def describe_memory(self) -> str:
-        return f"{_bytes(self.memory)} of memory"
-
-
-def _bytes(n: float) -> str:
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:,.1f} {unit}"
-    return f"{n:.0f} bytes"
-
-
-def _seconds(s: float) -> str:
-    return f"{s / 3600:,.1f} h" if s >= 3600 else f"{s / 60:,.1f} min" if s >= 60 else f"{s:.1f} s"
-
-
-def _ranks_here(cfg: TrainConfig) -> int:
-    """The ranks this machine runs: all of them, or under torchrun its LOCAL_WORLD_SIZE."""
-    try:
-        return min(cfg.world_size, int(os.environ.get("LOCAL_WORLD_SIZE") or cfg.world_size))
-    except ValueError:
-        return cfg.world_size
-
-
-def _activation_bytes(cfg: TrainConfig) -> float:
-    """A lower bound on the activations kept for backward at once, over all ranks: the global
-    batch's (one micro-batch's, where a pipeline splits it), :data:`ACTIVATION_NUMBERS` per token
-    and layer."""
-    m = cfg.model
-    per_token = (m.n_layer * m.d_model + ACTIVATION_NUMBERS * m.d_model) if \
-        cfg.checkpoint_activations else m.n_layer * ACTIVATION_NUMBERS * m.d_model
-    takes = hasattr(cfg.options, "microbatches")
-    microbatches = (getattr(cfg.options, "microbatches", None) or cfg.world_size) if takes else 1
-    element = 4 if cfg.precision == "fp32" else 2
-    return cfg.batch_size * m.seq_len / max(1, microbatches) * per_token * element
-
-
-def _memory_terms(cfg: TrainConfig, gpu: bool = False) -> dict[str, float]:
-    """A lower bound on the (host) memory the run takes on this machine, by what takes it (on GPUs
-    the model and its activations are in the GPUs' memory: torch says so if they do not fit)."""
-    ranks, share = _ranks_here(cfg), _ranks_here(cfg) / cfg.world_size
-    return {"ranks": ranks * RANK_BYTES,
-            "model": 0.0 if gpu else cfg.model.num_params() * STATE_BYTES * share,
-            "batches": ranks * cfg.batch_size * (cfg.model.seq_len + 1) * TOKEN_BYTES,
-            "activations": 0.0 if gpu else _activation_bytes(cfg) * share,
-            "steps": cfg.steps * STEP_RECORD_BYTES}
-
-
-def _max_ranks(m: "Machine") -> tuple[int, int]:
-    """The most ranks machine ``m`` holds: by their own memory, by open files."""
-    return (m.memory // RANK_BYTES,
-            min((m.open_files - 64) // PARENT_FDS_PER_RANK, m.open_files - RANK_FDS - 64))
-
-
-def _step_seconds(cfg: TrainConfig, machine: Machine) -> float:
-    """A lower bound on one step's time on this machine: its FLOPs at the optimistic rate."""
-    flops = training_flops(cfg.model, cfg.batch_size * cfg.model.seq_len,
-                           recompute=cfg.checkpoint_activations)
-    rate = machine.cores * (GPU_FLOPS if machine.gpu else CORE_FLOPS)
-    return flops * _ranks_here(cfg) / cfg.world_size / max(rate, 1.0)
-
-
-def _largest(fits, given: int, step: int = 1) -> int:
-    """The largest multiple of ``step`` up to ``given`` for which ``fits(value)``, 0 if none."""
-    lo, hi = 0, given // step
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits(mid * step):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo * step
-
-
-def _problem(cfg: TrainConfig, m: Machine) -> tuple[str, str] | None:
-    """The first way ``cfg`` does not fit machine ``m``: (the flag to change, why), or None."""
-    here, mem, ranks = "this machine", m.describe_memory(), _ranks_here(cfg)
-    # the ranks: their own memory, and open files (the parent's, and each rank's)
-    by_memory, by_files = _max_ranks(m)
-    if ranks > min(by_memory, by_files):
-        if by_files < by_memory:
-            return "world_size", (f"each rank takes about {PARENT_FDS_PER_RANK} of the parent's open "
-                                  f"files and {RANK_FDS} plus one per peer of its own, and the limit "
-                                  f"is {m.open_files} (ulimit -n)")
-        return "world_size", (f"each rank takes at least {_bytes(RANK_BYTES)} of memory of its own, "
-                              f"and {here} has {mem}")
-    terms = _memory_terms(cfg, m.gpu)
-    if terms["model"] > m.memory:
-        return "model", (f"{cfg.model.num_params():,} parameters of {STATE_BYTES} bytes each (weight, "
-                         f"gradient, Adam's two moments) take {_bytes(terms['model'])}, more than "
-                         f"{here}'s {mem}")
-    if sum(terms.values()) > m.memory:
-        if terms["steps"] >= terms["batches"] + terms["activations"]:
-            return "steps", (f"a run keeps each step's loss and time (about {STEP_RECORD_BYTES} "
-                             f"bytes a step: {_bytes(terms['steps'])}), more than {here}'s {mem}")
-        name = "seq_len" if cfg.model.seq_len / 32 > cfg.batch_size / 16 else "batch_size"
-        return name, (f"the activations kept for backward (at least {ACTIVATION_NUMBERS}·d_model "
-                      f"numbers per token and layer: {_bytes(terms['activations'])}) and the token "
-                      f"ids every rank builds ({_bytes(terms['batches'])}) need, with the rest, "
-                      f"{_bytes(sum(terms.values()))}: more than {here}'s {mem}")
-    seconds = _step_seconds(cfg, m)
-    if seconds > MAX_STEP_S:
-        rate = (f"{m.cores} GPU(s) at {GPU_FLOPS / 1e12:,.0f} TFLOP/s each" if m.gpu else
-                f"{m.cores} core(s) at an optimistic {CORE_FLOPS / 1e9:,.0f} GFLOP/s each")
-        why = (f"one step would take at least {_seconds(seconds)} on {here} ({rate}), and a step "
-               f"may take at most {_seconds(MAX_STEP_S)}")
-        if cfg.model.seq_len > 4 * cfg.model.d_model:  # attention's s^2 is most of the work
-            return "seq_len", why + " (attention grows with the square of the sequence)"
-        return "batch_size", why
-    return None
-
-
-def _fits(cfg: TrainConfig, m: Machine) -> bool:
-    return _problem(cfg, m) is None
-
-
-def check_fits_machine(cfg: TrainConfig, machine: Machine | None = None) -> None:
-    """Refuse, naming the flag, its bound and the reason, a run that cannot fit this machine: more
-    ranks than its memory and open files allow, a model or a batch whose bytes exceed its memory,
-    more steps than it can keep a record of, a step that would take more than :data:`MAX_STEP_S`
-    even at an optimistic rate (:data:`CORE_FLOPS` per core).  Each need is a lower bound on what
-    the run takes, so a run refused here could not have run."""
-    m = machine or Machine.here(cfg.backend)
-    found = _problem(cfg, m)
-    if found is None:
-        return
-    name, why = found
-    if name == "model":
-        grown = [f"{flag(k)} {getattr(cfg.model, k)}" for k in ("d_model", "n_layer", "seq_len",
-                                                               "n_expert", "d_ff", "vocab_size")
-                 if getattr(cfg.model, k) and getattr(cfg.model, k) > (getattr(PRESETS["tiny"], k) or 0)]
-        raise ConfigError(f"the model ({', '.join(grown) or 'as given'}) does not fit this machine: "
-                          f"{why}; use a smaller {' or '.join(g.split()[0] for g in grown) or '--model'}")
-    if name == "world_size":
-        given, most = cfg.world_size, max(1, min(_max_ranks(m)))
-    elif name == "seq_len":
-        given = cfg.model.seq_len
-        most = _largest(lambda n: _fits(replace(cfg, model=replace(cfg.model, seq_len=n)), m), given)
-    else:
-        given = getattr(cfg, name)
-        most = _largest(lambda n: _fits(replace(cfg, **{name: n}), m), given)
-    if name == "world_size":
-        bound = f"at most --world-size {most} fit it"
-    else:
-        bound = (f"at most {flag(name)} {most} fits (with the other flags as given)" if most >= 1
-                 else f"even {flag(name)} 1 does not fit with the other flags as given")
-    raise ConfigError(f"{flag(name)} {given} does not fit this machine: {why}; {bound}")
-
-
-def check_strategy(cfg: TrainConfig, seams=None) -> type["Strategy"]:
-    """Everything about the strategy that can be refused before spawning: :func:`check_common`,
-    then the strategy's own ``check``.  Returns its class."""
-    cls = get_strategy(cfg.strategy)
-    check_common(cls, cfg, Seams.of(seams))
-    cls.check(cfg)
-    return cls
-
-
-def _check_precision(cls: type["Strategy"], cfg: TrainConfig) -> None:
-    if cfg.precision not in PRECISIONS:
-        raise ConfigError(f"unknown --precision {cfg.precision!r}"
-                          f"{did_you_mean(cfg.precision, PRECISIONS)}; choose one of: "
-                          f"{', '.join(PRECISIONS)}")
-    if cfg.precision not in cls.precisions:
-        able = [n for n in strategy_names() if cfg.precision in _REGISTRY[n].precisions]
-        raise ConfigError(f"strategy {cls.name!r} supports --precision "
-                          f"{' or '.join(cls.precisions)} only, got {cfg.precision}; use "
-                          f"--precision fp32, or a strategy that supports {cfg.precision} "
-                          f"({', '.join(able) or 'none'})")
-    if cfg.loss_scale is not None:
-        if not (cfg.loss_scale >= 0 and math.isfinite(cfg.loss_scale)):
-            raise ConfigError(f"--loss-scale must be >= 0 (0 turns loss scaling off), "
-                              f"got {cfg.loss_scale}")
-        if cfg.loss_scale > 0 and cfg.precision == "fp32":
-            raise ConfigError("--loss-scale applies to mixed precision; add --precision "
-                              "fp16-mixed (or bf16-mixed)")
-    if cfg.loss_scale_growth < 1:
-        raise ConfigError(f"--loss-scale-growth must be >= 1 (good steps before the scale "
-                          f"doubles), got {cfg.loss_scale_growth}")
-    if cfg.checkpoint_activations and not cls.recomputes:
-        raise ConfigError(f"strategy {cls.name!r} cannot checkpoint activations; leave out "
-                          "--checkpoint-activations")
 
 
 # --------------------------------------------------------------------------------------------------

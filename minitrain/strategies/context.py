@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from ..comm import all_reduce_coalesced
 from ..parallel.context import (balanced_layout, context_parallel_, contiguous_layout,
                                 local_forward, ring_bytes_per_layer, ring_work, sequence_piece)
-from .base import (ConfigError, Lockstep, Options, Replicas, TrainConfig, at_least, option,
-                   register)
+from .base import Lockstep, TrainConfig, register
+from .options import ConfigError, Options, Replicas, at_least, option
 from .single import Replica
 
 __all__ = ["ContextAxis", "ContextOptions", "ContextParallel"]

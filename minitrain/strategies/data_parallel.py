@@ -15,8 +15,8 @@ from ..data import shard
 from ..parallel.compression import FORMS, as_error_feedback, parse_compressor
 from ..parallel.data_parallel import DistributedDataParallel, NaiveDataParallel, mean_over_ranks
 from ..parallel.errors import ParameterError
-from .base import (ConfigError, Lockstep, NoOptions, Options, TrainConfig, in_cli_words, option,
-                   positive, register)
+from .base import Lockstep, TrainConfig, register
+from .options import ConfigError, NoOptions, Options, in_cli_words, option, positive
 from .single import Replica
 
 __all__ = ["Buckets", "Compression", "Timeline", "DDPOptions", "NaiveDDP", "DDP", "DataParallel",
@@ -115,7 +115,7 @@ class NaiveDDP(DataParallel):
     seams = ("sync_gradients", "mixed_precision_step", "recompute_block", "mean_loss")
 
     def wrap(self, model):
-        return NaiveDataParallel(model, self.comm, sync=self.seams.sync_gradients)
+        return NaiveDataParallel(model, self.comm, sync_gradients=self.seams.sync_gradients)
 
     def after_backward(self) -> None:
         self.wrapper.sync_gradients()
@@ -146,10 +146,14 @@ class DDP(DataParallel):
 
     def wrap(self, model):
         o, s = self.cfg.options, self.seams
-        return DistributedDataParallel(
-            model, self.comm, bucket_cap_mb=o.bucket_mb, record_timeline=o.timeline,
-            compression=as_error_feedback(o.compress, o.error_feedback, topk=s.topk_error_feedback),
-            all_reduce=s.ring_all_reduce, bucket_hooks=s.bucket_hooks)
+        ddp = DistributedDataParallel(
+            model, self.comm, bucket_cap_mb=o.bucket_mb,
+            compression=as_error_feedback(o.compress, o.error_feedback,
+                                          topk_error_feedback=s.topk_error_feedback),
+            ring_all_reduce=s.ring_all_reduce, bucket_hooks=s.bucket_hooks)
+        if o.timeline:
+            ddp.timeline = []
+        return ddp
 
     def report(self) -> dict:
         """Bucket sizes, and (with the ``timeline`` option) each step's backward/all-reduce times."""

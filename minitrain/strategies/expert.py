@@ -14,8 +14,8 @@ from ..comm import all_reduce_coalesced
 from ..data import shard
 from ..model import GPT
 from ..parallel.expert import all_to_all_bytes, expert_parallel_
-from .base import (Checkpointer, ConfigError, Lockstep, Options, TrainConfig, at_least, option,
-                   register)
+from .base import Checkpointer, Lockstep, TrainConfig, register
+from .options import ConfigError, Options, at_least, option
 
 __all__ = ["ExpertOptions", "ExpertParallel", "ExpertShards"]
 

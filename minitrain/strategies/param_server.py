@@ -16,7 +16,8 @@ from ..data import shard
 from ..parallel.compression import as_error_feedback, parse_compressor
 from ..parallel.flat import FlatUnit
 from ..parallel.param_server import FINAL, ParameterServer, Worker, partition
-from .base import ConfigError, FreeRunning, TrainConfig, at_least, option, register
+from .base import FreeRunning, TrainConfig, register
+from .options import ConfigError, at_least, option
 from .data_parallel import Compression, check_batch_split, check_compression
 
 __all__ = ["PSOptions", "PSSync", "PSAsync", "parse_slow_workers", "parse_crash_worker"]
@@ -127,7 +128,8 @@ class _ParameterServerStrategy(FreeRunning):
             self.model, self.optimizer = nn.ParameterList(self.role.params), self.role.optimizer
         else:
             self.index = comm.rank - self.n_servers
-            ef = as_error_feedback(compressor, o.error_feedback, topk=self.seams.topk_error_feedback)
+            ef = as_error_feedback(compressor, o.error_feedback,
+                                   topk_error_feedback=self.seams.topk_error_feedback)
             self.role = Worker(comm, self.model, self.keys, self.server_ranks, ef,
                                delay_s=parse_slow_workers(o.slow_worker).get(self.index, 0.0))
             self.optimizer = None

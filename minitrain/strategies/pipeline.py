@@ -18,8 +18,9 @@ from ..model import GPT, PRESETS
 from ..parallel.pipeline import PipelineExecutor, PipelineStage, split_weight_gradients
 from ..parallel.schedules import (SCHEDULES, ScheduleError, check_schedule, make_schedule, simulate,
                                   split_layers, validate)
-from .base import (Checkpointer, ConfigError, Lockstep, Options, TrainConfig, at_least,
-                   check_strategy, in_cli_words, option, register)
+from .base import Checkpointer, Lockstep, TrainConfig, register
+from .checks import check_strategy
+from .options import ConfigError, Options, at_least, in_cli_words, option
 
 __all__ = ["ScheduleOptions", "PipelineOptions", "Pipeline", "Stages", "schedule_shape",
            "check_pipeline", "merge_stages", "run_schedule"]

@@ -34,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from .base import Checkpointer, ConfigError, Strategy, TrainConfig, get_strategy, strategy_names
+from .base import Checkpointer, Strategy, TrainConfig, get_strategy, strategy_names
+from .options import ConfigError
 
 __all__ = ["layout_of", "mismatch", "describe", "reshardable", "reshardable_names", "bridges",
            "scope", "portable_form", "load_resharded", "from_optimizer_state",

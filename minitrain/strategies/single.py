@@ -12,7 +12,8 @@ import torch
 
 from ..model import GPT
 from ..precision import PRECISIONS
-from .base import Checkpointer, ConfigError, Lockstep, TrainConfig, register, strategy_names
+from .base import Checkpointer, Lockstep, TrainConfig, register, strategy_names
+from .options import ConfigError
 from .portable import from_optimizer_state, to_optimizer_state
 
 __all__ = ["Replica", "Single"]

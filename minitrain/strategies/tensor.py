@@ -15,8 +15,8 @@ from ..comm import Comm
 from ..model import GPTConfig
 from ..parallel.tensor import Split, merge_shards
 from ..parallel.tensor_gpt import TensorParallelGPT
-from .base import (Checkpointer, ConfigError, Lockstep, Options, TrainConfig, at_least, option,
-                   register)
+from .base import Checkpointer, Lockstep, TrainConfig, register
+from .options import ConfigError, Options, at_least, option
 
 __all__ = ["TensorOptions", "TensorParallel", "TensorShards", "check_tensor_parallel",
            "full_state_dict", "shard_checkpoint", "merge_checkpoints", "comm_per_layer"]

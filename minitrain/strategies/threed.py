@@ -40,8 +40,8 @@ from ..parallel.schedules import make_schedule, split_layers, validate
 from ..parallel.tensor_gpt import (TensorParallelParts, all_reduce_sequence_parallel_grads,
                                    tag_collectives)
 from ..parallel.zero import ZeroRedundancyOptimizer
-from .base import (Checkpointer, ConfigError, Lockstep, Replicas, Seams, TrainConfig, at_least,
-                   option, register)
+from .base import Checkpointer, Lockstep, Seams, TrainConfig, register
+from .options import ConfigError, Replicas, at_least, option
 from .context import ContextAxis
 from .pipeline import ScheduleOptions, check_pipeline, merge_stages, schedule_shape
 from .tensor import (TensorOptions, check_tensor_parallel, comm_per_layer, full_state_dict,
@@ -228,7 +228,7 @@ class ThreeD(Lockstep):
                                          stage_step=seams.stage_step)
         if self.zero_stage == 1:
             self.optimizer = ZeroRedundancyOptimizer(self.model.parameters(), torch.optim.Adam,
-                                                     self.mesh.dp, step_shard=seams.zero1_step,
+                                                     self.mesh.dp, zero1_step=seams.zero1_step,
                                                      lr=cfg.lr)
         else:
             self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.lr)

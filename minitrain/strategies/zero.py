@@ -8,20 +8,22 @@ Memory per rank (measured by :func:`minitrain.memory.ledger`, compared with
 
 from __future__ import annotations
 
-import abc
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
+from ..data import shard
 from ..planning.analysis import hidden_fraction, overlap_fraction
 from ..memory import ActivationMeter, ledger, model_state_bytes
+from ..parallel.data_parallel import mean_over_ranks
 from ..parallel.flat import FlatUnit
 from ..parallel.fsdp import FullyShardedDataParallel
-from ..parallel.zero import HostOffload, ZeroRedundancyOptimizer, shard_optimizer
-from .base import Checkpointer, ConfigError, Options, TrainConfig, option, register
-from .data_parallel import Buckets, DataParallel, Timeline, check_batch_split
+from ..parallel.zero import Zero2Optimizer, ZeroRedundancyOptimizer, shard_optimizer
+from .base import Checkpointer, Lockstep, TrainConfig, register
+from .options import ConfigError, Options, option
+from .data_parallel import Buckets, Timeline, check_batch_split
 from .portable import shard_optimizer_state, unshard_optimizer
 
 __all__ = ["Offload", "ZeroOptions", "Zero2Options", "Zero3Options", "Zero1", "Zero2", "Zero3", "ZeroShards",
@@ -104,19 +106,20 @@ class ZeroShards(Checkpointer):
         return out
 
     def save(self, strategy) -> dict:
-        aliases = strategy.wrapper.parameter_names() if strategy.stage == 3 else None
-        return {"model": shard_state(strategy.model, strategy.shards(), strategy.comm.rank, aliases),
-                "optimizer": strategy.shard_optimizer().state_dict()}
+        sharded = strategy.sharded
+        return {"model": shard_state(strategy.model, sharded.shards(), strategy.comm.rank,
+                                     sharded.parameter_names()),
+                "optimizer": sharded.shard_optimizer().state_dict()}
 
     @torch.no_grad()
     def load(self, strategy, read) -> None:
-        state = read(strategy.comm.rank)
-        for (_, shard), saved in zip(strategy.shards(), state["model"]["units"], strict=True):
+        state, sharded = read(strategy.comm.rank), strategy.sharded
+        for (_, shard), saved in zip(sharded.shards(), state["model"]["units"], strict=True):
             shard.copy_(saved["shard"])
-        strategy.shard_optimizer().load_state_dict(state["optimizer"])
-        if strategy.stage < 3:  # every rank holds the full weights: gather them, as after a step
+        sharded.shard_optimizer().load_state_dict(state["optimizer"])
+        if sharded.full_weights:  # every rank holds the full weights: gather them
             with strategy.comm.tracer.paused():
-                strategy.optimizer._all_gather_parameters()
+                sharded.gather()
 
     def consolidate(self, cfg: TrainConfig, read) -> dict:
         return unshard_state([read(r)["model"] for r in range(cfg.world_size)])
@@ -127,17 +130,17 @@ class ZeroShards(Checkpointer):
 
     @torch.no_grad()
     def load_portable(self, strategy, weights: dict, optim: dict) -> None:
-        rank = strategy.comm.rank
+        rank, sharded = strategy.comm.rank, strategy.sharded
         names = {id(p): n for n, p in strategy.model.named_parameters()}  # stages 1-2: the model's
         units = [(layout, [names.get(id(p), name) for p, name in zip(layout.params, layout.names)])
-                 for layout, _ in strategy.shards()]  # stage 3: the names the wrapper took them under
-        if strategy.stage < 3:  # every rank holds the full weights; the shards are views of them
+                 for layout, _ in sharded.shards()]  # stage 3: the names the wrapper took them under
+        if sharded.full_weights:  # every rank holds the full weights; the shards are views of them
             strategy.model.load_state_dict(weights)
         else:  # the full weights exist only while gathered: write this rank's shard of each unit
-            for (layout, shard), (_, unit) in zip(strategy.shards(), units):
+            for (layout, shard), (_, unit) in zip(sharded.shards(), units):
                 lo, hi = layout.owned_range(rank)
                 shard.copy_(layout.flatten([weights[n] for n in unit])[lo:hi])
-        optimizer = strategy.shard_optimizer()
+        optimizer = sharded.shard_optimizer()
         optimizer.load_state_dict(shard_optimizer_state(optimizer.state_dict(), units, rank, optim,
                                                         weights))
 
@@ -147,8 +150,66 @@ class ZeroShards(Checkpointer):
 # --------------------------------------------------------------------------------------------------
 
 
-class _ZeroStrategy(DataParallel):
-    """Shared by zero1/2/3: the global batch split over the ranks, the model states sharded.
+class _OptimizerShards:
+    """Stages 1 and 2: the shards are the ZeRO optimizer's, and every rank holds the full weights
+    (the shards are views of them)."""
+
+    full_weights = True
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self.layouts, self.memory_tensors = optimizer.layouts, optimizer.memory_tensors
+
+    def shards(self) -> list[tuple[FlatUnit, torch.Tensor]]:
+        return [(b.layout, b.shard) for b in self.optimizer.buckets]
+
+    def shard_optimizer(self):
+        return self.optimizer.optim
+
+    def parameter_names(self) -> None:
+        return None  # the model's own names
+
+    def memory(self) -> dict:
+        return {}
+
+    def gather(self) -> None:
+        """Every rank's full weights from the shards, as after a step."""
+        self.optimizer._all_gather_parameters()
+
+
+class _Zero3Shards:
+    """Stage 3: the FSDP wrapper's shards (the full weights exist only while gathered), stepped
+    by their own optimizer; with offload, its host side counted too."""
+
+    full_weights = False
+
+    def __init__(self, fsdp: FullyShardedDataParallel, optimizer, offload: bool):
+        self.fsdp, self.optimizer, self.offload = fsdp, optimizer, offload
+        self.layouts, self.parameter_names = fsdp.layouts, fsdp.parameter_names
+
+    def shards(self) -> list[tuple[FlatUnit, torch.Tensor]]:
+        return [(u.layout, u.shard) for u in self.fsdp.units if u.shard is not None]
+
+    def shard_optimizer(self):
+        return self.optimizer
+
+    def memory(self) -> dict:
+        return {"gathered_peak": self.fsdp.gathered_peak}
+
+    def memory_tensors(self):
+        extra, host = self.fsdp.memory_tensors()
+        if self.offload:
+            more, host = self.optimizer.memory_tensors()
+            extra = {k: extra.get(k, []) + more.get(k, []) for k in {*extra, *more}}
+        extra["gradients"] = [g for g in extra.get("gradients", []) if g is not None]
+        return extra, host
+
+
+class _Zero(Lockstep):
+    """zero1/2/3: the global batch split over the ranks, the model states sharded.  A stage is its
+    ``shard(model)``, which builds the wrapper, the optimizer and the shards (a part:
+    :class:`_OptimizerShards`, :class:`_Zero3Shards`) that the checkpointer, the ledger and the
+    report read.
 
     fp32 and bf16-mixed only: fp16's loss scaler would have to skip a step when *any* rank's
     gradient shard overflowed, a global verdict these strategies do not take."""
@@ -166,16 +227,17 @@ class _ZeroStrategy(DataParallel):
                               "its shard of the gradients, so an overflow check would need every "
                               "rank's verdict; leave out --loss-scale (bf16-mixed needs none)")
 
-    def setup(self) -> None:
-        self.offload = self.cfg.options.offload
+    def __init__(self, cfg, comm, seams=None):
+        super().__init__(cfg, comm, seams)
+        self.offload = cfg.options.offload
         self.model = self.build_model()  # bf16-mixed: bf16 model, fp32 copies in master_weights
         self.wrapper, self.optimizer, self.sharded = self.shard(self.model)
         self.master_weights.clear()  # each rank keeps only its shard of them
         self.meter = ActivationMeter(self.model, ignore=self.not_activations())
 
-    @abc.abstractmethod
     def shard(self, model) -> tuple:
-        """(what to call forward on, the optimizer, the object holding the shards)."""
+        """(what to call forward on, the optimizer, the shards: a part as above)."""
+        raise NotImplementedError
 
     def not_activations(self):
         """The activation meter's rule for saved tensors that are not activations beyond the
@@ -183,23 +245,18 @@ class _ZeroStrategy(DataParallel):
         are none."""
         return None
 
-    # -- what ZeroShards saves: this rank's shards and the optimizer stepping them --------------------
-
-    def shards(self) -> list[tuple[FlatUnit, torch.Tensor]]:
-        """``(layout, this rank's shard)`` of every flat unit (stages 1-2: the optimizer's)."""
-        return [(b.layout, b.shard) for b in self.optimizer.buckets]
-
-    def shard_optimizer(self):
-        """The optimizer stepping this rank's shards (Adam, mixed precision's, or HostOffload)."""
-        return self.optimizer.optim
+    def train_step(self, x, y) -> float:
+        r, n = self.comm.rank, self.comm.size
+        local = shard(x, r, n).to(self.device), shard(y, r, n).to(self.device)
+        loss = self.optimizer_step(self.wrapper, *local)
+        return mean_over_ranks(loss, self.comm)
 
     def memory(self) -> dict:
         """The ledger; stage 3 adds ``gathered_peak``, the most bytes of full (gathered)
         parameters held at once beside the shards."""
         extra, host = self.sharded.memory_tensors()
         out = ledger(self.model, self.optimizer, self.meter.peak, extra=extra, host=host)
-        if self.stage == 3:
-            out["gathered_peak"] = self.wrapper.gathered_peak
+        out.update(self.sharded.memory())
         return out
 
     @property
@@ -228,7 +285,7 @@ class _ZeroStrategy(DataParallel):
 
 
 @register
-class Zero1(_ZeroStrategy):
+class Zero1(_Zero):
     name = "zero1"
     help = "ZeRO stage 1: optimizer states sharded; reduce-scatter, step the shard, all-gather (--offload)"
     stage = 1
@@ -237,12 +294,12 @@ class Zero1(_ZeroStrategy):
     def shard(self, model):
         opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, self.comm,
                                       offload=self.offload, master_weights=self.master_weights,
-                                      step_shard=self.seams.zero1_step, lr=self.cfg.lr)
-        return model, opt, opt
+                                      zero1_step=self.seams.zero1_step, lr=self.cfg.lr)
+        return model, opt, _OptimizerShards(opt)
 
 
 @register
-class Zero2(_ZeroStrategy):
+class Zero2(_Zero):
     name = "zero2"
     help = "ZeRO stage 2: gradients too, reduce-scattered in buckets during backward (--offload, --bucket-mb)"
     stage = 2
@@ -250,27 +307,28 @@ class Zero2(_ZeroStrategy):
     seams = ("zero2_hooks",)
 
     def shard(self, model):
-        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, self.comm,
-                                      shard_gradients=True, offload=self.offload,
-                                      bucket_cap_mb=self.cfg.options.bucket_mb,
-                                      master_weights=self.master_weights, lr=self.cfg.lr,
-                                      bucket_hooks=self.seams.zero2_hooks,
-                                      record_timeline=self.cfg.options.timeline)
-        return model, opt, opt
+        opt = Zero2Optimizer(model.parameters(), torch.optim.Adam, self.comm,
+                             bucket_cap_mb=self.cfg.options.bucket_mb, offload=self.offload,
+                             master_weights=self.master_weights,
+                             zero2_hooks=self.seams.zero2_hooks, lr=self.cfg.lr)
+        if self.cfg.options.timeline:
+            opt.reducer.timeline = []
+        return model, opt, _OptimizerShards(opt)
 
     def report(self) -> dict:
         """The stages' report, and with ``timeline`` each step's buckets and the share of their
         reduce-scatter time hidden behind backward (``overlap``), as ddp's."""
         out = super().report()
         out["bucket_bytes"] = [u.nbytes for u in self.optimizer.layouts()]
-        if self.cfg.options.timeline:
-            out["timeline"] = self.optimizer.timeline
-            out["overlap"] = [overlap_fraction(s) for s in self.optimizer.timeline]
+        timeline = self.optimizer.reducer.timeline
+        if timeline is not None:
+            out["timeline"] = timeline
+            out["overlap"] = [overlap_fraction(s) for s in timeline]
         return out
 
 
 @register
-class Zero3(_ZeroStrategy):
+class Zero3(_Zero):
     name = "zero3"
     help = "ZeRO stage 3 (FSDP): parameters too, gathered per block for forward and backward (--offload)"
     stage = 3
@@ -280,14 +338,12 @@ class Zero3(_ZeroStrategy):
 
     def shard(self, model):
         self.steps_timeline: list[list[dict]] = []
-        fsdp = FullyShardedDataParallel(model, self.comm, hook=self.seams.zero3_hook,
-                                        record_timeline=self.cfg.options.timeline)
+        fsdp = FullyShardedDataParallel(model, self.comm, zero3_hook=self.seams.zero3_hook)
+        if self.cfg.options.timeline:
+            fsdp.timeline = []
         opt = shard_optimizer(fsdp.sharded_parameters(), torch.optim.Adam,
                               fsdp.master_shards(self.master_weights), self.offload, lr=self.cfg.lr)
-        return fsdp, opt, _Zero3Memory(fsdp, opt if self.offload else None)
-
-    def shards(self):
-        return [(u.layout, u.shard) for u in self.wrapper.units if u.shard is not None]
+        return fsdp, opt, _Zero3Shards(fsdp, opt, self.offload)
 
     def not_activations(self):
         """The gathered parameters: their storage comes and goes, so the meter cannot know them
@@ -312,26 +368,7 @@ class Zero3(_ZeroStrategy):
             out["hidden"] = [hidden_fraction(t) for t in self.steps_timeline]
         return out
 
-    def shard_optimizer(self):
-        return self.optimizer
-
     def final_state(self) -> dict | None:
         """The full weights, gathered on every rank (a collective), kept on rank 0."""
         state = self.wrapper.full_state_dict()
         return state if self.comm.rank == 0 else None
-
-
-class _Zero3Memory:
-    """The FSDP wrapper's shards plus, with offload, the host side."""
-
-    def __init__(self, fsdp: FullyShardedDataParallel, offload: HostOffload | None):
-        self.fsdp, self.offload = fsdp, offload
-        self.layouts = fsdp.layouts
-
-    def memory_tensors(self):
-        extra, host = self.fsdp.memory_tensors()
-        if self.offload is not None:
-            more, host = self.offload.memory_tensors()
-            extra = {k: extra.get(k, []) + more.get(k, []) for k in {*extra, *more}}
-        extra["gradients"] = [g for g in extra.get("gradients", []) if g is not None]
-        return extra, host

@@ -1,6 +1,6 @@
 """Lesson 04: ZeRO-3's gather → compute → free, drawn from a real run's timeline.
 
-Each rank's :class:`~minitrain.parallel.fsdp.FullyShardedDataParallel` (``record_timeline=True``)
+Each rank's :class:`~minitrain.parallel.fsdp.FullyShardedDataParallel` (its ``timeline`` set to a list)
 records, per unit, when its all-gather was issued and completed, when it computed, when its full
 parameters were freed and when its gradients were reduce-scattered.  ``unit_timeline_rows`` (pure)
 lines the ranks up on one clock in ms; ``plot_fsdp_timeline`` draws them: with prefetch the next

@@ -1,7 +1,7 @@
 """Lesson 02: DDP's overlap, drawn from a real run's timeline.
 
 Each rank's DDP wrapper records, per step, when backward started and ended and when each bucket's
-all-reduce started and completed (``DistributedDataParallel(record_timeline=True)``).
+all-reduce started and completed (a ``DistributedDataParallel``'s ``timeline``, set to a list).
 ``timeline_rows`` (pure) turns that into bars relative to the step's start; ``plot_ddp_timeline``
 draws compute and communication per rank, so you see the buckets leave while backward still runs.
 """

@@ -101,7 +101,7 @@ def _hooks_rank(fn, kind: str = "all_reduce", bucket_mb: float | None = None):
     from ...data import ArithmeticData, shard
     from ...model import GPT
     from ...parallel.data_parallel import DistributedDataParallel
-    from ...parallel.zero import ZeroRedundancyOptimizer
+    from ...parallel.zero import Zero2Optimizer
 
     grad_ready, end_of_backward = fn
     launches, delivered, ends = [], {}, {}
@@ -148,9 +148,8 @@ def _hooks_rank(fn, kind: str = "all_reduce", bucket_mb: float | None = None):
         holder["slots"] = ddp.slots
     else:
         ddp = model
-        zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, comm,
-                                       shard_gradients=True, bucket_cap_mb=cap,
-                                       bucket_hooks=(my_grad_ready, my_end_of_backward), lr=0.1)
+        zero = Zero2Optimizer(model.parameters(), torch.optim.SGD, comm, bucket_cap_mb=cap,
+                              zero2_hooks=(my_grad_ready, my_end_of_backward), lr=0.1)
         holder["slots"] = zero.reducer.slots
     for where in (f"rank {r}", f"rank {r}, in the second backward",
                   f"rank {r}, in a backward whose gradients arrived in another order"):

@@ -361,7 +361,7 @@ def _zero3_rank(fn):
     n, r = comm.size, comm.rank
     cfg = GPTConfig(**_MODEL)
     spy = _Spy(fn, comm)
-    fsdp = FullyShardedDataParallel(GPT(cfg, seed=0), comm, hook=spy)
+    fsdp = FullyShardedDataParallel(GPT(cfg, seed=0), comm, zero3_hook=spy)
     optimizer = torch.optim.Adam(fsdp.sharded_parameters(), lr=1e-2)
     data = ArithmeticData(cfg.seq_len, 0)
     try:

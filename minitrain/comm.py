@@ -4,9 +4,10 @@ A :class:`Comm` is a communicator in the MPI sense: one process group plus a :cl
 records every call and the bytes this rank puts on the wire under the ring algorithms of the cost
 model (:func:`ring_sent_bytes`).  Every technique in ``minitrain.parallel`` is handed a ``Comm``
 (never a global), so the tracer sees every byte it moves; ``comm.sub(group)`` is a sub-group's
-communicator sharing the tracer.  :func:`ring_all_reduce` is the ring written out with point-to-point
-sends (Patarasuk and Yuan, 2009, "Bandwidth Optimal All-reduce Algorithms for Clusters of
-Workstations"; Li et al., 2020, "PyTorch Distributed").
+communicator sharing the tracer, and ``comm.untraced`` the same one for calls that are not training
+traffic (a metric, a synchronisation).  :func:`ring_all_reduce` is the ring written out with
+point-to-point sends (Patarasuk and Yuan, 2009, "Bandwidth Optimal All-reduce Algorithms for
+Clusters of Workstations"; Li et al., 2020, "PyTorch Distributed").
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["Event", "Tracer", "Comm", "ring_all_reduce", "backend_all_reduce", "all_reduce_coalesced",
-           "ring_sent_bytes", "loopback_tx_bytes", "recording"]
+           "ring_sent_bytes", "loopback_tx_bytes"]
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the first names.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -84,16 +86,16 @@ def ring_sent_bytes(op: str, nbytes: int, n: int, rank: int = 0, root: int = 0) 
     raise ValueError(f"unknown op {op!r}")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Event:
-    """One traced call on one rank."""
+    """One traced call on one rank (built with keywords: ``Event(op="send", bytes=..., ...)``)."""
 
     op: str
-    bytes: int
-    sent_bytes: float
-    start: float
-    end: float
-    group: str
+    bytes: int = 0
+    sent_bytes: float = 0.0
+    start: float = 0.0
+    end: float = 0.0
+    group: str = ""
     peer: int | None = None
     tag: str = ""
     # what the projection (minitrain.planning.projection) replays: issue order, asynchronous issue and wait
@@ -105,8 +107,8 @@ class Event:
     ranks: tuple = ()                 # the group's global ranks (peer and root index it)
     channel: int = 0                  # point to point: the wire tag a send and its receive share
     root: int = 0                     # broadcast / reduce: the root's group rank
-    traced: bool = True               # False: an untraced collective (a metric, a barrier) seen
-    #                                   only while recording (:func:`recording`)
+    traced: bool = True               # False: a call through ``comm.untraced`` (a metric, a
+    #                                   barrier): not training traffic
 
     @property
     def seconds(self) -> float:
@@ -120,17 +122,24 @@ class Tracer:
     events: list[Event] = field(default_factory=list)
     enabled: bool = True
     t0: float = field(default_factory=time.perf_counter)
-    #: (time, kind, value) marks kept while recording: "step"/"step_end" around each training step,
-    #: "optimizer"/"optimizer_end" around each optimizer step (see :func:`recording`)
+    #: while ``recording`` (:func:`minitrain.planning.recording.recording` sets it, for the
+    #: projection): (time, kind, value) marks — "step"/"step_end" around each training step, and the
+    #: forwards', backwards' and optimizer steps' edges — and the calls made through
+    #: ``comm.untraced`` (not training traffic, so kept apart from ``events``)
     marks: list = field(default_factory=list)
-    #: the untraced collectives seen while recording (not training traffic: kept apart from events)
     untraced: list[Event] = field(default_factory=list)
     recording: bool = False
     _ids: itertools.count = field(default_factory=itertools.count, repr=False)
 
     def record(self, event: Event) -> None:
-        if self.enabled:
+        """Keep ``event``: in ``events``, or, for an untraced call, in ``untraced`` while
+        recording."""
+        if not self.enabled:
+            return
+        if event.traced:
             self.events.append(event)
+        elif self.recording:
+            self.untraced.append(event)
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -155,7 +164,7 @@ class Tracer:
 
     @contextmanager
     def paused(self):
-        """Calls inside this block are not recorded (e.g. reporting a metric)."""
+        """Calls inside this block are not recorded at all (e.g. gathering the trained weights)."""
         was, self.enabled = self.enabled, False
         try:
             yield
@@ -180,112 +189,9 @@ class Tracer:
                      group=e.group, peer=e.peer, tag=e.tag) for e in self.events]
 
 
-#: per thread: > 0 while a Comm call is running (its torch.distributed calls are its own event)
+#: per thread: > 0 while a Comm call is running (what it calls on torch.distributed is that call's
+#: own; the course's guards tell such calls from a learner's direct ones by it)
 _inside = threading.local()
-
-#: the torch.distributed collectives a strategy may call directly, untraced (a metric's all-reduce,
-#: a pipeline's barrier): while :func:`recording`, they are noted too, because they synchronise
-_UNTRACED = ("all_reduce", "broadcast", "barrier", "all_to_all_single", "reduce", "all_gather",
-             "all_gather_into_tensor", "reduce_scatter_tensor")
-
-
-def _untraced_call(tracer: "Tracer", name: str, fn):
-    def call(*args, **kwargs):
-        if getattr(_inside, "depth", 0) or not (tracer.enabled and tracer.recording):
-            return fn(*args, **kwargs)
-        group = kwargs.get("group")
-        tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        nbytes = _nbytes(tensor) if tensor is not None else 0
-        ranks = tuple(range(dist.get_world_size()) if group is None
-                      else dist.get_process_group_ranks(group))
-        start = time.perf_counter()
-        _inside.depth = getattr(_inside, "depth", 0) + 1
-        try:
-            out = fn(*args, **kwargs)
-            if kwargs.get("async_op") and out is not None:
-                out.wait()
-        finally:
-            _inside.depth -= 1
-        op = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
-              "all_to_all_single": "all_to_all"}.get(name, name)
-        if tracer.enabled:
-            tracer.untraced.append(Event(op, nbytes, 0.0, start, time.perf_counter(), "untraced",
-                                         None, "untraced", tracer.next_id(), False, None, None,
-                                         None, ranks, 0, 0, False))
-        return out
-    return call
-
-
-@contextmanager
-def recording(tracer: "Tracer"):
-    """Record what :mod:`minitrain.planning.projection` needs to re-time a run, cheaply, while the block runs:
-    each forward's, backward's and optimizer step's start and end (``tracer.marks``: a forward is
-    the outermost module call outside backward; a backward, ``torch.autograd.backward``; a
-    recomputation inside it belongs to it), and the collectives that strategies call on
-    ``torch.distributed`` directly, untraced (metrics, a pipeline's barrier: they synchronise the
-    ranks), as events with ``traced=False`` in ``tracer.untraced`` — apart from ``tracer.events``,
-    the training traffic.  Every Comm call is recorded as always, with its issue order,
-    asynchronous issue and wait.  Restores everything on exit."""
-    import torch.autograd
-    from torch.nn.modules.module import (register_module_forward_hook,
-                                         register_module_forward_pre_hook)
-    from torch.optim.optimizer import (register_optimizer_step_post_hook,
-                                       register_optimizer_step_pre_hook)
-
-    depth = [0]
-    modules, in_backward = [0], [False]
-
-    def enter(*_):
-        if not in_backward[0]:
-            if modules[0] == 0:
-                tracer.mark("forward")
-            modules[0] += 1
-
-    def leave(*_):
-        if not in_backward[0] and modules[0] > 0:
-            modules[0] -= 1
-            if modules[0] == 0:
-                tracer.mark("forward_end")
-
-    autograd_backward = torch.autograd.backward
-
-    def backward(*args, **kwargs):
-        if in_backward[0]:
-            return autograd_backward(*args, **kwargs)
-        in_backward[0] = True
-        tracer.mark("backward")
-        try:
-            return autograd_backward(*args, **kwargs)
-        finally:
-            tracer.mark("backward_end")
-            in_backward[0] = False
-
-    def before(*_):
-        if depth[0] == 0:
-            tracer.mark("optimizer")
-        depth[0] += 1
-
-    def after(*_):
-        depth[0] -= 1
-        if depth[0] == 0:
-            tracer.mark("optimizer_end")
-
-    saved = {name: getattr(dist, name) for name in _UNTRACED if hasattr(dist, name)}
-    handles = [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after),
-               register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
-    was, tracer.recording = tracer.recording, True
-    for name, fn in saved.items():
-        setattr(dist, name, _untraced_call(tracer, name, fn))
-    torch.autograd.backward = backward
-    try:
-        yield tracer
-    finally:
-        tracer.recording = was
-        torch.autograd.backward = autograd_backward
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
-        for h in handles:
-            h.remove()
 
 
 class _TracedWork:
@@ -332,12 +238,15 @@ class Comm:
         group: a ``torch.distributed`` process group (``None``: the default, whole-world group).
         tracer: where calls are recorded (a new one if not given).
         name: label for the group in the trace (``"world"``, ``"dp"``, ``"tp"``...).
+        traced: False for calls that are not training traffic (see :attr:`untraced`).
     """
 
-    def __init__(self, group=None, tracer: Tracer | None = None, name: str = "world"):
+    def __init__(self, group=None, tracer: Tracer | None = None, name: str = "world",
+                 traced: bool = True):
         self.group = group
         self.tracer = tracer if tracer is not None else Tracer()
         self.name = name
+        self.traced = traced
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.ranks = tuple(range(dist.get_world_size()) if group is None
@@ -345,7 +254,16 @@ class Comm:
 
     def sub(self, group, name: str) -> "Comm":
         """A communicator over ``group`` that records into the same tracer."""
-        return Comm(group, self.tracer, name)
+        return Comm(group, self.tracer, name, self.traced)
+
+    @cached_property
+    def untraced(self) -> "Comm":
+        """This communicator for calls that are not training traffic — a metric's all-reduce, a
+        barrier: ``comm.untraced.all_reduce(loss)``.  They stay out of the tracer's ``events``
+        (and so out of its byte summary, which the lessons compare with the cost model); while
+        recording for the projection they are kept in ``tracer.untraced``, with ``traced=False``
+        and the group ``"untraced"``, because they make the ranks wait for each other."""
+        return self if not self.traced else Comm(self.group, self.tracer, self.name, traced=False)
 
     def global_rank(self, group_rank: int) -> int:
         """The world rank of this group's rank ``group_rank``."""
@@ -365,9 +283,12 @@ class Comm:
         returned = [None]
 
         def done(end, wait_start=None, wait_end=None):
-            self.tracer.record(Event(op, nbytes, sent, start, end, self.name, peer, tag, ident,
-                                     async_op, returned[0], wait_start, wait_end, self.ranks,
-                                     channel, root))
+            self.tracer.record(Event(
+                op=op, bytes=nbytes, sent_bytes=sent, start=start, end=end, peer=peer, id=ident,
+                group=self.name if self.traced else "untraced",
+                tag=tag or ("" if self.traced else "untraced"), async_op=async_op,
+                returned=returned[0], wait_start=wait_start, wait_end=wait_end, ranks=self.ranks,
+                channel=channel, root=root, traced=self.traced))
 
         _inside.depth = getattr(_inside, "depth", 0) + 1  # what the calls below do is this event
         try:
@@ -399,7 +320,7 @@ class Comm:
         got = sender[0] if sender and sender[0] is not None and sender[0] >= 0 else src
         if src is None and self.group is not None:
             got = dist.get_group_rank(self.group, got)
-        if src is None and self.tracer.enabled and self.tracer.events:
+        if src is None and self.traced and self.tracer.enabled and self.tracer.events:
             self.tracer.events[-1].peer = got
         return got
 

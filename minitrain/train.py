@@ -20,10 +20,11 @@ import torch.distributed as dist
 
 from .checkpoint.core import load_checkpoint, maybe_save
 from .checkpoint.checks import SaveDirLock, check_checkpoint_config, clear_save_dir
-from .comm import Comm, Tracer, recording
+from .comm import Comm, Tracer
 from .data import ArithmeticData
 from .runtime.launch import Cluster
 from .memory import rss_bytes
+from .planning.recording import recording
 from .strategies import (ConfigError, FreeRunning, Seams, Strategy, TrainConfig, check_strategy,
                          get_strategy)
 from .strategies.options import did_you_mean
@@ -117,7 +118,7 @@ def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False, seams=N
     comm.tracer.clear()
     report = on_step if comm.rank == 0 else None
     if record_events:
-        with recording(comm.tracer):
+        with recording(strategy):
             losses, times = fit(strategy, data, report)
     else:
         losses, times = fit(strategy, data, report)

@@ -17,7 +17,6 @@ from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ..comm import Comm
@@ -47,7 +46,7 @@ def comm_for(comm: Comm | None, process_group) -> Comm:
 def mean_over_ranks(loss: torch.Tensor, comm: Comm) -> float:
     """Mean of the ranks' losses (untraced: a metric, not training traffic)."""
     t = loss.detach().clone()
-    dist.all_reduce(t, group=comm.group)
+    comm.untraced.all_reduce(t)
     return t.item() / comm.size
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -325,14 +324,14 @@ class PipelineExecutor:
         """After a barrier, rank 0's clock reading, for every rank: one time origin for the step.
         (``perf_counter`` is the machine's monotonic clock, shared by the ranks of one host;
         each rank's own reading after the barrier could differ by milliseconds.)"""
-        dist.barrier(group=self.comm.group)
+        self.comm.untraced.barrier()
         t0 = torch.tensor([time.perf_counter()], dtype=torch.float64)
-        dist.broadcast(t0, self.comm.global_rank(0), group=self.comm.group)
+        self.comm.untraced.broadcast(t0, 0)
         return t0.item()
 
     def _global_loss(self) -> float:
         """The last stage's summed loss, broadcast to every rank (a metric: untraced)."""
         total = (torch.stack(self.losses).sum().float() if self.losses
                  else torch.zeros((), device=self.device))
-        dist.broadcast(total, self.comm.global_rank((self.S - 1) % self.P), group=self.comm.group)
+        self.comm.untraced.broadcast(total, (self.S - 1) % self.P)
         return total.item()

@@ -247,7 +247,7 @@ class ThreeD(Lockstep):
         if self.mesh.cp is not None:  # each cp rank's gradients and loss: its tokens' share
             all_reduce_coalesced([p.grad for p in self.model.parameters() if p.grad is not None],
                                  self.mesh.cp, tag="grads over cp")
-            dist.all_reduce(loss, group=self.mesh.cp.group)  # a metric: untraced
+            self.mesh.cp.untraced.all_reduce(loss)  # a metric
         if self.sequence_parallel:
             for stage in self.stages.values():
                 all_reduce_sequence_parallel_grads(stage, self.mesh.tp)

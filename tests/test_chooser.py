@@ -294,3 +294,38 @@ def test_the_lesson_08_exercise_checks_every_term_of_the_step_time_somewhere():
             sum(time[t] for t in TERMS[:-1]))
         seen |= {t for t in TERMS[:-1] if time[t] > 0}
     assert seen == set(TERMS[:-1])
+
+
+def test_the_chooser_prices_on_the_clusters_presets():
+    """One hardware model: the compute at the preset device's sustained rate, the memory against
+    its memory, offload against its node's host (and refused where the cluster names none)."""
+    from minitrain.planning.clusters import get_cluster
+
+    job, layout = Workload(seq_len=2048, global_batch=64, micro_batch=1), Layout(dp=8)
+    for name in ("dgx-a100", "dgx-h100"):
+        spec = get_cluster(name)
+        c = evaluate(GPT2_XL, spec, job, layout)
+        assert c.time["compute"] == pytest.approx(
+            8 * 6 * 1.5e9 * 2048 / spec.device.flop_rate())  # m = 8 micro-batches
+    off = evaluate(LLAMA_7B, ONE_H100, Workload(), Layout(offload=True))
+    assert off.feasible and off.memory["host_per_node"] == pytest.approx(12 * 7e9)
+    assert off.time["offload"] == pytest.approx(2 * 2 * 7e9 / ONE_H100.host.pcie
+                                                + 7e9 / ONE_H100.host.adam_params_per_s)
+    eth = get_cluster("eth-25g")  # commodity nodes: no host named
+    assert evaluate(GPT2_XL, eth, Workload(global_batch=64), Layout(dp=16, zero=2, offload=True)
+                    ).rejected.startswith("no host to offload to")
+
+
+def test_a_model_description_from_a_gpt_config():
+    from minitrain.model import GPTConfig
+    from minitrain.planning.scaling import MODEL_SIZES
+
+    cfg = MODEL_SIZES["1.3b"]
+    spec = ModelSpec.from_config(cfg)
+    assert (spec.params, spec.layers, spec.hidden, spec.heads) == (
+        cfg.num_params(), 24, 2048, 16) and spec.experts == 0
+    moe = GPTConfig(n_layer=4, n_head=4, d_model=256, n_expert=8, top_k=2)
+    m = ModelSpec.from_config(moe)
+    assert m.experts == 8 and m.top_k == 2
+    assert m.expert_params == 4 * 8 * moe.mlp_params()
+    assert m.active_params == pytest.approx(moe.num_params() - 4 * 6 * moe.mlp_params())

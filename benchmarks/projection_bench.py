@@ -30,7 +30,7 @@
     to the H100.  The H100 checks (Megatron-LM's table, torchtitan) are measurements not used to set
     any number, but their fraction is that same A100 anchor carried over.
 (c) One model, not two: the projection of a small run scaled to a layout the chooser prices
-    (:func:`minitrain.planning.chooser.evaluate` on the same preset's numbers) against the chooser's step
+    (:func:`minitrain.planning.chooser.evaluate` on the same preset) against the chooser's step
     time, within 20 %.
 
     python benchmarks/projection_bench.py [--steps 10] [--only a|b|c]
@@ -205,9 +205,8 @@ def one_model(get, steps: int) -> list[float]:
     print("\n(c) one model: the chooser's step time and the projection of a small run of the "
           "same layout (dgx-h100, GPT 1.3B, sequence 2048)")
     spec = get_cluster("dgx-h100")
-    hw = spec.hardware()
     cfg = MODEL_SIZES["1.3b"]
-    model = ModelSpec(cfg.num_params(), cfg.n_layer, cfg.d_model, cfg.n_head)
+    model = ModelSpec.from_config(cfg)
     ratios = []
     cases = [
         ("DP 8 (ddp), 8 sequences per replica", Layout(dp=8), Workload(2048, 64, 8),
@@ -219,7 +218,7 @@ def one_model(get, steps: int) -> list[float]:
               options={"dp": 2, "pp": 2, "tp": 2, "microbatches": 8}), None),
     ]
     for label, layout, job, kw, degrees in cases:
-        chosen = evaluate(model, hw, job, layout)
+        chosen = evaluate(model, spec, job, layout)
         run = train(steps=max(3, steps // 2), cluster=get(kw["world_size"]), record_events=True,
                     **kw)
         p = project(run, spec, cfg, degrees=degrees)

@@ -17,7 +17,7 @@ import torch
 
 __all__ = [
     "DTYPE_BYTES", "RECIPES", "bytes_per_param", "model_state_bytes", "activation_bytes_per_layer",
-    "ledger", "ActivationMeter", "rss_bytes", "GB",
+    "memory_per_device", "ledger", "ActivationMeter", "rss_bytes", "GB",
 ]
 
 GB = 1e9  # the ZeRO paper and the lessons use decimal gigabytes
@@ -62,6 +62,26 @@ def model_state_bytes(psi: float, n: int = 1, zero_stage: int = 0,
         "optimizer_states": psi * k / (n if zero_stage >= 1 else 1),
     }
     out["total"] = sum(out.values())
+    return out
+
+
+def memory_per_device(params: float, dp: int = 1, zero_stage: int = 0, recipe: str = "mixed-adam",
+                      activations: float = 0.0, gathered: float = 0.0,
+                      offload: bool = False) -> dict:
+    """Bytes one device holds: the model states of the ``params`` parameters it keeps, sharded by
+    ZeRO stage ``zero_stage`` over ``dp`` data-parallel ranks (:func:`model_state_bytes`), its
+    ``activations``, and ``gathered``, the weights ZeRO-3 gathers for the layer computing.  With
+    ``offload`` (ZeRO-Offload) the optimizer states — fp32 master weights and Adam's moments — live
+    in host memory instead.  Returns ``{"parameters", "gradients", "optimizer_states",
+    "activations", "zero3_gathered", "total", "host"}``; ``host`` is not part of ``total``.
+    """
+    states = model_state_bytes(params, dp, zero_stage, recipe)
+    host = states["optimizer_states"] if offload else 0.0
+    out = {"parameters": states["parameters"], "gradients": states["gradients"],
+           "optimizer_states": 0.0 if offload else states["optimizer_states"],
+           "activations": activations, "zero3_gathered": gathered}
+    out["total"] = sum(out.values())
+    out["host"] = host
     return out
 
 

@@ -2,11 +2,13 @@
 on Multiple GPUs", row by row, from the memory and cost models — not looked up — plus the formulas it
 prices with, its rules, and the widget's pure parts."""
 
+from dataclasses import replace
+
 import pytest
 
-from minitrain.planning.chooser import (ETHERNET, GPT2_XL, GPT3, IB, LLAMA_7B, LLAMA_13B, LONG, NODE,
-                               ONE_H100, SCENARIO_TABLE, SCENARIOS, Hardware, Layout, ModelSpec,
-                               Workload, choose, evaluate, layouts, links_fast, scenario)
+from minitrain.planning.chooser import (ETHERNET, GPT2_XL, GPT3, LLAMA_7B, LLAMA_13B, LONG, NODE,
+                               ONE_H100, SCENARIO_TABLE, SCENARIOS, Layout, ModelSpec,
+                               Workload, choose, evaluate, h100_nodes, layouts, links_fast, scenario)
 from minitrain.memory import GB, activation_bytes_per_layer, model_state_bytes
 from minitrain.viz.chooser import candidate_rows, recommendation_html
 
@@ -29,8 +31,8 @@ def test_one_machine_that_fits_prefers_ddp_and_names_zero_as_an_alternative():
 
 
 def test_the_same_model_crosses_nodes_with_zero_on_fast_links_and_with_pp_on_slow_ones():
-    fast = choose(LLAMA_13B, Hardware(nodes=4, inter_node_gbps=IB), LONG)
-    slow = choose(LLAMA_13B, Hardware(nodes=4, inter_node_gbps=ETHERNET), LONG)
+    fast = choose(LLAMA_13B, h100_nodes(4), LONG)
+    slow = choose(LLAMA_13B, h100_nodes(4, ETHERNET), LONG)
     assert fast.layout.pp == fast.layout.tp == 1 and fast.layout.zero >= 1
     assert slow.layout.pp > 1 and slow.layout.zero <= 1
     links = slow.best.comm["links"]
@@ -39,15 +41,17 @@ def test_the_same_model_crosses_nodes_with_zero_on_fast_links_and_with_pp_on_slo
 
 
 def test_slow_links_put_pipeline_stages_across_nodes_and_tensor_parallel_inside():
-    rec = choose(GPT3, Hardware(nodes=16, inter_node_gbps=ETHERNET))
+    rec = choose(GPT3, h100_nodes(16, ETHERNET))
     assert rec.best.comm["links"] == {"dp": "intra-node", "pp": "inter-node", "tp": "intra-node"}
     assert rec.layout.tp <= 8 and rec.layout.zero == 1
 
 
 def test_links_are_fast_when_zero3_traffic_hides_behind_a_micro_batch():
-    fast, need = links_fast(Hardware(nodes=2, inter_node_gbps=400), Workload(2048, 512, 4))
-    assert need == pytest.approx(400e12 / (2048 * 4)) and fast  # 48.8 GB/s needed, 50 there
-    assert not links_fast(Hardware(nodes=2, inter_node_gbps=400), Workload(2048, 512, 1))[0]
+    hw = h100_nodes(2)  # 48 GB/s per GPU between nodes
+    fast, need = links_fast(hw, Workload(2048, 512, 8))
+    assert need == pytest.approx(hw.device.flop_rate() / (2048 * 8)) and fast  # 24.5 GB/s needed
+    slow, need = links_fast(hw, Workload(2048, 512, 4))
+    assert need == pytest.approx(49.0e9, rel=1e-2) and not slow  # 49.0 GB/s needed, 48 there
 
 
 # --------------------------------------------------------------------------------------------------
@@ -110,7 +114,7 @@ def test_zero2_and_zero3_pay_per_micro_batch_dp_once_per_step():
 ])
 def test_rules_reject_with_the_reason(layout, rule):
     model = ModelSpec(1.5e9, 12, 1600, 16)  # 16 heads, 12 layers
-    c = evaluate(model, Hardware(nodes=2), Workload(global_batch=24), layout)
+    c = evaluate(model, h100_nodes(2), Workload(global_batch=24), layout)
     assert not c.feasible and c.rejected.startswith(rule), c.rejected
 
 
@@ -133,7 +137,7 @@ def test_nothing_fits_says_what_the_smallest_needs():
 
 
 def test_every_layout_is_enumerated_once():
-    lays = layouts(Hardware(nodes=2, devices_per_node=4))
+    lays = layouts(replace(h100_nodes(2), devices_per_node=4))
     assert len(lays) == len(set(lays))
     assert all(lay.dp * lay.pp * lay.tp == 8 for lay in lays)
 
@@ -142,7 +146,7 @@ def test_every_layout_is_enumerated_once():
     (dict(model=ModelSpec(1e9, 0, 1024, 8)), "layers must be positive"),
     (dict(model=ModelSpec(1e9, 8, 1000, 16)), "not divisible by heads=16"),
     (dict(job=Workload(global_batch=0)), "global_batch must be positive"),
-    (dict(hw=Hardware(nodes=0)), "nodes must be positive"),
+    (dict(hw=replace(NODE, nodes=0)), "nodes must be positive"),
 ])
 def test_bad_inputs_are_refused_naming_the_fix(bad, message):
     args = {"model": GPT2_XL, "hw": NODE, "job": Workload(), **bad}
@@ -209,7 +213,7 @@ MOE_47B = ModelSpec(47e9, 32, 4096, 32, experts=8, top_k=2, expert_params=45e9)
 
 
 def test_a_mixture_of_experts_gets_expert_parallelism_inside_a_node():
-    hw = Hardware(nodes=4, inter_node_gbps=IB)
+    hw = h100_nodes(4)
     rec = choose(MOE_47B, hw, Workload(seq_len=4096, global_batch=512))
     lay = rec.layout
     assert rec.ep > 1 and MOE_47B.experts % rec.ep == 0 and lay.dp % rec.ep == 0
@@ -224,7 +228,7 @@ def test_a_mixture_of_experts_gets_expert_parallelism_inside_a_node():
 def test_moe_compute_is_priced_on_the_active_parameters():
     dense = ModelSpec(47e9, 32, 4096, 32)
     lay = Layout(dp=1, pp=4, tp=8)
-    hw = Hardware(nodes=4)
+    hw = h100_nodes(4)
     a = evaluate(MOE_47B, hw, LONG, lay).time["compute"]
     b = evaluate(dense, hw, LONG, lay).time["compute"]
     assert a / b == pytest.approx(MOE_47B.active_params / 47e9)
@@ -241,16 +245,16 @@ def test_the_widget_shows_cp_and_ep():
     rec = choose(GPT2_XL, NODE, Workload(seq_len=32768, global_batch=64))
     page = recommendation_html(rec)
     assert "CP 2" in page and "--strategy context" in page and "long sequence" in page
-    moe = choose(MOE_47B, Hardware(nodes=4, inter_node_gbps=IB), Workload(seq_len=4096, global_batch=512))
+    moe = choose(MOE_47B, h100_nodes(4), Workload(seq_len=4096, global_batch=512))
     assert f"EP {moe.ep}" in recommendation_html(moe)
 
 
 def test_when_not_even_a_layer_fits_whole_layers_are_not_kept_on_every_device():
     """The source's row: the largest layer does not fit one GPU -> TP (or ZeRO-3's gather of one
     layer at a time); a layout that keeps every whole layer on every device is rejected, saying why."""
-    from minitrain.planning.chooser import WIDE, Hardware, scenario
+    from minitrain.planning.chooser import NODE_24GB, WIDE, scenario
 
-    hw = Hardware(device_memory_gb=24)
+    hw = NODE_24GB
     assert scenario(WIDE, hw) == "one-node-layer-too-big"
     rec = choose(WIDE, hw)
     assert rec.layout.tp > 1 or rec.layout.zero == 3
@@ -259,22 +263,21 @@ def test_when_not_even_a_layer_fits_whole_layers_are_not_kept_on_every_device():
     assert not [c for c in rec.candidates if c.feasible and c.layout.tp == 1 and c.layout.zero < 3]
 
 
-def test_links_and_memory_per_device_are_what_evaluate_prices_with():
-    """Lesson 08's exercise prices layouts with ``links`` and keeps those ``memory_per_device``
+def test_links_and_layout_memory_are_what_evaluate_prices_with():
+    """Lesson 08's exercise prices layouts with ``links`` and keeps those ``layout_memory``
     lets fit: the same numbers ``evaluate`` uses (one cost model)."""
-    from minitrain.planning.chooser import USABLE, links, memory_per_device
+    from minitrain.planning.chooser import USABLE, layout_memory, links
 
-    hw = Hardware(nodes=4, inter_node_gbps=IB)
-    inside, across = (hw.intra_node_gbps * 1e9, hw.latency_intra_s), (hw.inter_per_device_bps(),
-                                                                      hw.latency_inter_s)
+    hw = h100_nodes(4)
+    inside, across = (hw.intra.busbw, hw.intra.alpha), (hw.inter.busbw, hw.inter.alpha)
     assert links(Layout(4, 8, 1), hw) == {"tp": inside, "dp": inside, "pp": across}
     assert links(Layout(4, 8, 1, outer="dp"), hw) == {"tp": inside, "dp": across, "pp": inside}
     assert links(Layout(32, 1, 1), hw)["dp"] == across
     for layout in (Layout(32, 1, 1, 1), Layout(4, 4, 2, 1), Layout(8, 4, 1)):
         cand = evaluate(LLAMA_13B, hw, Workload(), layout)
-        assert memory_per_device(LLAMA_13B, hw, Workload(), layout) == cand.memory["total"]
-        assert (cand.memory["total"] <= USABLE * hw.device_memory_gb * GB) == cand.feasible
-    assert memory_per_device(LLAMA_13B, hw, Workload(global_batch=30), Layout(32, 1, 1)) == float("inf")
+        assert layout_memory(LLAMA_13B, hw, Workload(), layout) == cand.memory["total"]
+        assert (cand.memory["total"] <= USABLE * hw.device.memory_gb * GB) == cand.feasible
+    assert layout_memory(LLAMA_13B, hw, Workload(global_batch=30), Layout(32, 1, 1)) == float("inf")
 
 
 def test_the_lesson_08_exercise_checks_every_term_of_the_step_time_somewhere():
@@ -291,3 +294,38 @@ def test_the_lesson_08_exercise_checks_every_term_of_the_step_time_somewhere():
             sum(time[t] for t in TERMS[:-1]))
         seen |= {t for t in TERMS[:-1] if time[t] > 0}
     assert seen == set(TERMS[:-1])
+
+
+def test_the_chooser_prices_on_the_clusters_presets():
+    """One hardware model: the compute at the preset device's sustained rate, the memory against
+    its memory, offload against its node's host (and refused where the cluster names none)."""
+    from minitrain.planning.clusters import get_cluster
+
+    job, layout = Workload(seq_len=2048, global_batch=64, micro_batch=1), Layout(dp=8)
+    for name in ("dgx-a100", "dgx-h100"):
+        spec = get_cluster(name)
+        c = evaluate(GPT2_XL, spec, job, layout)
+        assert c.time["compute"] == pytest.approx(
+            8 * 6 * 1.5e9 * 2048 / spec.device.flop_rate())  # m = 8 micro-batches
+    off = evaluate(LLAMA_7B, ONE_H100, Workload(), Layout(offload=True))
+    assert off.feasible and off.memory["host_per_node"] == pytest.approx(12 * 7e9)
+    assert off.time["offload"] == pytest.approx(2 * 2 * 7e9 / ONE_H100.host.pcie
+                                                + 7e9 / ONE_H100.host.adam_params_per_s)
+    eth = get_cluster("eth-25g")  # commodity nodes: no host named
+    assert evaluate(GPT2_XL, eth, Workload(global_batch=64), Layout(dp=16, zero=2, offload=True)
+                    ).rejected.startswith("no host to offload to")
+
+
+def test_a_model_description_from_a_gpt_config():
+    from minitrain.model import GPTConfig
+    from minitrain.planning.scaling import MODEL_SIZES
+
+    cfg = MODEL_SIZES["1.3b"]
+    spec = ModelSpec.from_config(cfg)
+    assert (spec.params, spec.layers, spec.hidden, spec.heads) == (
+        cfg.num_params(), 24, 2048, 16) and spec.experts == 0
+    moe = GPTConfig(n_layer=4, n_head=4, d_model=256, n_expert=8, top_k=2)
+    m = ModelSpec.from_config(moe)
+    assert m.experts == 8 and m.top_k == 2
+    assert m.expert_params == 4 * 8 * moe.mlp_params()
+    assert m.active_params == pytest.approx(moe.num_params() - 4 * 6 * moe.mlp_params())

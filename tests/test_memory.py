@@ -6,7 +6,7 @@ import torch
 
 from minitrain import GPT, PRESETS, ArithmeticData, GPTConfig
 from minitrain.memory import (GB, ActivationMeter, activation_bytes_per_layer, bytes_per_param,
-                              ledger, model_state_bytes)
+                              ledger, memory_per_device, model_state_bytes)
 
 
 def test_the_tiny_models_ledger_equals_the_formula_exactly():
@@ -51,6 +51,18 @@ def test_sixteen_bytes_per_parameter_arithmetic():
     # FP8 weights and gradients leave the fp32 optimizer states: 14 bytes, not 16
     fp8 = model_state_bytes(7e9, recipe="fp8-adam")
     assert fp8["total"] == 14 * 7e9 and fp8["optimizer_states"] == model_state_bytes(7e9)["optimizer_states"]
+
+
+def test_memory_per_device_is_the_states_the_activations_and_the_gathered_layer():
+    """One device's bytes: ZeRO's states of its share, what it keeps for backward, ZeRO-3's
+    gathered layer; offload moves the optimizer states (12 of the 16 bytes) to the host."""
+    psi, n = 7e9, 8
+    mem = memory_per_device(psi, n, 3, activations=5 * GB, gathered=1 * GB)
+    assert mem["total"] == pytest.approx(16 * psi / n + 6 * GB)
+    assert mem["host"] == 0.0 and mem["zero3_gathered"] == 1 * GB
+    off = memory_per_device(psi, n, 2, offload=True)
+    assert off["optimizer_states"] == 0.0 and off["host"] == pytest.approx(12 * psi / n)
+    assert off["total"] == pytest.approx(2 * psi + 2 * psi / n)  # the host's bytes not counted
 
 
 def test_formula_inputs_are_checked():

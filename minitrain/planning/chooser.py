@@ -20,11 +20,12 @@ degrees, ZeRO stage, offload, activation checkpointing, which dimension crosses 
 prices each with the course's models, and rejects or ranks it — and the table falls out, which
 ``tests/test_chooser.py`` checks row by row.  The pricing:
 
-* **memory per device** — :func:`minitrain.memory.model_state_bytes` (16 bytes per parameter in
-  mixed-precision Adam; ZeRO's 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N over the DP group) on the Ψ/(TP·PP)
-  parameters a model-parallel rank holds, plus :func:`~minitrain.memory.activation_bytes_per_layer`
-  (Korthikanti et al., 2022) for the micro-batches 1F1B keeps in flight on the first stage
-  (min(PP, m) of them: as many layers' worth as the whole model), plus ZeRO-3's gathered layer;
+* **memory per device** — :func:`minitrain.memory.memory_per_device`, as the projection's: the
+  model states (16 bytes per parameter in mixed-precision Adam; ZeRO's 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N
+  over the DP group) of the Ψ/(TP·PP) parameters a model-parallel rank holds, plus
+  :func:`~minitrain.memory.activation_bytes_per_layer` (Korthikanti et al., 2022) for the
+  micro-batches 1F1B keeps in flight on the first stage (min(PP, m) of them: as many layers'
+  worth as the whole model), plus ZeRO-3's gathered layer;
   10 % of the device is kept free for temporary buffers and fragmentation;
 * **communication per step** — the ring model of lesson 01 (:mod:`minitrain.planning.costmodel`, α-β):
   DP's all-reduce moves 2(N−1)/N·Ψ once per step (gradients accumulate locally over the m
@@ -33,10 +34,11 @@ prices each with the course's models, and rejects or ranks it — and the table 
   twice per layer forward and twice backward (Megatron; Shoeybi et al., 2019), per micro-batch;
   PP sends each micro-batch's activation forward and its gradient back, point to point;
 * **time per step** — compute (6Ψ FLOPs per token, ×4/3 with recomputation) at the device's
-  sustained rate, stretched by the pipeline bubble (p−1)/(m+p−1), plus the communication that
-  cannot hide behind compute: TP's all-reduces are on the critical path; DP's gradient sync hides
-  behind the last micro-batch's backward, ZeRO-2/3's per-micro-batch traffic behind each
-  micro-batch's compute (prefetch), PP's sends behind the next micro-batch's compute.
+  sustained rate (:meth:`minitrain.planning.clusters.Device.flop_rate`), stretched by the
+  pipeline bubble (p−1)/(m+p−1), plus the communication that cannot hide behind compute: TP's
+  all-reduces are on the critical path; DP's gradient sync hides behind the last micro-batch's
+  backward, ZeRO-2/3's per-micro-batch traffic behind each micro-batch's compute (prefetch),
+  PP's sends behind the next micro-batch's compute.
 
 The rules, and why (each rejected layout says which one it broke):
 
@@ -51,6 +53,11 @@ The rules, and why (each rejected layout says which one it broke):
   among those the simplest wins — the least model parallelism (TP·PP), then the lowest ZeRO stage,
   no offload, no recomputation — since DP is the simplest and scales (Narayanan et al., 2021,
   "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM").
+
+The hardware is a :class:`~minitrain.planning.clusters.ClusterSpec` — a preset of
+:mod:`minitrain.planning.clusters` (``get_cluster("ib-h100x4")``), the numbers the projection
+re-times runs with: the device's FLOP rate and memory, each link's bus bandwidth and α per ring
+step, and the host a node offloads to.
 
 Links between nodes are "fast" when ZeRO-3's traffic — two all-gathers of the weights and a
 reduce-scatter of the gradients per micro-batch — can hide behind a micro-batch's compute: each
@@ -69,15 +76,17 @@ behind controls.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
+from .clusters import ETH25, NDR, ClusterSpec, Link, get_cluster
 from .costmodel import collective_seconds, compute_seconds
-from ..memory import GB, activation_bytes_per_layer, model_state_bytes
+from ..memory import GB, activation_bytes_per_layer, memory_per_device, model_state_bytes
+from ..model import GPTConfig
 
-__all__ = ["ModelSpec", "Workload", "Hardware", "Layout", "Candidate", "Recommendation", "SCENARIOS",
+__all__ = ["ModelSpec", "Workload", "Layout", "Candidate", "Recommendation", "SCENARIOS",
            "SCENARIO_TABLE",
-           "choose", "evaluate", "layouts", "scenario", "links_fast", "links", "memory_per_device",
-           "TOLERANCE", "USABLE"]
+           "choose", "evaluate", "layouts", "scenario", "links_fast", "links", "layout_memory",
+           "h100_nodes", "TOLERANCE", "USABLE"]
 
 #: layouts within this fraction of the fastest count as equally fast (the simplest of them wins)
 TOLERANCE = 0.05
@@ -105,7 +114,9 @@ SCENARIOS = {
 class ModelSpec:
     """A transformer's size: parameters Ψ, layers, hidden size h, attention heads a; for a
     mixture of experts, ``experts`` per MoE layer, ``top_k`` of them per token, and
-    ``expert_params``, the parameters inside all the experts (part of Ψ)."""
+    ``expert_params``, the parameters inside all the experts (part of Ψ).  :meth:`from_config`
+    reads them off a :class:`~minitrain.model.GPTConfig`; the published models below give their
+    published parameter counts (LLaMA's gated MLPs are not a GPTConfig's)."""
 
     params: float
     layers: int
@@ -114,6 +125,15 @@ class ModelSpec:
     experts: int = 0
     top_k: int = 1
     expert_params: float = 0.0
+
+    @classmethod
+    def from_config(cls, cfg: GPTConfig) -> ModelSpec:
+        """The description of ``cfg`` (e.g. one of :data:`minitrain.planning.scaling.MODEL_SIZES`):
+        its parameters counted from its shapes."""
+        if not cfg.n_expert:
+            return cls(cfg.num_params(), cfg.n_layer, cfg.d_model, cfg.n_head)
+        return cls(cfg.num_params(), cfg.n_layer, cfg.d_model, cfg.n_head, cfg.n_expert, cfg.top_k,
+                   cfg.n_layer * cfg.n_expert * cfg.mlp_params())
 
     @property
     def active_params(self) -> float:
@@ -138,33 +158,6 @@ class Workload:
     global_batch: int = 512
     micro_batch: int = 1
     recipe: str = "mixed-adam"
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """The cluster.  Bandwidths in GB/s (decimal) in each direction: ``intra_node_gbps`` per
-    device (NVLink), ``inter_node_gbps`` per node (all its network cards: 8×400 Gb/s InfiniBand
-    = 400 GB/s; one 100 Gb/s Ethernet = 12.5 GB/s), shared by the node's devices.  Defaults: a
-    DGX H100-like node at 40 % of its 989 bf16 TFLOP/s."""
-
-    device_memory_gb: float = 80
-    devices_per_node: int = 8
-    nodes: int = 1
-    intra_node_gbps: float = 450
-    inter_node_gbps: float = 400
-    device_tflops: float = 400
-    host_memory_gb: float = 2048  # per node: what offload may use
-    pcie_gbps: float = 25         # host <-> device, per device
-    cpu_adam_params_per_s: float = 1e9  # per device's share of the host: an assumption
-    latency_intra_s: float = 5e-6   # α of the α-β model (lesson 01)
-    latency_inter_s: float = 20e-6
-
-    @property
-    def devices(self) -> int:
-        return self.nodes * self.devices_per_node
-
-    def inter_per_device_bps(self) -> float:
-        return self.inter_node_gbps * 1e9 / self.devices_per_node
 
 
 @dataclass(frozen=True)
@@ -289,14 +282,19 @@ class Recommendation:
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_inputs(model: ModelSpec, hw: Hardware, job: Workload) -> None:
+def _inter(hw: ClusterSpec) -> Link:
+    """The link between nodes (a one-node cluster may name none: its own link stands in)."""
+    return hw.inter or hw.intra
+
+
+def _check_inputs(model: ModelSpec, hw: ClusterSpec, job: Workload) -> None:
     for name, value in (("params", model.params), ("layers", model.layers),
                         ("hidden", model.hidden), ("heads", model.heads),
                         ("seq_len", job.seq_len), ("global_batch", job.global_batch),
-                        ("micro_batch", job.micro_batch), ("device_memory_gb", hw.device_memory_gb),
+                        ("micro_batch", job.micro_batch), ("device memory_gb", hw.device.memory_gb),
                         ("devices_per_node", hw.devices_per_node), ("nodes", hw.nodes),
-                        ("intra_node_gbps", hw.intra_node_gbps),
-                        ("inter_node_gbps", hw.inter_node_gbps), ("device_tflops", hw.device_tflops)):
+                        ("intra busbw", hw.intra.busbw), ("inter busbw", _inter(hw).busbw),
+                        ("device flop rate", hw.device.flop_rate())):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}; give the real size")
     if model.experts < 0 or model.experts == 1 or (model.experts and not (
@@ -317,7 +315,7 @@ def _micro_batches(layout: Layout, job: Workload) -> int | None:
     return per_replica // job.micro_batch
 
 
-def _spans_nodes(layout: Layout, hw: Hardware) -> dict[str, bool]:
+def _spans_nodes(layout: Layout, hw: ClusterSpec) -> dict[str, bool]:
     """Which groups cross a node boundary: TP innermost, then the inner of DP/PP, then the outer."""
     inner, outer = ("pp", "dp") if layout.outer == "dp" else ("dp", "pp")
     size = {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp}
@@ -327,13 +325,9 @@ def _spans_nodes(layout: Layout, hw: Hardware) -> dict[str, bool]:
             outer: size[outer] > 1 and layout.tp * size[inner] * size[outer] > node}
 
 
-def _memory(model: ModelSpec, hw: Hardware, job: Workload, layout: Layout, m: int) -> dict:
-    """Bytes per device by kind, and the host bytes per node (offload)."""
-    psi = model.params / (layout.tp * layout.pp)
-    states = model_state_bytes(psi, layout.dp, layout.zero, job.recipe)
-    host = 0.0
-    if layout.offload:  # the fp32 masters and Adam's moments live in host memory
-        host, states["optimizer_states"] = states["optimizer_states"], 0.0
+def _memory(model: ModelSpec, hw: ClusterSpec, job: Workload, layout: Layout, m: int) -> dict:
+    """Bytes per device by kind (:func:`minitrain.memory.memory_per_device`), and the host bytes
+    per node (offload: the fp32 masters and Adam's moments live in host memory)."""
     layers_here = math.ceil(model.layers / layout.pp)
     in_flight = min(layout.pp, m)  # 1F1B: the first stage holds min(p, m) micro-batches
     per_layer = activation_bytes_per_layer(job.seq_len, job.micro_batch, model.hidden,
@@ -343,11 +337,9 @@ def _memory(model: ModelSpec, hw: Hardware, job: Workload, layout: Layout, m: in
         activations += activation_bytes_per_layer(job.seq_len, job.micro_batch, model.hidden,
                                                   model.heads, False, layout.tp)
     gathered = 2 * BYTES_16 * model.layer_params if layout.zero == 3 else 0.0  # one whole layer
-    out = {"parameters": states["parameters"], "gradients": states["gradients"],
-           "optimizer_states": states["optimizer_states"], "activations": activations,
-           "zero3_gathered": gathered}
-    out["total"] = sum(out.values())
-    out["host_per_node"] = host * hw.devices_per_node
+    out = memory_per_device(model.params / (layout.tp * layout.pp), layout.dp, layout.zero,
+                            job.recipe, activations, gathered, layout.offload)
+    out["host_per_node"] = out.pop("host") * hw.devices_per_node
     return out
 
 
@@ -359,31 +351,34 @@ def _collective_time(nbytes: float, n: int, bw: float, alpha: float, fraction: f
     return collective_seconds(op, nbytes, n, alpha, 1 / bw) if n > 1 else 0.0
 
 
-def links(layout: Layout, hw: Hardware) -> dict[str, tuple[float, float]]:
+def links(layout: Layout, hw: ClusterSpec) -> dict[str, tuple[float, float]]:
     """``{"dp" | "pp" | "tp": (bytes per second, α)}``: the link each of the layout's groups uses —
     the network's per-device share (and its latency) where the group crosses nodes, else the
     link inside a node.  TP is innermost, then DP, then PP (unless ``layout.outer`` is "dp")."""
     spans = _spans_nodes(layout, hw)
-    return {k: (hw.inter_per_device_bps(), hw.latency_inter_s) if spans[k]
-            else (hw.intra_node_gbps * 1e9, hw.latency_intra_s) for k in spans}
+    inter = _inter(hw)
+    return {k: (inter.busbw, inter.alpha) if spans[k] else (hw.intra.busbw, hw.intra.alpha)
+            for k in spans}
 
 
-def memory_per_device(model: ModelSpec, hw: Hardware, job: Workload, layout: Layout) -> float:
+def layout_memory(model: ModelSpec, hw: ClusterSpec, job: Workload, layout: Layout) -> float:
     """Bytes per device of ``layout`` for ``job`` — the model states of its Ψ/(TP·PP) parameters by
-    ZeRO's formulas, 1F1B's in-flight activations, ZeRO-3's gathered layer — what :func:`evaluate`
-    holds against ``USABLE`` of the device's memory; ``inf`` when the batch does not split."""
+    ZeRO's formulas, 1F1B's in-flight activations, ZeRO-3's gathered layer
+    (:func:`minitrain.memory.memory_per_device`) — what :func:`evaluate` holds against ``USABLE``
+    of the device's memory; ``inf`` when the batch does not split."""
     m = _micro_batches(layout, job)
     return math.inf if m is None else _memory(model, hw, job, layout, m)["total"]
 
 
-def _comm_and_time(model: ModelSpec, hw: Hardware, job: Workload, layout: Layout, m: int) -> tuple:
+def _comm_and_time(model: ModelSpec, hw: ClusterSpec, job: Workload, layout: Layout,
+                   m: int) -> tuple:
     """(bytes each device sends per step by dimension, seconds per step by part)."""
     spans = _spans_nodes(layout, hw)
     link = links(layout, hw)
     dp, pp, tp = layout.dp, layout.pp, layout.tp
     tokens_mb = job.seq_len * job.micro_batch
     compute_mb = compute_seconds(6 * model.active_params / (tp * pp) * tokens_mb,
-                                 hw.device_tflops * 1e12)
+                                 hw.device.flop_rate())
     if layout.recompute:
         compute_mb *= 4 / 3  # one more forward
     compute = compute_mb * m
@@ -415,7 +410,7 @@ def _comm_and_time(model: ModelSpec, hw: Hardware, job: Workload, layout: Layout
     offload_time = 0.0
     if layout.offload:
         shard = model.params / (tp * pp) / (dp if layout.zero else 1)
-        offload_time = 2 * BYTES_16 * shard / (hw.pcie_gbps * 1e9) + shard / hw.cpu_adam_params_per_s
+        offload_time = 2 * BYTES_16 * shard / hw.host.pcie + shard / hw.host.adam_params_per_s
     comm = {"tp": tp_bytes, "pp": pp_bytes, "dp": dp_bytes,
             "links": {k: ("inter-node" if spans[k] else "intra-node") for k in ("dp", "pp", "tp")}}
     time = {"compute": compute, "bubble": compute * bubble / (1 - bubble), "tp": tp_time,
@@ -424,8 +419,10 @@ def _comm_and_time(model: ModelSpec, hw: Hardware, job: Workload, layout: Layout
     return comm, time
 
 
-def _rule_broken(model: ModelSpec, hw: Hardware, layout: Layout) -> str | None:
+def _rule_broken(model: ModelSpec, hw: ClusterSpec, layout: Layout) -> str | None:
     """The first placement rule ``layout`` breaks, or None."""
+    if layout.offload and hw.host is None:
+        return f"no host to offload to: {hw.title} names no host memory"
     if layout.tp > 1 and hw.devices_per_node % layout.tp:
         return (f"TP across nodes: TP {layout.tp} does not fit inside a node of "
                 f"{hw.devices_per_node} devices, and its all-reduces per layer would cross the "
@@ -441,7 +438,7 @@ def _rule_broken(model: ModelSpec, hw: Hardware, layout: Layout) -> str | None:
     return None
 
 
-def evaluate(model: ModelSpec, hw: Hardware, job: Workload, layout: Layout) -> Candidate:
+def evaluate(model: ModelSpec, hw: ClusterSpec, job: Workload, layout: Layout) -> Candidate:
     """Price one layout: memory, communication and time per step, or why it is rejected."""
     cand = Candidate(layout)
     broken = _rule_broken(model, hw, layout)
@@ -455,13 +452,13 @@ def evaluate(model: ModelSpec, hw: Hardware, job: Workload, layout: Layout) -> C
     cand.memory = _memory(model, hw, job, layout, m)
     cand.comm, cand.time = _comm_and_time(model, hw, job, layout, m)
     cand.comm["microbatches"] = m
-    usable = USABLE * hw.device_memory_gb * GB
+    usable = USABLE * hw.device.memory_gb * GB
     if cand.memory["total"] > usable:
         cand.rejected = (f"out of memory: {cand.memory['total'] / GB:,.1f} GB per device > "
                          f"{usable / GB:,.1f} GB usable")
-    elif cand.memory["host_per_node"] > hw.host_memory_gb * GB:
+    elif layout.offload and cand.memory["host_per_node"] > hw.host.memory_gb * GB:
         cand.rejected = (f"out of host memory: offload needs {cand.memory['host_per_node'] / GB:,.0f}"
-                         f" GB per node > {hw.host_memory_gb:g} GB")
+                         f" GB per node > {hw.host.memory_gb:g} GB")
     return cand
 
 
@@ -474,7 +471,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(hw: Hardware) -> list[Layout]:
+def layouts(hw: ClusterSpec) -> list[Layout]:
     """Every DP × PP × TP factorisation of the devices, with each ZeRO stage (with DP), offload
     (with ZeRO, or on one replica), recomputation, and both node placements where they differ."""
     out = []
@@ -496,26 +493,26 @@ def _simplicity(layout: Layout) -> tuple:
             layout.outer == "dp")
 
 
-def links_fast(hw: Hardware, job: Workload) -> tuple[bool, float]:
+def links_fast(hw: ClusterSpec, job: Workload) -> tuple[bool, float]:
     """(are the links between nodes fast?, the per-device bandwidth in bytes/s ZeRO-3 needs to
     hide its traffic behind compute: F/(s·b) — 3·2Ψ bytes against 6Ψ·s·b FLOPs per micro-batch)."""
-    need = hw.device_tflops * 1e12 / (job.seq_len * job.micro_batch)
-    return hw.inter_per_device_bps() >= need, need
+    need = hw.device.flop_rate() / (job.seq_len * job.micro_batch)
+    return _inter(hw).busbw >= need, need
 
 
-def _one_device_fits(model: ModelSpec, hw: Hardware, job: Workload) -> bool:
-    one = Hardware(**{**asdict(hw), "nodes": 1, "devices_per_node": 1})
+def _one_device_fits(model: ModelSpec, hw: ClusterSpec, job: Workload) -> bool:
+    one = replace(hw, nodes=1, devices_per_node=1)
     return any(evaluate(model, one, job, Layout(recompute=r)).feasible for r in (False, True))
 
 
-def _layer_fits(model: ModelSpec, hw: Hardware, job: Workload) -> bool:
+def _layer_fits(model: ModelSpec, hw: ClusterSpec, job: Workload) -> bool:
     """Does one layer's training state (16 B/param) and its activations fit on one device?"""
     per_layer = model_state_bytes(model.layer_params, 1, 0, job.recipe)["total"]
     act = activation_bytes_per_layer(job.seq_len, job.micro_batch, model.hidden, model.heads)
-    return per_layer + act <= USABLE * hw.device_memory_gb * GB
+    return per_layer + act <= USABLE * hw.device.memory_gb * GB
 
 
-def scenario(model: ModelSpec, hw: Hardware, job: Workload = Workload()) -> str:
+def scenario(model: ModelSpec, hw: ClusterSpec, job: Workload = Workload()) -> str:
     """Which row of the scenario table the inputs fall in (a key of :data:`SCENARIOS`)."""
     if hw.nodes > 1:
         return "nodes-fast" if links_fast(hw, job)[0] else "nodes-slow"
@@ -539,7 +536,7 @@ def _offload_last(cands: list[Candidate]) -> None:
                               "the CPU step and the PCIe traffic")
 
 
-def choose(model: ModelSpec, hw: Hardware, job: Workload = Workload()) -> Recommendation:
+def choose(model: ModelSpec, hw: ClusterSpec, job: Workload = Workload()) -> Recommendation:
     """Recommend a layout for training ``model`` on ``hw`` with ``job``, and say why.
 
     Beyond DP × PP × TP (lesson 09): when no layout fits because one micro-batch's activations
@@ -564,7 +561,7 @@ def _with_context_parallel(model, hw, job, rec: Recommendation) -> Recommendatio
     for cp in _divisors(hw.devices_per_node)[1:]:
         if job.seq_len % cp:
             continue
-        sub_hw = Hardware(**{**asdict(hw), "devices_per_node": hw.devices_per_node // cp})
+        sub_hw = replace(hw, devices_per_node=hw.devices_per_node // cp)
         sub_job = Workload(job.seq_len // cp, job.global_batch, job.micro_batch, job.recipe)
         sub = _choose(model, sub_hw, sub_job)
         if sub.layout is None:
@@ -630,7 +627,7 @@ def _whole_layers_rejected(cands: list[Candidate]) -> None:
                           "with TP, or gather one layer at a time with ZeRO-3")
 
 
-def _choose(model: ModelSpec, hw: Hardware, job: Workload) -> Recommendation:
+def _choose(model: ModelSpec, hw: ClusterSpec, job: Workload) -> Recommendation:
     _check_inputs(model, hw, job)
     cands = [evaluate(model, hw, job, lay) for lay in layouts(hw)]
     _offload_last(cands)
@@ -665,7 +662,7 @@ def _reasons(model, hw, job, key, best: Candidate, feasible: list[Candidate]) ->
     out = [f"Hugging Face guide's table: {SCENARIOS[key][0]} → {SCENARIOS[key][1]}"]
     single = model_state_bytes(model.params, 1, 0, job.recipe)["total"]
     out.append(f"model states: 16 B/param × {model.params / 1e9:,.2f}B = {_gb(single)}; one device "
-               f"has {hw.device_memory_gb:g} GB ({USABLE:.0%} usable)")
+               f"has {hw.device.memory_gb:g} GB ({USABLE:.0%} usable)")
     out.append(f"{lay}: {_gb(mem['total'])} per device (states "
                f"{_gb(mem['parameters'] + mem['gradients'] + mem['optimizer_states'])}, "
                f"activations {_gb(mem['activations'])}"
@@ -676,7 +673,7 @@ def _reasons(model, hw, job, key, best: Candidate, feasible: list[Candidate]) ->
                f"step ({t['compute']:.3g} s compute, {best.comm['microbatches']} micro-batches)")
     if hw.nodes > 1:
         fast, need = links_fast(hw, job)
-        out.append(f"between nodes each device gets {hw.inter_per_device_bps() / 1e9:,.1f} GB/s; "
+        out.append(f"between nodes each device gets {_inter(hw).busbw / 1e9:,.1f} GB/s; "
                    f"ZeRO-3 needs {need / 1e9:,.1f} GB/s to hide behind compute: "
                    f"{'fast' if fast else 'slow'} links")
     if feasible[0] is not best:
@@ -697,9 +694,19 @@ GPT3 = ModelSpec(175e9, 96, 12288, 96)
 # two huge layers: one layer's 16 B/param (29 GB) exceeds a 24 GB device, the model fits 8 of them
 WIDE = ModelSpec(3.6e9, 2, 12288, 96)
 
-ONE_H100 = Hardware(devices_per_node=1)
-NODE = Hardware()  # 8 H100 80 GB on NVLink
-IB, ETHERNET = 400, 12.5  # GB/s per node: 8x400 Gb/s InfiniBand, one 100 Gb/s Ethernet card
+NODE = get_cluster("dgx-h100")  # 8 H100 80 GB on NVLink 4
+ONE_H100 = replace(NODE, key="h100", title="one H100 80GB", devices_per_node=1)
+# 8 devices of 24 GB on NVLink 4, each computing as an H100
+NODE_24GB = replace(NODE, key="24gb", title="8 devices of 24 GB (an H100's compute) on NVLink 4",
+                    device=replace(NODE.device, name="24 GB device", memory_gb=24))
+IB, ETHERNET = NDR, ETH25  # per GPU between nodes: 400 Gb/s InfiniBand; 25 Gb/s Ethernet over TCP
+
+
+def h100_nodes(nodes: int, inter: Link = IB) -> ClusterSpec:
+    """``nodes`` DGX H100 nodes whose GPUs each reach the network over ``inter``."""
+    return replace(NODE, key=f"h100x{nodes}", title=f"{nodes} DGX H100 nodes on {inter.name}",
+                   nodes=nodes, inter=inter)
+
 LONG = Workload(seq_len=4096, global_batch=512, micro_batch=4)  # 16k tokens per micro-batch
 
 #: The scenario table of the Hugging Face guide "Efficient Training on Multiple GPUs", row by row
@@ -723,17 +730,17 @@ SCENARIO_TABLE = [
       {"PP", "DP", "ZeRO-1"}, {"PP", "TP", "DP", "ZeRO-1"}]),
     # 单机多卡: 最大层无法放在单GPU上 → only TP, ZeRO
     ("one machine, even the largest layer does not fit on one GPU: TP or ZeRO", WIDE,
-     Hardware(device_memory_gb=24), Workload(), "one-node-layer-too-big",
+     NODE_24GB, Workload(), "one-node-layer-too-big",
      [{"TP"}, {"TP", "DP"}, {"TP", "DP", "ZeRO-1"}, {"DP", "ZeRO-3"}, {"PP", "TP"},
       {"PP", "TP", "DP"}, {"PP", "TP", "DP", "ZeRO-1"}]),
     # 多机多卡: 节点间通讯比较快 → ZeRO, PP+TP+DP
-    ("several machines, fast links: ZeRO", LLAMA_13B, Hardware(nodes=4, inter_node_gbps=IB), LONG,
+    ("several machines, fast links: ZeRO", LLAMA_13B, h100_nodes(4), LONG,
      "nodes-fast", [{"DP", "ZeRO-1"}, {"DP", "ZeRO-2"}, {"DP", "ZeRO-3"}]),
-    ("several machines, fast links: PP+TP+DP", GPT3, Hardware(nodes=16, inter_node_gbps=IB),
+    ("several machines, fast links: PP+TP+DP", GPT3, h100_nodes(16),
      Workload(seq_len=2048, global_batch=1536, micro_batch=8), "nodes-fast",
      [{"PP", "TP", "DP"}, {"PP", "TP", "DP", "ZeRO-1"}]),
     # 多机多卡: 节点间通讯比较慢 → DP+TP+PP+ZeRO-1
     ("several machines, slow links: DP+TP+PP+ZeRO-1", GPT3,
-     Hardware(nodes=16, inter_node_gbps=ETHERNET), Workload(), "nodes-slow",
+     h100_nodes(16, ETHERNET), Workload(), "nodes-slow",
      [{"DP", "TP", "PP", "ZeRO-1"}]),
 ]

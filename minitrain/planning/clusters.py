@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from .costmodel import collective_seconds, ring_steps, ring_volume
 
-__all__ = ["Device", "Link", "ClusterSpec", "PRESETS", "cluster_names", "get_cluster",
+__all__ = ["Device", "Link", "Host", "ClusterSpec", "PRESETS", "cluster_names", "get_cluster",
            "local_cluster", "calibrate_rank", "calibrate_here", "describe", "A100_ANCHOR"]
 
 GB = 1e9
@@ -96,9 +96,22 @@ class Link:
 
 
 @dataclass(frozen=True)
+class Host:
+    """A node's host side, where ZeRO-Offload puts the optimizer states and step: ``memory_gb``
+    per node, ``pcie`` bytes/s between host and each device, ``adam_params_per_s`` the
+    parameters per second the CPU's Adam step takes on each device's share of the host."""
+
+    memory_gb: float
+    pcie: float
+    adam_params_per_s: float
+    source: str
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     """``nodes`` nodes of ``devices_per_node`` devices; ``intra`` links inside a node, ``inter``
-    the network (per device: one NIC per GPU on the DGX nodes)."""
+    the network (per device: one NIC per GPU on the DGX nodes); ``host`` the host side of a node
+    (None where no offload is priced)."""
 
     key: str
     title: str
@@ -109,6 +122,7 @@ class ClusterSpec:
     inter: Link | None
     notes: str = ""
     calibration: dict = field(default_factory=dict)
+    host: Host | None = None
 
     @property
     def devices(self) -> int:
@@ -158,18 +172,6 @@ class ClusterSpec:
                    + crossing * self.inter.alpha)
         return latency + ring_volume(op, nbytes, n) / busbw
 
-    def hardware(self, precision: str = "bf16-mixed"):
-        """The chooser's :class:`~minitrain.planning.chooser.Hardware` with this cluster's numbers (one cost
-        model: the chooser prices a layout with the same FLOP rate, bus bandwidths and α)."""
-        from .chooser import Hardware
-        inter = self.inter or self.intra
-        return Hardware(device_memory_gb=self.device.memory_gb,
-                        devices_per_node=self.devices_per_node, nodes=self.nodes,
-                        intra_node_gbps=self.intra.busbw / GB,
-                        inter_node_gbps=inter.busbw * self.devices_per_node / GB,
-                        device_tflops=self.device.flop_rate(precision) / 1e12,
-                        latency_intra_s=self.intra.alpha, latency_inter_s=inter.alpha)
-
     def row(self) -> dict:
         """The numbers, for ``minitrain clusters`` and the projection's summary."""
         d = self.device
@@ -182,6 +184,9 @@ class ClusterSpec:
                "sources": [d.source, self.intra.source] + ([self.inter.source] if self.inter else [])}
         if self.inter is not None:
             out.update(inter_busbw_gbps=self.inter.busbw / GB, inter_alpha_us=self.inter.alpha * 1e6)
+        if self.host is not None:
+            out.update(host_memory_gb=self.host.memory_gb, host_pcie_gbps=self.host.pcie / GB)
+            out["sources"].append(self.host.source)
         if self.calibration:
             out["calibration"] = self.calibration
         return out
@@ -220,9 +225,14 @@ ETH25 = Link("25 Gb/s Ethernet, TCP", 0.6 * 3.125 * GB, 2.7e-6, 6.6e-6,
              "25 Gb/s = 3.125 GB/s line rate; NCCL over TCP reached no more than 60 % of wire "
              "speed (NVIDIA/nccl #209); NCCL latency model: 2.7 µs per network step")
 
+DGX_HOST = Host(2048, 25 * GB, 1e9,
+                "DGX A100 (640 GB) and DGX H100 user guides: 2 TB of system memory per node; "
+                "25 GB/s per GPU to the host: PCIe 4.0 x16's 32 GB/s at the ~80 % links reach "
+                "(Bekman); the CPU's Adam at 10⁹ parameters/s per GPU's share: an assumption")
+
 
 def _dgx(key: str, title: str, device: Device, intra: Link, inter: Link, nodes: int) -> ClusterSpec:
-    return ClusterSpec(key, title, device, 8, nodes, intra, inter)
+    return ClusterSpec(key, title, device, 8, nodes, intra, inter, host=DGX_HOST)
 
 
 PRESETS: dict[str, ClusterSpec] = {

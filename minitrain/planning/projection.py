@@ -52,7 +52,7 @@ from .recorded import drop_unmatched, fit_run, message_times, smooth, step_progr
 from .recorded import even as even_out
 from .replay import Instance, Op, ReplayError, breakdown, replay, timelines
 from .scaling import (MODEL_SIZES, NOT_REPLAYED, RankWork, Scaler, itemsize, layout,
-                      memory_per_device, rank_work, target_model)
+                      rank_memory, rank_work, target_model)
 
 __all__ = ["MODEL_SIZES", "target_model", "check_projection", "project", "replay", "Op",
            "Instance", "ReplayError", "rank_work", "RankWork", "Scaler", "format_projection",
@@ -252,7 +252,7 @@ def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | No
     if not spec.accelerator:
         peak = spec.device.flop_rate(precision, max(ranks_on_node.values()))
     total_model_flops = sum(w.model_flops for w in work.values())
-    memory = memory_per_device(summary, run_cfg, target, precision, work, {**lay, "dp": sizes["dp"]})
+    memory = rank_memory(summary, run_cfg, target, precision, work, {**lay, "dp": sizes["dp"]})
     out = {
         "cluster": spec.key, "cluster_title": spec.title,
         "model": _model_name(model, target), "params": target.num_params(),

@@ -12,20 +12,21 @@ strategy, world size, batch and schedule.  What that takes:
 * each message at the target size (:class:`Scaler`): gradients and weights with the parameters of
   the layers they carry, activations with micro-batch × sequence × hidden, and a per-layer message
   repeated for the target's layers;
-* the memory per device at the target size (:func:`memory_per_device`): ZeRO's formulas for the
-  model states, the ledger's measured activation peak scaled.
+* the memory per device at the target size (:func:`rank_memory`): ZeRO's formulas for the
+  model states (:func:`minitrain.memory.memory_per_device`, as the chooser's), the ledger's
+  measured activation peak scaled.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..memory import model_state_bytes
+from ..memory import memory_per_device
 from ..model import GPTConfig, training_flops
 from ..parallel.schedules import split_layers
 
 __all__ = ["MODEL_SIZES", "NOT_REPLAYED", "target_model", "layout", "RankWork", "rank_work",
-           "Scaler", "itemsize", "memory_per_device"]
+           "Scaler", "itemsize", "rank_memory"]
 
 #: Bigger models of the same family (GPT-2 shaped: 4h-wide GeLU MLPs, learned positions), by the
 #: shapes of Brown et al., 2020, "Language Models are Few-Shot Learners", Table 2.1 (GPT-3 XL 1.3B,
@@ -249,28 +250,22 @@ def itemsize(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
-def memory_per_device(summary, run: GPTConfig, target: GPTConfig, precision, work, lay) -> list[dict]:
-    """Bytes per device: the model states of the rank's share at the projected precision (ZeRO's
-    formulas: :func:`minitrain.memory.model_state_bytes`), and the ledger's measured activation
-    peak scaled by micro-batch × sequence × hidden × layers held."""
+def rank_memory(summary, run: GPTConfig, target: GPTConfig, precision, work, lay) -> list[dict]:
+    """Bytes per device of each rank (:func:`minitrain.memory.memory_per_device`): the model
+    states of the rank's share at the projected precision by ZeRO's formulas, and the ledger's
+    measured activation peak scaled by micro-batch × sequence × hidden × layers held; with
+    ZeRO-Offload, Adam's states (and the fp32 masters) in host memory."""
     recipe = "fp32-adam" if precision == "fp32" else "mixed-adam"
+    offload = bool((summary.get("options") or {}).get("offload"))
     out = []
     mems = summary.get("memory") or []
     for r, w in sorted(work.items()):
-        states = model_state_bytes(w.params, lay["dp"], lay["zero"], recipe)
         measured = (mems[r]["bytes"]["activations_peak"] if r < len(mems) else 0)
         own = rank_work(summary, run, r)
         scale = (target.seq_len * target.d_model * max(w.blocks, 1)) / (
             run.seq_len * run.d_model * max(own.blocks, 1))
         item = itemsize(precision) / itemsize(summary.get("precision", "fp32"))
         acts = measured * scale * item if (target != run or item != 1) else measured
-        row = {"parameters": states["parameters"], "gradients": states["gradients"],
-               "optimizer_states": states["optimizer_states"], "activations": acts}
-        offload = (summary.get("options") or {}).get("offload")
-        if offload:  # ZeRO-Offload: Adam's states (and the fp32 masters) live in host memory
-            row["optimizer_states"] = 0.0
-        row["total"] = sum(row.values())
-        if offload:
-            row["host"] = states["optimizer_states"]
-        out.append(row)
+        out.append(memory_per_device(w.params, lay["dp"], lay["zero"], recipe, acts,
+                                     offload=offload))
     return out

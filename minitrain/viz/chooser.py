@@ -9,21 +9,21 @@ unit-tested.  ``ChooserWidget`` only wires ipywidgets to them.
 from __future__ import annotations
 
 import html
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
-from ..planning.chooser import SCENARIOS, Hardware, ModelSpec, Recommendation, Workload, choose
+from ..planning.chooser import SCENARIOS, ModelSpec, Recommendation, Workload, choose
+from ..planning.clusters import (DGX_HOST, ETH25, H100, HDR, NDR, NVLINK3, NVLINK4, PCIE4,
+                                 ClusterSpec)
 from ..memory import GB
 from . import LABEL
 from .memory import DEVICES, MODELS
 
 __all__ = ["candidate_rows", "recommendation_html", "ChooserWidget", "LINKS"]
 
-#: named link speeds in GB/s: per device inside a node, per node between nodes
-LINKS = {
-    "intra": {"NVLink 4 (450 GB/s)": 450, "NVLink 3 (300 GB/s)": 300, "PCIe 4 (25 GB/s)": 25},
-    "inter": {"8×400 Gb/s InfiniBand (400 GB/s)": 400, "8×200 Gb/s InfiniBand (200 GB/s)": 200,
-              "1×100 Gb/s Ethernet (12.5 GB/s)": 12.5, "1×25 Gb/s Ethernet (3.1 GB/s)": 3.125},
-}
+#: the clusters' links by name (:mod:`minitrain.planning.clusters`): inside a node, and each
+#: device's to the network between nodes
+LINKS = {"intra": {link.name: link for link in (NVLINK4, NVLINK3, PCIE4)},
+         "inter": {link.name: link for link in (NDR, HDR, ETH25)}}
 
 
 def _row(cand, verdict: str) -> dict:
@@ -123,11 +123,14 @@ class ChooserWidget:
         self.widget.add_class("mt-chooser-widget")
         self.update()
 
-    def inputs(self) -> tuple[ModelSpec, Hardware, Workload]:
-        hw = Hardware(device_memory_gb=DEVICES[self.device.value],
-                      devices_per_node=self.per_node.value, nodes=self.nodes.value,
-                      intra_node_gbps=LINKS["intra"][self.intra.value],
-                      inter_node_gbps=LINKS["inter"][self.inter.value])
+    def inputs(self) -> tuple[ModelSpec, ClusterSpec, Workload]:
+        """The chooser's inputs; the cluster's devices have the chosen memory and an H100's
+        compute, its nodes the DGX's host."""
+        device = replace(H100, name=self.device.value, memory_gb=DEVICES[self.device.value])
+        hw = ClusterSpec("custom", f"{self.nodes.value} x {self.per_node.value} {device.name}",
+                         device, self.per_node.value, self.nodes.value,
+                         LINKS["intra"][self.intra.value], LINKS["inter"][self.inter.value],
+                         host=DGX_HOST)
         job = Workload(seq_len=self.seq.value, global_batch=self.batch.value,
                        micro_batch=self.micro.value)
         return ModelSpec(**asdict(MODELS[self.model.value])), hw, job

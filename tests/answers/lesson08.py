@@ -5,7 +5,7 @@ import math
 
 from answers import Answers
 
-from minitrain.planning.chooser import USABLE, Layout, links, memory_per_device
+from minitrain.planning.chooser import USABLE, Layout, layout_memory, links
 from minitrain.planning.costmodel import collective_seconds
 
 
@@ -53,7 +53,7 @@ def axis_swapped(dp, pp, tp, axis):
 def step_time(model, hw, job, layout):
     m = job.global_batch // (layout.dp * job.micro_batch)
     tokens = job.seq_len * job.micro_batch
-    compute_mb = 6 * model.params / (layout.tp * layout.pp) * tokens / (hw.device_tflops * 1e12)
+    compute_mb = 6 * model.params / (layout.tp * layout.pp) * tokens / hw.device.flop_rate()
     compute = m * compute_mb
     bubble = compute * (layout.pp - 1) / m
     link = links(layout, hw)
@@ -83,8 +83,8 @@ def _layouts(model, hw, job, fits=True):
             if job.global_batch % (dp * job.micro_batch):
                 continue
             layout = Layout(dp, pp, tp, zero=1 if dp > 1 else 0)
-            usable = USABLE * hw.device_memory_gb * 1e9
-            if not fits or memory_per_device(model, hw, job, layout) <= usable:
+            usable = USABLE * hw.device.memory_gb * 1e9
+            if not fits or layout_memory(model, hw, job, layout) <= usable:
                 yield layout
 
 

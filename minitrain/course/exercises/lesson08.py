@@ -116,8 +116,8 @@ RTOL = 1e-3
 #: what each part is, when the learner's differs
 _MODEL = {
     "compute": "compute = m micro-batches × 6·Ψ/(TP·PP) FLOPs per token × s·b tokens, at the "
-               "device's rate hw.device_tflops·10¹² (forward 2Ψ + backward 4Ψ per token; each "
-               "device holds Ψ/(TP·PP) of the parameters)",
+               "device's rate hw.device.flop_rate() FLOP/s (forward 2Ψ + backward 4Ψ per token; "
+               "each device holds Ψ/(TP·PP) of the parameters)",
     "bubble": "1F1B idles p−1 micro-batch times per step: bubble = compute · (PP−1)/m (the "
               "fraction (p−1)/(m+p−1) is of the whole step, bubble included)",
     "tp": "TP all-reduces one activation of s·b·h values (2 bytes each, bf16) 4 times per layer "
@@ -137,8 +137,8 @@ _MODEL = {
 
 
 def _jobs() -> dict:
-    """The jobs of the check (the first is the lesson's): (words, model, hardware, workload) — the
-    hardware is a projection preset's (:meth:`~minitrain.planning.clusters.ClusterSpec.hardware`): one cost
+    """The jobs of the check (the first is the lesson's): (words, model, cluster, workload) — the
+    cluster is a projection preset (:func:`~minitrain.planning.clusters.get_cluster`): one cost
     model."""
     from ...planning.chooser import ModelSpec, Workload
     from ...planning.clusters import get_cluster
@@ -146,15 +146,15 @@ def _jobs() -> dict:
     return {
         "70b": ("a 70B model (Llama 2 70B's shape) on 64 H100s (ib-h100x8: 8 DGX H100 nodes on "
                 "InfiniBand), 1,024 sequences of 2,048 tokens per step",
-                ModelSpec(70e9, 80, 8192, 64), get_cluster("ib-h100x8").hardware(),
+                ModelSpec(70e9, 80, 8192, 64), get_cluster("ib-h100x8"),
                 Workload(2048, 1024, 1)),
         "eth": ("a 1.3B model (GPT-3 XL's shape) on 16 nodes of one A100 over 25 Gb/s Ethernet "
                 "(eth-25g), 256 sequences of 2,048 tokens per step",
-                ModelSpec(1.3e9, 24, 2048, 16), get_cluster("eth-25g").hardware(),
+                ModelSpec(1.3e9, 24, 2048, 16), get_cluster("eth-25g"),
                 Workload(2048, 256, 1)),
         "a100": ("a 13B model (LLaMA 13B's shape) on one DGX A100 (dgx-a100), 64 sequences of "
                  "2,048 tokens per step",
-                 ModelSpec(13e9, 40, 5120, 40), get_cluster("dgx-a100").hardware(),
+                 ModelSpec(13e9, 40, 5120, 40), get_cluster("dgx-a100"),
                  Workload(2048, 64, 1)),
     }
 
@@ -253,8 +253,8 @@ def _pick_problem(pick, job: tuple) -> str | None:
         extra = ""
         if cand.rejected.startswith("out of memory"):
             extra = (f" — a layout must fit before it is priced: keep those whose "
-                     f"memory_per_device(model, hw, job, layout) is at most USABLE · "
-                     f"{hw.device_memory_gb:g} GB = {USABLE * hw.device_memory_gb:g} GB")
+                     f"layout_memory(model, hw, job, layout) is at most USABLE · "
+                     f"{hw.device.memory_gb:g} GB = {USABLE * hw.device.memory_gb:g} GB")
         return f"{call} picked {layout}, which cannot run: {cand.rejected}{extra}"
     rec = choose(model, hw, work)
     fastest = min((c for c in rec.candidates if c.feasible), key=lambda c: c.time["total"])

@@ -4,6 +4,7 @@ import importlib.util
 import os
 import pathlib
 import shutil
+import subprocess
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -23,8 +24,79 @@ if not os.environ.get("MINITRAIN_MINE"):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    for proc, _ in _NBVAL_RUNS.values():
+        stop_tree(proc)
+    if _NBVAL_DIR[0] is not None:
+        shutil.rmtree(_NBVAL_DIR[0], ignore_errors=True)
     if _MINE is not None:
         shutil.rmtree(_MINE, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# The lessons under nbval, in the background
+# --------------------------------------------------------------------------------------------------
+
+#: tests/test_lessons.py runs every notebook of solutions/ and lessons/ under nbval: minutes of CPU.
+#: The rest of the suite leaves the two cores idle much of the time (ranks waiting for each other, a
+#: deadlock diagnosed after seconds), so both runs start when collection ends, at a lower priority
+#: that leaves the other tests' timing alone, and the lessons' test runs last and reads them.
+LESSON_FOLDERS = ("solutions", "lessons")
+NBVAL_NICE = 10
+_NBVAL_RUNS: dict = {}
+_NBVAL_DIR: list = [None]
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _is_lessons_test(item) -> bool:
+    return item.nodeid.startswith("tests/test_lessons.py::")
+
+
+def nbval_start(folder: str, out: pathlib.Path, nice: int = 0) -> tuple[subprocess.Popen, pathlib.Path]:
+    """Start ``pytest --nbval-lax`` on a folder of notebooks (its JUnit report goes to a file)."""
+    report = out / f"{folder}.xml"
+    # -p minitrain_nbval: the check cells' expected verdicts, even where the editable install
+    # predates the plugin's entry point (tests/test_nbval_plugin.py checks that pytest loads it alone)
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "--nbval-lax", "-p", "no:cacheprovider",
+                             "-p", "minitrain_nbval", "-q", f"--junitxml={report}", str(ROOT / folder)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
+                            preexec_fn=(lambda: os.nice(nice)) if nice else None)
+    return proc, report
+
+
+def stop_tree(proc: subprocess.Popen) -> None:
+    """Kill ``proc`` and everything below it (nbval's kernel and the ranks it forked)."""
+    from minitrain.runtime.watch import descendants
+
+    if proc.poll() is None:  # still running: its pid is still its own
+        below = descendants(proc.pid)
+        proc.kill()
+        for pid in below:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+    proc.wait()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    lessons = [item for item in items if _is_lessons_test(item)]
+    if not lessons or config.option.collectonly:
+        return
+    items[:] = [item for item in items if not _is_lessons_test(item)] + lessons
+    _NBVAL_DIR[0] = pathlib.Path(tempfile.mkdtemp(prefix="minitrain-nbval-"))
+    for folder in LESSON_FOLDERS:
+        _NBVAL_RUNS[folder] = nbval_start(folder, _NBVAL_DIR[0], NBVAL_NICE)
+
+
+@pytest.fixture(scope="session")
+def lesson_runs():
+    """{folder: (process, JUnit report)} of the nbval runs started when collection ended."""
+    if not _NBVAL_RUNS:  # collected some other way: start them now
+        _NBVAL_DIR[0] = pathlib.Path(tempfile.mkdtemp(prefix="minitrain-nbval-"))
+        for folder in LESSON_FOLDERS:
+            _NBVAL_RUNS[folder] = nbval_start(folder, _NBVAL_DIR[0])
+    return _NBVAL_RUNS
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,7 @@
-"""Lessons under nbval: solutions pass; the learners' versions fail exactly at their check cells."""
+"""Lessons under nbval: solutions pass; the learners' versions fail exactly at their check cells.
+
+Both folders run in the background while the rest of the suite runs (``tests/conftest.py``);
+this test comes last and reads their reports."""
 
 import json
 import subprocess
@@ -7,27 +10,17 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from conftest import stop_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def nbval_start(folder: str, tmp_path) -> tuple[subprocess.Popen, Path]:
-    """Start ``pytest --nbval-lax`` on a folder (its JUnit report goes to a file)."""
-    report = tmp_path / f"{folder}.xml"
-    # -p minitrain_nbval: the check cells' expected verdicts, even where the editable install
-    # predates the plugin's entry point (tests/test_nbval_plugin.py checks that pytest loads it alone)
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "--nbval-lax", "-p", "no:cacheprovider",
-                             "-p", "minitrain_nbval", "-q", f"--junitxml={report}", str(ROOT / folder)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-    return proc, report
-
-
 def nbval_results(proc: subprocess.Popen, report: Path) -> dict[str, bool]:
-    """Wait for a run from :func:`nbval_start`; return {"file::Cell k": passed}."""
+    """Wait for a run of ``conftest.nbval_start``; return {"file::Cell k": passed}."""
     try:
         proc.wait(timeout=600)
     finally:
-        proc.kill()
+        stop_tree(proc)
     results = {}
     for case in ET.parse(report).getroot().iter("testcase"):
         failed = case.find("failure") is not None or case.find("error") is not None
@@ -55,9 +48,9 @@ def normalise_ids(results: dict) -> dict:
     return out
 
 
-@pytest.mark.timeout(600)
-def test_solutions_pass_and_exercises_fail_only_at_their_checks(tmp_path):
-    runs = {folder: nbval_start(folder, tmp_path) for folder in ("solutions", "lessons")}  # both at once
+@pytest.mark.timeout(900)
+def test_solutions_pass_and_exercises_fail_only_at_their_checks(lesson_runs):
+    runs = lesson_runs  # both folders, started in the background when collection ended (conftest)
     solutions = normalise_ids(nbval_results(*runs["solutions"]))
     exercises = normalise_ids(nbval_results(*runs["lessons"]))
     assert all(solutions.values()), [k for k, ok in solutions.items() if not ok]

@@ -1,4 +1,4 @@
-"""Is grading sealed off (issue 27) within 20 % of the grader before it?  Times ``minitrain grade``
+"""Is grading sealed off within 20 % of a grader that is not?  Times ``minitrain grade``
 on a class of lesson-00 notebooks against a reference graded in the same run, interleaved.
 
     python benchmarks/grade_bench.py                        # 20 notebooks, 3 repeats, vs 7c23352^
@@ -7,7 +7,7 @@ on a class of lesson-00 notebooks against a reference graded in the same run, in
 
 The class: copies of lesson 00, solved (``solutions/``) and blank (``lessons/``) in turn, as in
 ``tests/test_grade.py``.  The reference is, by default, the grader of ``--reference-commit``
-(``7c23352^``, the commit before issue 27's first: "today" in the issue), run from a ``git worktree``
+(``7c23352^``, the last revision whose grader ran notebooks unsealed), run from a ``git worktree``
 of that revision in a temporary folder (removed at the end), with that revision's package in its
 kernels too (PYTHONPATH): each grader as it was shipped.  Lesson 00's check cells are the same in
 both, so both grade the same notebooks.  ``--unsealed-reference`` instead compares with this
@@ -17,7 +17,7 @@ the sandbox alone, not of the whole redesign.
 Each repeat runs the graders one after the other (ABAB...), each on a fresh gradebook, after one
 untimed warm-up run of each (caches; the worktree's first imports compile it); every gradebook is
 checked (solved: pass, blank: fail, every row graded) before its time counts.  The report: each
-run's seconds, the medians, and the ratio sealed / reference (the issue's budget: at most 1.20).
+run's seconds, the medians, and the ratio sealed / reference (the budget: at most 1.20).
 Run it on a quiet machine: the load average is printed before and after.
 """
 
@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the untimed run of one notebook with each grader")
     p.add_argument("--reference-commit", default="7c23352^", metavar="REV",
-                   help="the revision whose grader is the reference (default: %(default)s, before "
-                        "issue 27)")
+                   help="the revision whose grader is the reference (default: %(default)s, the "
+                        "last unsealed grader)")
     p.add_argument("--unsealed-reference", action="store_true",
                    help="compare with this checkout's grader run --unsealed instead")
     p.add_argument("--timeout", type=float, default=300, help="seconds per notebook (the graders' "

@@ -275,7 +275,7 @@ def test_cli_consolidates_and_refuses(saved, tmp_path, capsys, no_spawn):
 
 
 # --------------------------------------------------------------------------------------------------
-# Misuse (issue 28): meta.json edited by hand, consolidate pointed where it must not write
+# Misuse: meta.json edited by hand, consolidate pointed where it must not write
 # --------------------------------------------------------------------------------------------------
 
 

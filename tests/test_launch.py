@@ -270,7 +270,7 @@ def test_the_same_code_runs_under_torchrun(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
-# Nothing left behind (issue 28): a rank's children, a Cluster left open, a killed parent's files
+# Nothing left behind: a rank's children, a Cluster left open, a killed parent's files
 # --------------------------------------------------------------------------------------------------
 
 

@@ -1,5 +1,5 @@
 """This machine's α-β, fitted on a run's own recorded events (minitrain.planning.recorded), on hand-made
-logs: what is timed, from when, and what a stalled step does to the fit (issue 25)."""
+logs: what is timed, from when, and what a stalled step does to the fit."""
 
 import pytest
 

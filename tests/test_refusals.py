@@ -74,7 +74,7 @@ TABLE = [  # (arguments after "train", the flag or name the message must contain
     (["--strategy", "ps-sync", "--world-size", "3", "--batch-size", "12", "--save-dir", "x"], "--save-dir"),
     (["--save-dir", ""], "--save-dir is empty"),
     (["--resume", ""], "--resume is empty"),
-    # every size has an upper bound that fits the machine (issue 28), said with the bound and why
+    # every size has an upper bound that fits the machine, said with the bound and why
     (["--strategy", "ddp", "--world-size", "1000000000", "--batch-size", "1000000000"],
      "--world-size 1000000000 does not fit this machine: each rank takes"),
     (["--batch-size", "1000000000"], "--batch-size 1000000000 does not fit this machine: the "

@@ -95,7 +95,7 @@ def test_the_cli_exits_non_zero_and_its_json_stays_json():
 
 
 # --------------------------------------------------------------------------------------------------
-# One run per save dir, one lineage per save dir, unfinished saves, a full disk (issue 28)
+# One run per save dir, one lineage per save dir, unfinished saves, a full disk
 # --------------------------------------------------------------------------------------------------
 
 

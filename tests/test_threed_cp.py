@@ -1,4 +1,4 @@
-"""The 4D mesh (issue 18): strategy ``3d`` with ``--cp``, context parallelism as a fourth axis
+"""The 4D mesh: strategy ``3d`` with ``--cp``, context parallelism as a fourth axis
 (DP × CP × PP × TP): the mesh's arithmetic, equal to one process for several shapes, the ring's
 bytes beside the theory, the seams, and the refusals before spawning."""
 

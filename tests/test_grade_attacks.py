@@ -549,7 +549,7 @@ def test_a_sandbox_that_would_not_import_the_running_minitrain_is_refused_with_t
             or "notebooks would be judged by another copy's checkers" in reason), reason
     assert reason.endswith(f"install this checkout into it (pip install -e {copy})"), reason
     from minitrain.course import sandbox  # and where the sandbox sees another copy: it is named
-    here = Path(sandbox.__file__).resolve().parent
+    here = Path(sandbox.__file__).resolve().parents[1]  # the package
     assert sandbox._not_this_minitrain(str(here / "__init__.py")) is None
     other = sandbox._not_this_minitrain(str(copy / "minitrain" / "__init__.py"))
     assert other.startswith(f"inside the sandbox, minitrain is {copy / 'minitrain'}, not the one "

@@ -7,14 +7,14 @@ How one notebook becomes one row:
 2. **Matched** to its lesson (its ``NN_`` or ``NNb_`` file-name prefix, else its check cells), its
    check cells compared with the lesson's: a changed or deleted one is reported as tampered, not
    run; a check cell the lesson does not have (an extra or renamed one) is reported, never scored.
-3. **Run sealed off** (:mod:`minitrain.course.sandbox`): a fresh kernel in a sandbox of its own, with a
-   time and a memory limit; just before each of the lesson's check cells runs, the function it is
-   about to check is taken out of the kernel (cloudpickle, with its cell's source:
-   :mod:`minitrain.runtime.shipping`).
-4. **Judged** by a second sealed process, started beside the notebook and out of its reach, which
-   imported the checkers from the read-only package before any of the student's code existed: it
-   loads each function taken out and calls the checker on it.  That verdict is the row's; nothing
-   the notebook prints, replaces or patches counts.
+3. **Run sealed off** (:mod:`minitrain.course.sandbox`): a fresh kernel in a sandbox of its own,
+   with a time and a memory limit (:mod:`minitrain.course.runner`); just before each of the
+   lesson's check cells runs, the function it is about to check is taken out of the kernel
+   (:mod:`minitrain.course.take`: cloudpickle, with its cell's source).
+4. **Judged** by a second sealed process (:mod:`minitrain.course.judge`), started beside the
+   notebook and out of its reach, which imported the checkers from the read-only package before any
+   of the student's code existed: it loads each function taken out and calls the checker on it.
+   That verdict is the row's; nothing the notebook prints, replaces or patches counts.
 5. **Written**: the row is appended to the CSV and flushed at once (``--resume`` finishes an
    interrupted run); every field is capped.
 
@@ -24,7 +24,6 @@ What the grader cannot see: see the README's teachers' section.
 from __future__ import annotations
 
 import ast
-import base64
 import csv
 import json
 import os
@@ -41,6 +40,7 @@ from pathlib import Path
 
 from . import sandbox
 from .exercises import CHECK_MARK
+from .judge import JUDGED_AT_ONCE
 
 __all__ = ["Grade", "grade_notebook", "grade_folder", "main", "SandboxUnavailable",
            "GradebookMismatch"]
@@ -200,214 +200,18 @@ def exercise_names(lesson: Path) -> list[str]:
 # What runs in the sandboxes
 # --------------------------------------------------------------------------------------------------
 
-# In the student's kernel, just before one of the lesson's check cells: the function the check is
-# about to get, pickled by value (a notebook's functions are; so are those of the student's own
-# modules) with its cell's source, into a file for the runner.  Whatever the notebook did to this
-# kernel, it can only choose which function is judged, never the verdict.
-_TAKE = r"""
-import os, sys
-def _note(text):
-    with open(path + ".problem", "w") as f:
-        f.write(text[:4000])
-try:
-    fn = get()
-except BaseException as exc:
-    _note(f"{type(exc).__name__}: {exc}")
-else:
-    try:
-        import cloudpickle
-        from ..runtime import shipping
-        pieces = list(fn) if isinstance(fn, (tuple, list)) else [fn]
-        names = {getattr(f, "__module__", None) for f in pieces} - {None, "__main__"}
-        mods = [sys.modules[m] for m in names if m in sys.modules
-                and m.split(".")[0] not in ("minitrain", "torch", "builtins")]
-        for m in mods:
-            cloudpickle.register_pickle_by_value(m)
-        try:
-            data = shipping.dumps(fn)
-        finally:
-            for m in mods:
-                cloudpickle.unregister_pickle_by_value(m)
-    except BaseException as exc:
-        _note(f"it could not be taken out of the notebook to be judged: {type(exc).__name__}: {exc}")
-    else:
-        with open(path + ".part", "wb") as f:
-            f.write(data)
-        os.replace(path + ".part", path)
-"""
-
-# Runs the notebook (nbclient) in the sandbox and reports to fd 3, one JSON object a line: the
-# errors of its cells, each function taken out (base64) or why none was, and "done".
-_RUNNER = r"""
-import base64, json, os, sys
-out = open(int(sys.argv[1]), "w")
-def emit(**item):
-    out.write(json.dumps(item) + "\n")
-    out.flush()
-spec = json.load(sys.stdin)
-import nbformat
-from nbclient import NotebookClient
-from nbclient.exceptions import DeadKernelError
-nb = nbformat.v4.new_notebook()
-nb.cells = [nbformat.v4.new_code_cell(source) for source in spec["cells"]]
-client = NotebookClient(nb, timeout=None, kernel_name="python3", allow_errors=True,
-                        resources={"metadata": {"path": spec["cwd"]}})
-takes = {int(i): t for i, t in spec["takes"].items()}
-os.makedirs(spec["payloads"], exist_ok=True)
-try:
-    with client.setup_kernel():
-        for i, cell in enumerate(nb.cells):
-            if i in takes:
-                name, expr = takes[i]
-                path = os.path.join(spec["payloads"], f"{i}")
-                code = (f"__import__('builtins').exec({spec['take']!r}, "
-                        f"{{'path': {path!r}, 'get': lambda: ({expr})}})")
-                client.execute_cell(nbformat.v4.new_code_cell(code), i, store_history=False)
-                if os.path.exists(path):
-                    with open(path, "rb") as f:
-                        data = f.read(spec["max_payload"] + 1)
-                    if len(data) > spec["max_payload"]:
-                        emit(take=name, problem=f"your function, with what it uses, is more than "
-                             f"{spec['max_payload'] >> 20} MB pickled; the grader takes less")
-                    else:
-                        emit(take=name, data=base64.b64encode(data).decode())
-                elif os.path.exists(path + ".problem"):
-                    with open(path + ".problem") as f:
-                        emit(take=name, problem=f.read(4000))
-                else:
-                    emit(take=name, problem="no function reached the grader")
-            client.execute_cell(cell, i)
-            error = next((o for o in cell.outputs if o.get("output_type") == "error"), None)
-            if error is not None:
-                emit(cell=i + 1, ename=str(error.get("ename"))[:200], evalue=str(error.get("evalue"))[:2000])
-            cell.outputs = []
-    emit(done=True)
-except DeadKernelError as exc:
-    emit(dead=str(exc)[:2000])
-except Exception as exc:
-    emit(failed=f"{type(exc).__name__}: {exc}"[:2000])
-out.close()
-if not spec["graceful"]:
-    os._exit(0)  # sealed: the sandbox's end stops the kernel and all it started
-"""
-
-# The judge, in a sandbox of its own, as its pid 1: it imports the checkers (from the read-only
-# package) before any student's code exists and makes itself unreachable (not dumpable: no process
-# of its sandbox may trace it or read its memory; as pid 1 it ignores their signals).  Then, for each
-# notebook, it forks a fresh process which reads that notebook's functions from stdin, judges each
-# and writes the verdicts to the verdicts pipe (argv[2]).  The judge itself never holds a student's
-# code or verdict.  When that process ends, every other process of the sandbox is killed and its
-# /tmp and /dev/shm are emptied; only then does the judge say "done" on the control pipe (argv[1]),
-# which no judged process ever had: nothing of one notebook meets the next.
-_JUDGE = r"""
-import base64, ctypes, json, os, select, shutil, signal, sys, time
-control, verdicts, sealed = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "sealed"
-PASSED, PASS_BITS = 64, int(sys.argv[4])  # a judged process exits 64 + (bit i: exercise i passed)
-def emit(fd, item):
-    data = (json.dumps(item) + "\n").encode()
-    while data:
-        data = data[os.write(fd, data):]
-try:
-    import minitrain.course.exercises as exercises
-    from minitrain.course.exercises import problem
-    from minitrain.runtime.shipping import loads
-except BaseException as exc:
-    emit(control, {"failed": f"the checkers did not load: {type(exc).__name__}: {exc}"[:2000]})
-    sys.exit(1)
-libc = ctypes.CDLL(None, use_errno=True)
-alone = sealed and os.getpid() == 1  # pid 1 of a namespace of its own
-if alone:
-    libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0
-emit(control, {"ready": True})
-
-def judge_one():
-    line = b""
-    while not line.endswith(b"\n"):
-        chunk = os.read(0, 1 << 20)
-        if not chunk:
-            os._exit(3)  # no more notebooks
-        line += chunk
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # nothing more to read
-    todo = json.loads(line)
-    del line
-    passed = 0
-    for i, (name, item) in enumerate(todo):
-        if "data" not in item:
-            verdict = "fail: " + item["problem"]
-        else:
-            try:
-                fn = loads(base64.b64decode(item["data"]))
-            except BaseException as exc:
-                verdict = (f"fail: your function could not be loaded to be judged: "
-                           f"{type(exc).__name__}: {exc}")
-            else:
-                try:
-                    found = problem(name, fn)
-                except BaseException as exc:
-                    found = f"the checker raised {type(exc).__name__}: {exc}"
-                verdict = "pass" if found is None else f"fail: {found}"
-        if verdict == "pass" and i < PASS_BITS:
-            passed |= 1 << i
-        emit(verdicts, {"name": name, "verdict": str(verdict)[:4000]})
-    try:
-        exercises.release()
-    except BaseException:
-        pass
-    return passed
-
-def others():
-    return [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]
-
-while True:
-    select.select([0], [], [])
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(control)
-            if alone:
-                libc.prctl(4, 1, 0, 0, 0)  # the judged process is an ordinary one
-            os._exit(PASSED + judge_one())
-        finally:
-            os._exit(0)
-    status = os.waitpid(pid, 0)[1]
-    code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
-    if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 3:
-        break
-    if alone:  # nothing of this notebook is left for the next
-        while others():
-            os.kill(-1, signal.SIGKILL)
-            while True:
-                try:
-                    if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                        break
-                except ChildProcessError:
-                    break
-            time.sleep(0.005)
-        for folder in ("/tmp", "/dev/shm"):
-            for entry in os.listdir(folder):
-                path = os.path.join(folder, entry)
-                if os.path.isdir(path) and not os.path.islink(path):
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    try:
-                        os.unlink(path)
-                    except OSError:
-                        pass
-    emit(control, {"done": True, "killed": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
-                   "passed": code - PASSED if code is not None and code >= PASSED else None})
-    if not alone:
-        break  # unsealed: a fresh judge for each notebook
-os._exit(0)
-"""
+# Each program run in a sandbox is a module of this folder, run by path (``python -I FILE``): it
+# starts with the standard library only, and imports what it needs from the package the sandbox
+# checked is this one (see sandbox.py's probe).  The runner runs the notebook (and has the kernel
+# take each function checked out of it: take.py); the judge judges them.
+_RUNNER = str(Path(__file__).resolve().with_name("runner.py"))
+_JUDGE = str(Path(__file__).resolve().with_name("judge.py"))
 
 MAX_VERDICTS = 1 << 20  # bytes of verdicts read back for one notebook
-#: exercises one judged process can report passed (_JUDGE's PASS_BITS): its exit status is 64 plus
-#: a bit per pass, below 128 (what a shell reports for a signal)
-JUDGED_AT_ONCE = 6
 
 
 class _Judge:
-    """The grader's side of the judge (see ``_JUDGE``): started once, it judges notebook after
+    """The grader's side of the judge (:mod:`.judge`): started once, it judges notebook after
     notebook (restarted after a notebook that timed out or stopped it; unsealed, started afresh
     for each notebook, there being no namespace of its own to clear between them)."""
 
@@ -427,8 +231,8 @@ class _Judge:
         control, verdicts = os.pipe(), os.pipe()
         self.control, self.verdicts = control[0], verdicts[0]
         try:
-            self.box.start([sys.executable, "-I", "-c", _JUDGE, str(control[1]), str(verdicts[1]),
-                            "sealed" if self.sealed else "unsealed", str(JUDGED_AT_ONCE)],
+            self.box.start([sys.executable, "-I", _JUDGE, str(control[1]), str(verdicts[1]),
+                            "sealed" if self.sealed else "unsealed"],
                            env=_env(self.box, self.sealed), stdin=subprocess.PIPE, stdout=self.log,
                            pass_fds=[control[1], verdicts[1]])
         finally:
@@ -440,7 +244,7 @@ class _Judge:
         """({exercise: verdict}, "" or why some have none) for one notebook's functions."""
         if len(todo) > JUDGED_AT_ONCE:
             raise RuntimeError(f"a lesson with {len(todo)} exercises: the judge's exit status "
-                               f"carries {JUDGED_AT_ONCE} verdicts (PASS_BITS in _JUDGE)")
+                               f"carries {JUDGED_AT_ONCE} verdicts (judge.py's JUDGED_AT_ONCE)")
         self.start()
         box, kills = self.box, self.box.memory_kills()
         line = json.dumps(todo).encode() + b"\n"
@@ -666,16 +470,12 @@ def _run_and_judge(row: Grade, cells: list[str], takes: dict, timeout: float, se
         files = {k: open(os.path.join(host, k), "w+b") for k in ("spec", "ran", "run.log")}
         try:
             work = os.path.join(box.tmp, "work")
-            spec = {"cells": cells, "takes": takes, "take": _TAKE, "cwd": work,
+            spec = {"cells": cells, "takes": takes, "cwd": work,
                     "payloads": os.path.join(box.tmp, "taken"), "max_payload": MAX_PAYLOAD,
                     "graceful": not sealed}
             files["spec"].write(json.dumps(spec).encode())
             files["spec"].seek(0)
-            argv = [sys.executable, "-I", "-c",
-                    f"import os; os.makedirs({work!r}, exist_ok=True); os.chdir({work!r}); "
-                    f"os.makedirs(os.environ['HOME'], exist_ok=True); "
-                    f"exec(compile({_RUNNER!r}, '<minitrain-grade-runner>', 'exec'))",
-                    str(files["ran"].fileno())]
+            argv = [sys.executable, "-I", _RUNNER, str(files["ran"].fileno())]
             box.start(argv, env=_env(box, sealed), stdin=files["spec"], stdout=files["run.log"],
                       pass_fds=[files["ran"].fileno()])
             code = box.wait(timeout)

@@ -32,6 +32,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from . import probe
+
 __all__ = ["Box", "unavailable", "INSIDE_TMP"]
 
 NOBODY = 65534
@@ -467,20 +469,8 @@ class Box:
         self.close()
 
 
-# what a sandboxed Python must reach, without the cost of importing torch: the runner's packages
-# and the files of this package, the kernel's and torch's, readable; it prints which minitrain it
-# found (or that it found none), for :func:`_not_this_minitrain`
-_PROBE = ("import importlib.util as u, os, sys, nbclient, cloudpickle\n"
-          "spec = u.find_spec('minitrain')\n"
-          "if spec is None or spec.origin is None:\n"
-          "    sys.exit('minitrain-probe: no minitrain')\n"
-          "print('minitrain-probe: ' + os.path.realpath(spec.origin), flush=True)\n"
-          "for name in ('minitrain', 'ipykernel', 'torch'):\n"
-          "    origin = u.find_spec(name).origin\n"
-          "    open(origin, 'rb').close()\n"
-          "    os.listdir(os.path.dirname(origin))\n"
-          "open(os.path.join(os.path.dirname(u.find_spec('minitrain').origin), 'course', 'exercises', "
-          "'__init__.py'), 'rb').close()")
+# run by path in a sandbox: what a sandboxed Python must reach, and which minitrain it imports
+_PROBE = str(Path(__file__).resolve().with_name("probe.py"))
 _unavailable: list = []
 
 
@@ -499,12 +489,12 @@ def unavailable() -> str | None:
     else:
         with tempfile.TemporaryFile() as log, Box(sealed=True) as box:
             env = {"PATH": "/usr/bin:/bin", "HOME": INSIDE_TMP, "LANG": "C.UTF-8"}
-            box.start([sys.executable, "-I", "-c", _PROBE], env=env, stdin=subprocess.DEVNULL, stdout=log)
+            box.start([sys.executable, "-I", _PROBE], env=env, stdin=subprocess.DEVNULL, stdout=log)
             code = box.wait(180)
             log.seek(0)
             text = log.read(100_000).decode(errors="replace").strip()
-        found = [line[len("minitrain-probe: "):] for line in text.splitlines()
-                 if line.startswith("minitrain-probe: ")]
+        found = [line[len(probe.MARK):] for line in text.splitlines()
+                 if line.startswith(probe.MARK)]
         if found and (mismatch := _not_this_minitrain(found[0])):
             reason = mismatch
         elif code != 0:
@@ -529,7 +519,7 @@ def _not_this_minitrain(found: str) -> str | None:
     installed, not this process's working folder or PYTHONPATH: an editable install of another
     checkout (in a folder the sandbox hides, or not) would judge with that checkout's checkers."""
     here = Path(__file__).resolve().parents[1]
-    if found != "no minitrain" and Path(found).parent == here:
+    if found != probe.NONE and Path(found).parent == here:
         return None
     checkout = here.parent
     installed = _installed_minitrain()
@@ -537,7 +527,7 @@ def _not_this_minitrain(found: str) -> str | None:
              if installed and Path(installed) != here else
              f"this Python environment has no minitrain installed (this one, {here}, is imported "
              "from the working folder or PYTHONPATH, which the sandbox does not see)")
-    if found == "no minitrain":
+    if found == probe.NONE:
         what = "minitrain is not importable inside the sandbox"
         if installed and Path(installed) != here:
             what += " (an editable install of another checkout, in a folder the sandbox hides)"
@@ -550,12 +540,9 @@ def _not_this_minitrain(found: str) -> str | None:
 def _installed_minitrain() -> str | None:
     """The folder of the minitrain this environment's ``python -I`` imports (outside any sandbox;
     it may be hidden inside one), or None."""
-    code = ("import importlib.util as u, os\n"
-            "s = u.find_spec('minitrain')\n"
-            "print(os.path.dirname(os.path.realpath(s.origin)) if s and s.origin else '')")
     try:
-        done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True,
-                              timeout=60, cwd="/")
+        done = subprocess.run([sys.executable, "-I", _PROBE, "--installed"], capture_output=True,
+                              text=True, timeout=60, cwd="/")
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip() or None

@@ -62,10 +62,13 @@ class _Forward(io.TextIOBase):
             self._send(("print", self._stream, text))
 
 
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
+
+
 def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         try:
-            ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            ctypes.CDLL("libc.so.6").prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         except OSError:
             pass
 

@@ -33,6 +33,24 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 # --------------------------------------------------------------------------------------------------
+# The quick tier: pytest -m "not slow"
+# --------------------------------------------------------------------------------------------------
+
+#: the end-to-end files: every notebook under nbval, the sealed grader, the browser, the widgets'
+#: every control, every wrong answer of every exercise inside its strategy, torchrun, the full-disk
+#: and killed-run cases.  ``pytest -m "not slow"`` leaves them out (the README's quick tier); CI
+#: runs everything.
+SLOW_FILES = {"test_lessons.py", "test_nbval_plugin.py", "test_grade.py", "test_grade_attacks.py",
+              "test_browser.py", "test_viz_sweep.py", "test_exercise_answers.py",
+              "test_torchrun.py", "test_safety.py", "test_checks_never_raise.py"}
+
+
+def pytest_itemcollected(item):
+    if item.path.name in SLOW_FILES:
+        item.add_marker(pytest.mark.slow)
+
+
+# --------------------------------------------------------------------------------------------------
 # The lessons under nbval, in the background
 # --------------------------------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -20,6 +20,7 @@ from ..memory import ActivationMeter, ledger, model_state_bytes
 from ..parallel.flat import FlatUnit
 from ..parallel.fsdp import FullyShardedDataParallel
 from ..parallel.zero import HostOffload, ZeroRedundancyOptimizer, shard_optimizer
+from ..record import Layout
 from .base import Checkpointer, ConfigError, Options, TrainConfig, option, register
 from .data_parallel import Buckets, DataParallel, Timeline, check_batch_split
 from .portable import shard_optimizer_state, unshard_optimizer
@@ -165,6 +166,10 @@ class _ZeroStrategy(DataParallel):
             raise ConfigError(f"strategy {cls.name!r} does not scale the loss: each rank sees only "
                               "its shard of the gradients, so an overflow check would need every "
                               "rank's verdict; leave out --loss-scale (bf16-mixed needs none)")
+
+    @classmethod
+    def layout(cls, cfg: TrainConfig) -> Layout:
+        return replace(super().layout(cfg), zero_stage=cls.stage, offload=cfg.options.offload)
 
     def setup(self) -> None:
         self.offload = self.cfg.options.offload

@@ -4,8 +4,10 @@
 (saving checkpoints as asked); a :class:`~minitrain.strategies.FreeRunning` one runs its own loop.
 ``run_rank(cfg)`` is what each rank executes — from :class:`minitrain.runtime.launch.Cluster`, from
 ``launch``, or directly under ``torchrun`` — so the same code path serves notebooks, scripts and real
-clusters.  Rank 0 reports each step through ``on_step``; at the end every rank's tracer summary and
-memory ledger are gathered to rank 0 (outside the tracer, so they do not count as training traffic).
+clusters.  Rank 0 reports each step through ``on_step``; what follows the steps from outside the
+loop (:class:`Recording`, for the projection) is a callback of :func:`fit`.  At the end every rank's
+tracer summary and memory ledger are gathered to rank 0 (outside the tracer, so they do not count as
+training traffic) into the run's record (:class:`~minitrain.record.RunResult`).
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def test_coordinates_and_groups_tile_the_world(dp, pp, tp):
 def test_3d_equals_a_single_process(clusters, single, dp, pp, tp):
     run = train(mesh_cfg(dp, pp, tp), cluster=clusters(dp * pp * tp), return_state=True)
     assert_same_run(run, single)
-    reports = run["summary"]["report"]
+    reports = run.summary.report
     s = MeshShape(dp, pp, tp)
     for r, rep in enumerate(reports):
         assert MeshShape(rep["dp"], rep["pp"], rep["tp"]) == s
@@ -75,7 +75,7 @@ def test_tensor_collectives_per_layer_and_zero1_shards_over_dp(clusters):
     steps, M = 2, 3
     cfg = mesh_cfg(2, 2, 2).with_(steps=steps)
     reports = {z: train(cfg.with_(options={**cfg.options.given(), "zero_stage": z}),
-                        cluster=clusters(8))["summary"] for z in (0, 1)}
+                        cluster=clusters(8)).summary for z in (0, 1)}
     rep = reports[1]["report"][0]  # rank 0: replica 0, stage 0 (blocks 0 and 1), tensor rank 0
     assert rep["stages"] == {0: [0, 1]}
     for block in ("blocks.0", "blocks.1"):

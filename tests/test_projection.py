@@ -474,7 +474,8 @@ def test_every_lockstep_strategy_is_projected_by_train(strategy, world, options,
     assert p.cluster == "dgx-h100" and p.model.startswith("1.3b")
     parts = ("compute_s", "exposed_comm_s", "bubble_s", "idle_s")
     for key in ("step_time_s", "mfu", "comm_s") + parts:
-        assert math.isfinite(p[key]) and p[key] >= 0, (key, p[key])
+        value = getattr(p, key)
+        assert math.isfinite(value) and value >= 0, (key, value)
     assert p.step_time_s > 0 and 0 < p.mfu < 1
     # by construction (replay.breakdown): a rank's segments tile its step — compute, and waits
     # that are exposed communication while its communication is in flight, else idle (bubble on a

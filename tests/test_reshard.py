@@ -98,7 +98,7 @@ def test_a_chain_of_layouts(runs, clusters, tmp_path):
     end = train(cfg_of("single@1", resume=str(again)), cluster=clusters(1))
     assert mid.summary.resharded_from == "zero3 on 4 ranks"
     assert end.summary.resharded_from == "zero1 on 3 ranks"
-    ref = uninterrupted("single@1", precision="fp32")["losses"]
+    ref = uninterrupted("single@1", precision="fp32").losses
     assert mid.losses + end.losses == pytest.approx(ref[SAVE_AT:], abs=1e-5)
 
 

@@ -116,7 +116,7 @@ def test_seams_in_the_4d_mesh(clusters):
     assert train(cfg, cluster=cluster, seams=seams).losses == ours
     # the merge really runs inside: one that keeps only the first part changes the losses
     keep_first = lambda out_a, lse_a, out_b, lse_b: (out_a, lse_a)  # noqa: E731
-    wrong = train(cfg, cluster=cluster, seams={"online_softmax_merge": keep_first})["losses"]
+    wrong = train(cfg, cluster=cluster, seams={"online_softmax_merge": keep_first}).losses
     assert wrong != ours
 
 

@@ -98,11 +98,11 @@ def self_consistency(get, steps: int) -> list[float]:
         run = train(strategy=strategy, world_size=world, steps=steps, batch_size=batch,
                     options=options, model=PRESETS[model], cluster=get(world), project="local")
         p = project(run, "local")
-        ratio = statistics.median(s / m for s, m in zip(p["step_times_s"],
-                                                        p["measured_step_times_s"]))
-        mean = p["mean_step_time_s"] / p["measured_mean_step_s"]
+        ratio = statistics.median(s / m for s, m in zip(p.step_times_s,
+                                                        p.measured_step_times_s))
+        mean = p.mean_step_time_s / p.measured_mean_step_s
         ratios.append(ratio)
-        print(f"    {label:34s} {p['measured_step_s'] * 1e3:8.1f}ms {p['step_time_s'] * 1e3:8.1f}ms "
+        print(f"    {label:34s} {p.measured_step_s * 1e3:8.1f}ms {p.step_time_s * 1e3:8.1f}ms "
               f"{ratio:7.3f} {mean:7.3f} {'ok' if abs(ratio - 1) <= 0.15 else 'OUT OF 15%'}",
               flush=True)
     return ratios
@@ -163,10 +163,10 @@ def published(get, steps: int) -> list[float]:
                 record_events=True)
     p = project(run, "dgx-h100", LLAMA3_8B, degrees={"dp": 8})
     measured = 2 * 8192 / 5762  # seconds per step: local batch 2 x 8192 tokens at 5,762 tokens/s
-    ratio = measured / p["step_time_s"]
+    ratio = measured / p.step_time_s
     ratios.append(ratio)
     print(f"    {'torchtitan Llama 3.1 8B, FSDP (ZeRO-3) on 8 H100':64s} published "
-          f"{2 * 8192 / measured:8.0f} tok/s/GPU, projected {2 * 8192 / p['step_time_s']:8.0f}: "
+          f"{2 * 8192 / measured:8.0f} tok/s/GPU, projected {2 * 8192 / p.step_time_s:8.0f}: "
           f"{ratio:6.3f} {'ok' if abs(ratio - 1) <= 0.25 else 'OUT OF 25%'}")
     print("    (torchtitan's H100s were HBM2e parts at 500 W, slower than the preset's SXM at 700 W: "
           "their footnote 2)")
@@ -177,11 +177,11 @@ def published(get, steps: int) -> list[float]:
                 options={"dp": 2, "pp": 2, "tp": 2, "microbatches": 8, "sequence_parallel": True},
                 record_events=True)
     p = project(run, f"ib-h100x{m['gpus'] // 8}", m["cfg"], degrees={"dp": m["dp"], "tp": m["tp"]})
-    per_gpu = p["mfu"] * get_cluster("dgx-h100").device.peak_flops / 1e12
+    per_gpu = p.mfu * get_cluster("dgx-h100").device.peak_flops / 1e12
     print(f"    [not a check] Megatron-LM H100 table, 70B, TP 8 x PP 2 x DP 48 with TP/DP overlap: "
           f"published {m['tflops']:.1f} TFLOP/s/GPU, minitrain's 3d layout projected {per_gpu:.1f} "
-          f"(exposed comm {p['exposed_comm_s']:.2f} s, bubble {p['bubble_s']:.2f} s of "
-          f"{p['step_time_s']:.2f} s)")
+          f"(exposed comm {p.exposed_comm_s:.2f} s, bubble {p.bubble_s:.2f} s of "
+          f"{p.step_time_s:.2f} s)")
     return ratios
 
 
@@ -189,7 +189,7 @@ def _row(label: str, p: dict, m: dict) -> float:
     """Projected per-GPU TFLOP/s against the published one (the same FLOP count: Narayanan et
     al.'s, which the projection's MFU uses; with recomputation counted where they count it)."""
     peak = get_cluster(m.get("device", "dgx-h100")).device.peak_flops
-    per_gpu = (p["hfu"] if m.get("counts_recompute") else p["mfu"]) * peak / 1e12
+    per_gpu = (p.hfu if m.get("counts_recompute") else p.mfu) * peak / 1e12
     ratio = per_gpu / m["tflops"]
     print(f"    {label:64s} published {m['tflops']:8.1f} TFLOP/s/GPU, projected {per_gpu:8.1f}: "
           f"{ratio:6.3f} {'ok' if abs(ratio - 1) <= 0.25 else 'OUT OF 25%'}", flush=True)
@@ -222,10 +222,10 @@ def one_model(get, steps: int) -> list[float]:
         run = train(steps=max(3, steps // 2), cluster=get(kw["world_size"]), record_events=True,
                     **kw)
         p = project(run, spec, cfg, degrees=degrees)
-        ratio = p["step_time_s"] / chosen.time["total"]
+        ratio = p.step_time_s / chosen.time["total"]
         ratios.append(ratio)
         print(f"    {label:40s} chooser {chosen.time['total'] * 1e3:8.1f} ms, projection "
-              f"{p['step_time_s'] * 1e3:8.1f} ms: {ratio:6.3f} "
+              f"{p.step_time_s * 1e3:8.1f} ms: {ratio:6.3f} "
               f"{'ok' if abs(ratio - 1) <= 0.2 else 'OUT OF 20%'}", flush=True)
     return ratios
 

@@ -127,7 +127,7 @@ def step_times(model: str, batch: int, steps: int, kinds: list[str], warmup: int
 
 def single_losses(model: str, batch: int, steps: int) -> list[float]:
     """The reference: the ``single`` strategy (one process, the whole model, Adam), same batches."""
-    return train(TrainConfig(model=MODELS[model], batch_size=batch, steps=steps, lr=LR, seed=0))["losses"]
+    return train(TrainConfig(model=MODELS[model], batch_size=batch, steps=steps, lr=LR, seed=0)).losses
 
 
 def compare(cluster: Cluster, model: str, batch: int, steps: int, rounds: int,

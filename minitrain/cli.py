@@ -1,8 +1,8 @@
 """``minitrain train`` (also ``python -m minitrain train``): train the tiny GPT with any strategy, on N ranks.
 
 Contract every strategy keeps (``--json``): one JSON object per line, ``{"step": i, "loss": x}`` per
-step, then ``{"summary": {...}}`` with at least ``final_loss``, ``step_time_s`` (median), ``params``,
-per-rank ``comm`` and per-rank ``memory``.  Without ``--json``: a progress bar and a readable summary.
+step, then ``{"summary": {...}}`` (:meth:`minitrain.record.RunSummary.to_dict`) with at least
+``final_loss``, ``step_time_s`` (median), ``params``, per-rank ``comm`` and per-rank ``memory``.  Without ``--json``: a progress bar and a readable summary.
 
 Started by ``torchrun`` the command joins the env:// process group and runs as one rank; otherwise it
 starts ``--world-size`` ranks itself.  Bad configurations are refused before any process starts.
@@ -238,15 +238,15 @@ def _kb(n: float) -> str:
     return f"{n / 1024:,.1f} KiB" if n < 1024 ** 2 else f"{n / 1024 ** 2:,.1f} MiB"
 
 
-def format_summary(result: dict) -> str:
-    s, losses = result["summary"], result["losses"]
-    lines = [f"strategy {s['strategy']} on {s['world_size']} rank(s) ({s['backend']}), "
-             f"{s['steps']} steps, global batch {s['batch_size']}, {s['params']:,} parameters",
-             f"loss {losses[0]:.4f} -> {s['final_loss']:.4f}; median step {s['step_time_s'] * 1e3:.1f} ms"]
-    if s.get("options"):
+def format_summary(result) -> str:
+    s, losses = result.summary, result.losses
+    lines = [f"strategy {s.strategy} on {s.world_size} rank(s) ({s.backend}), "
+             f"{s.steps} steps, global batch {s.batch_size}, {s.params:,} parameters",
+             f"loss {losses[0]:.4f} -> {s.final_loss:.4f}; median step {s.step_time_s * 1e3:.1f} ms"]
+    if s.options:
         lines.append("options: " + ", ".join(
-            flag(k) if v is True else f"{flag(k)} {v}" for k, v in s["options"].items()))
-    reports = s.get("report") or [{}]
+            flag(k) if v is True else f"{flag(k)} {v}" for k, v in s.options.items()))
+    reports = s.report or [{}]
     if reports[0].get("dp") and "tp" in reports[0]:
         r = reports[0]
         lines.append(f"mesh: {r['dp']} replicas x {r['pp']} pipeline stages x {r['tp']} tensor ranks "
@@ -259,30 +259,30 @@ def format_summary(result: dict) -> str:
         lines.append(f"parameter server ({mode['mode']}"
                      + (f", staleness bound {mode['bound']}" if mode.get("bound") is not None else "")
                      + f"): servers {servers}, workers {workers}")
-    if s.get("resumed_from"):
-        lines.append(f"resumed at step {s['start_step']} from {s['resumed_from']}")
-    if s.get("checkpoints"):
-        lines.append(f"checkpoints saved: {', '.join(s['checkpoints'])}")
-    if s.get("precision", "fp32") != "fp32" or s.get("checkpoint_activations"):
-        scaler = s.get("loss_scaler")
-        lines.append(f"precision {s['precision']}"
+    if s.resumed_from:
+        lines.append(f"resumed at step {s.start_step} from {s.resumed_from}")
+    if s.checkpoints:
+        lines.append(f"checkpoints saved: {', '.join(s.checkpoints)}")
+    if s.precision != "fp32" or s.checkpoint_activations:
+        scaler = s.loss_scaler
+        lines.append(f"precision {s.precision}"
                      + (f", loss scale {scaler['scale']:g}, {scaler['skipped_steps']} step(s) skipped"
                         if scaler else "")
-                     + (", activation checkpointing" if s.get("checkpoint_activations") else ""))
-    pipe = (s.get("report") or [{}])[0]
+                     + (", activation checkpointing" if s.checkpoint_activations else ""))
+    pipe = (s.report or [{}])[0]
     if "bubble_measured" in pipe:
         lines.append(f"pipeline {pipe['schedule']}: {pipe['stages']} stages, {pipe['microbatches']} "
                      f"micro-batches, {pipe['chunks']} chunk(s); bubble measured "
                      f"{pipe['bubble_measured']:.1%}, ideal table {pipe['bubble_ideal']:.1%}, "
                      f"(p-1)/(v*m+p-1) = {pipe['bubble_formula']:.1%}")
-    if s.get("projection"):
+    if s.projection is not None:
         from .planning.projection import format_projection
-        lines.append(format_projection(s["projection"]))
-    offloaded = any(v for mem in s["memory"] for v in (mem.get("host") or {}).values())
+        lines.append(format_projection(s.projection))
+    offloaded = any(v for mem in s.memory for v in (mem.get("host") or {}).values())
     if offloaded:
         lines.append("offload (ZeRO-Offload): the optimizer states, fp32 master weights and the "
                      "optimizer step are in host memory; per rank, the device's bytes, then the host's")
-    for rank, (comm, mem) in enumerate(zip(s["comm"], s["memory"])):
+    for rank, (comm, mem) in enumerate(zip(s.comm, s.memory)):
         b = mem["bytes"]
         sent = comm.get("total", {}).get("sent_bytes", 0)
         host = mem.get("host") or {}
@@ -362,7 +362,7 @@ def _run(args: argparse.Namespace, cfg) -> int:
             dist.barrier()
         finally:
             dist.destroy_process_group()
-        if "summary" not in result:
+        if result is None:  # not rank 0
             return 0
     else:
         with Cluster(cfg.world_size, cfg.backend, timeout=cfg.timeout, prefix=False) as cluster:
@@ -370,7 +370,7 @@ def _run(args: argparse.Namespace, cfg) -> int:
                                  calibrate=calibrate)[0]
     add_projection(result, args.project, args.as_model)
     if args.json:
-        print(dumps({"summary": result["summary"]}), flush=True)
+        print(dumps({"summary": result.summary.to_dict()}), flush=True)
     else:
         print(format_summary(result))
     return 0

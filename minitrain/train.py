@@ -4,8 +4,10 @@
 (saving checkpoints as asked); a :class:`~minitrain.strategies.FreeRunning` one runs its own loop.
 ``run_rank(cfg)`` is what each rank executes — from :class:`minitrain.runtime.launch.Cluster`, from
 ``launch``, or directly under ``torchrun`` — so the same code path serves notebooks, scripts and real
-clusters.  Rank 0 reports each step through ``on_step``; at the end every rank's tracer summary and
-memory ledger are gathered to rank 0 (outside the tracer, so they do not count as training traffic).
+clusters.  Rank 0 reports each step through ``on_step``; what follows the steps from outside the
+loop (:class:`Recording`, for the projection) is a callback of :func:`fit`.  At the end every rank's
+tracer summary and memory ledger are gathered to rank 0 (outside the tracer, so they do not count as
+training traffic) into the run's record (:class:`~minitrain.record.RunResult`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from .comm import Comm, Tracer
 from .data import ArithmeticData
 from .runtime.launch import Cluster
 from .memory import rss_bytes
-from .planning.recording import recording
+from .planning.recording import Recording
+from .record import RunResult, RunSummary
 from .strategies import (ConfigError, FreeRunning, Seams, Strategy, TrainConfig, check_strategy,
                          get_strategy)
 from .strategies.options import did_you_mean
@@ -59,24 +62,26 @@ def check_config(cfg: TrainConfig, seams=None, *, lock: SaveDirLock | bool | Non
               "as with one rank per core", file=sys.stderr, flush=True)
 
 
-def fit(strategy: Strategy, data, on_step=None) -> tuple[list[float], list[float]]:
+def fit(strategy: Strategy, data, on_step=None, callbacks=()) -> tuple[list[float], list[float]]:
     """Train ``cfg.steps`` steps (from ``strategy.start_step``); return (losses, seconds per step).
 
-    ``on_step(step, loss)`` follows each step; checkpoints are saved as ``cfg.save_dir`` and
-    ``cfg.save_every`` ask.  A free-running strategy (its ranks do not step together) runs its own
-    loop instead."""
+    ``on_step(step, loss)`` follows each step; each of ``callbacks`` (e.g. :class:`Recording`) has
+    ``begin(step)`` called before a step and ``end(step, loss)`` after it, outside its timing;
+    checkpoints are saved as ``cfg.save_dir`` and ``cfg.save_every`` ask.  A free-running strategy
+    (its ranks do not step together) runs its own loop instead."""
     if isinstance(strategy, FreeRunning):
         return strategy.run(data, on_step)
     cfg = strategy.cfg
     losses, times = [], []
-    tracer = strategy.comm.tracer
     for step in range(strategy.start_step, cfg.steps):
         x, y = data.batch(step, cfg.batch_size)
-        tracer.mark("step", step)  # while recording (minitrain.planning.projection): the step's edges
+        for c in callbacks:
+            c.begin(step)
         t0 = time.perf_counter()
         loss = strategy.train_step(x, y)
         times.append(time.perf_counter() - t0)
-        tracer.mark("step_end", step)
+        for c in callbacks:
+            c.end(step, loss)
         losses.append(loss)
         if on_step is not None:
             on_step(step, loss)
@@ -96,17 +101,24 @@ def _loss_scaler(strategy: Strategy) -> dict | None:
     return strategy.loss_scaler.state_dict() if strategy.loss_scaler is not None else None
 
 
-def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False, seams=None,
-             record_events: bool = False, calibrate: bool = False) -> dict:
-    """Train on this rank (the process group must exist); rank 0 returns the run's summary.
+def _calibrate(comm: Comm) -> dict:
+    """This machine measured after the run (every rank takes part; not training traffic)."""
+    from .planning.clusters import calibrate_rank
+    with comm.tracer.paused():
+        return calibrate_rank()
 
-    ``on_step(step, loss)`` is called on rank 0 after every step.  Returns, on rank 0,
-    ``{"losses": [...], "summary": {...}}`` (plus ``"state"``, the trained weights as a plain
-    state_dict, with ``return_state``); on the other ranks ``{"rank": r}``.  ``seams`` (a
+
+def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False, seams=None,
+             record_events: bool = False, calibrate: bool = False) -> RunResult | None:
+    """Train on this rank (the process group must exist); rank 0 returns the run's record.
+
+    ``on_step(step, loss)`` is called on rank 0 after every step.  Returns, on rank 0, a
+    :class:`~minitrain.record.RunResult` (with ``return_state`` its ``state``: the trained weights
+    as a plain state_dict); on the other ranks None.  ``seams`` (a
     :class:`~minitrain.strategies.Seams` or ``{name: function}``) puts a learner's functions in
-    the strategy's seams.  ``record_events`` keeps what :mod:`minitrain.planning.projection` replays
-    (``"events"``: each rank's log); ``calibrate`` also measures this machine afterwards
-    (``summary["calibration"]``, for the "local" and "binder" clusters).
+    the strategy's seams.  ``record_events`` keeps what :mod:`minitrain.planning.projection`
+    replays (``events``: each rank's log, :class:`Recording`); ``calibrate`` also measures this
+    machine afterwards (``summary.calibration``, for the "local" and "binder" clusters).
     """
     comm = Comm(None, Tracer(), "world")
     if cfg.save_dir and comm.rank == 0:
@@ -116,70 +128,45 @@ def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False, seams=N
         load_checkpoint(strategy, cfg.resume)  # before the tracer is cleared: not training traffic
     data = ArithmeticData(cfg.model.seq_len, cfg.seed)
     comm.tracer.clear()
-    report = on_step if comm.rank == 0 else None
-    if record_events:
-        with recording(strategy):
-            losses, times = fit(strategy, data, report)
-    else:
-        losses, times = fit(strategy, data, report)
+    with Recording(strategy, on=record_events) as recorder:
+        losses, times = fit(strategy, data, on_step if comm.rank == 0 else None, [recorder])
     with comm.tracer.paused():  # gathering the result is not training traffic
         final = strategy.final_state()
     mine = {"comm": comm.tracer.summary(),
             "memory": {**strategy.memory(), "rss_peak": rss_bytes(peak=True)},
-            "report": strategy.report(), "loss_scaler": _loss_scaler(strategy)}
-    if record_events:
-        mine["events"] = comm.tracer.export()
+            "report": strategy.report(), "loss_scaler": _loss_scaler(strategy),
+            "events": recorder.export()}
     gathered = [None] * comm.size if comm.rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     strategy.close()
-    calibration = None
-    if calibrate:
-        from .planning.clusters import calibrate_rank
-        with comm.tracer.paused():
-            calibration = calibrate_rank()
+    calibration = _calibrate(comm) if calibrate else None
     if comm.rank != 0:
-        return {"rank": comm.rank}
-    summary = {
-        "strategy": cfg.strategy,
-        "world_size": comm.size,
-        "backend": dist.get_backend(),
-        "steps": cfg.steps,
-        "batch_size": cfg.batch_size,
-        "seed": cfg.seed,
-        "params": cfg.model.num_params(),
-        "model": cfg.model.to_dict(),
-        "precision": cfg.precision,
-        "options": cfg.options.given(),  # the strategy's options that differ from their defaults
-        "checkpoint_activations": cfg.checkpoint_activations,
-        # rank 0's dynamic loss scaler (every rank of a lockstep strategy holds the same one)
-        "loss_scaler": gathered[0]["loss_scaler"],
-        "final_loss": losses[-1],
-        "step_time_s": statistics.median(times),
-        "step_times_s": list(times),  # every step's: a timing shown with its spread
-        "start_step": strategy.start_step,  # > 0 when resumed: losses are of steps start_step..
-        "resumed_from": strategy.resumed_from,
-        "resharded_from": strategy.resharded_from,  # "zero3 on 4 ranks"
-        "checkpoints": strategy.saved_checkpoints,
-        "comm": [g["comm"] for g in gathered],
-        "memory": [g["memory"] for g in gathered],
-    }
-    if any(g["report"] for g in gathered):
-        summary["report"] = [g["report"] for g in gathered]
-    if calibration is not None:
-        summary["calibration"] = calibration
-    out = {"losses": losses, "summary": summary}
-    if record_events:
-        out["events"] = [g["events"] for g in gathered]
-        out["step_times"] = times
-    if return_state:  # final_state(): the full model on rank 0
-        out["state"] = {k: v.detach().cpu().clone() for k, v in final.items()}
-    return out
+        return None
+    summary = RunSummary(
+        strategy=cfg.strategy, world_size=comm.size, backend=dist.get_backend(), steps=cfg.steps,
+        batch_size=cfg.batch_size, seed=cfg.seed, params=cfg.model.num_params(), model=cfg.model,
+        precision=cfg.precision, options=cfg.options.given(),
+        checkpoint_activations=cfg.checkpoint_activations,
+        loss_scaler=gathered[0]["loss_scaler"], final_loss=losses[-1],
+        step_time_s=statistics.median(times), step_times_s=list(times),
+        start_step=strategy.start_step, resumed_from=strategy.resumed_from,
+        resharded_from=strategy.resharded_from, checkpoints=strategy.saved_checkpoints,
+        comm=[g["comm"] for g in gathered], memory=[g["memory"] for g in gathered],
+        layout=type(strategy).layout(cfg),
+        report=[g["report"] for g in gathered] if any(g["report"] for g in gathered) else None,
+        calibration=calibration)
+    return RunResult(
+        losses, summary,
+        events=[g["events"] for g in gathered] if record_events else None,
+        step_times=times if record_events else None,
+        state={k: v.detach().cpu().clone() for k, v in final.items()} if return_state else None)
 
 
 def train(cfg: TrainConfig | None = None, *, cluster: Cluster | None = None, on_step=None,
           return_state: bool = False, seams=None, project: str | None = None, as_model=None,
-          record_events: bool = False, **overrides) -> dict:
-    """Train from Python (a notebook, a test) and return rank 0's ``{"losses", "summary"}``.
+          record_events: bool = False, **overrides) -> RunResult:
+    """Train from Python (a notebook, a test) and return rank 0's record
+    (:class:`~minitrain.record.RunResult`: ``losses``, ``summary``...).
 
     ``train(strategy="single", steps=50)`` builds a :class:`TrainConfig` from keywords.  Pass a
     running ``cluster`` of the right size to reuse its ranks (fast: no start-up); otherwise one is
@@ -188,8 +175,8 @@ def train(cfg: TrainConfig | None = None, *, cluster: Cluster | None = None, on_
     (:class:`~minitrain.strategies.Seams`).
 
     ``project="dgx-h100"`` (``as_model="7b"``) re-times the run on that cluster at that model size
-    and adds ``summary["projection"]`` (:func:`minitrain.planning.projection.project`); ``record_events``
-    keeps the events (``result["events"]``) to project later, on any cluster.
+    and adds ``summary.projection`` (:func:`minitrain.planning.projection.project`);
+    ``record_events`` keeps the events (``result.events``) to project later, on any cluster.
     """
     cfg = (cfg or TrainConfig()).with_(**overrides) if overrides else (cfg or TrainConfig())
     with SaveDirLock() as lock:  # one run per save dir: held until the run ends
@@ -218,37 +205,21 @@ def check_projection_config(cfg: TrainConfig, project: str | None, as_model=None
         raise ConfigError(f"unknown model size {as_model!r}{did_you_mean(as_model, MODEL_SIZES)}; "
                           f"choose one of: {', '.join(MODEL_SIZES)}")
     try:
-        check_projection(project, as_model, strategy=cfg.strategy, world_size=cfg.world_size,
-                         options=_options_dict(cfg), model=cfg.model, batch_size=cfg.batch_size)
+        check_projection(project, as_model, get_strategy(cfg.strategy).layout(cfg),
+                         strategy=cfg.strategy, world_size=cfg.world_size, model=cfg.model)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
 
-def _options_dict(cfg: TrainConfig) -> dict:
-    options = cfg.options
-    if hasattr(options, "given"):
-        from dataclasses import asdict
-        return asdict(options)
-    return dict(options or {})
-
-
-def add_projection(result: dict, project: str | None, as_model=None) -> dict:
-    """``result`` with ``summary["projection"]``: the run re-timed on ``project`` at ``as_model``
-    (the fields of :func:`minitrain.planning.projection.project`, without the per-rank timelines).  A
-    GPipe or 1F1B pipeline of equal micro-batches is projected with ``even=True`` (each gets the
-    same share of its rank's FLOPs, as in lesson 05: :func:`minitrain.planning.projection.even_work`);
-    ``"even"`` says which."""
-    if project is None or "summary" not in result:
+def add_projection(result: RunResult | None, project: str | None, as_model=None) -> RunResult:
+    """``result`` with ``summary.projection``: the run re-timed on ``project`` at ``as_model``
+    (:func:`minitrain.planning.projection.project`).  A GPipe or 1F1B pipeline of equal
+    micro-batches is projected with ``even=True`` (each gets the same share of its rank's FLOPs,
+    as in lesson 05: :func:`minitrain.planning.projection.even_work`); its ``even`` says which."""
+    if project is None or result is None:
         return result
     from .planning.projection import even_work
     from .planning.projection import project as reproject
-    even = even_work(result["summary"])
-    p = reproject(result, project, as_model, even=even)
-    keep = ("cluster", "cluster_title", "model", "params", "precision", "compute_mode",
-            "step_time_s", "measured_step_s", "compute_s", "exposed_comm_s", "bubble_s", "idle_s",
-            "comm_s", "hidden_comm_share", "mfu", "tokens_per_s", "fits", "sources")
-    summary = result["summary"]
-    summary["projection"] = {k: p[k] for k in keep}
-    summary["projection"]["even"] = even
-    summary["projection"]["memory_per_device_gb"] = [m["total"] / 1e9 for m in p["memory"]]
+    result.summary.projection = reproject(result, project, as_model,
+                                          even=even_work(result.summary))
     return result

@@ -148,12 +148,12 @@ def assert_same_run(run: dict, ref: dict, rel: float = 1e-5) -> None:
     Weights: Adam divides each gradient element by its own RMS, so float rounding in elements whose
     gradient is ~0 moves them by a fraction of one step (lr = 1e-3): allow 5% of one step.
     """
-    assert len(run["losses"]) == len(ref["losses"]) > 0
-    for a, b in zip(run["losses"], ref["losses"]):
+    assert len(run.losses) == len(ref.losses) > 0
+    for a, b in zip(run.losses, ref.losses):
         assert abs(a - b) <= rel * abs(b), (a, b)
-    assert sorted(run["state"]) == sorted(ref["state"])  # the full model, single-process names
-    for name, ref_value in ref["state"].items():
-        torch.testing.assert_close(run["state"][name], ref_value, rtol=1e-4, atol=5e-5, msg=name)
+    assert sorted(run.state) == sorted(ref.state)  # the full model, single-process names
+    for name, ref_value in ref.state.items():
+        torch.testing.assert_close(run.state[name], ref_value, rtol=1e-4, atol=5e-5, msg=name)
 
 
 @contextmanager

@@ -77,22 +77,22 @@ def test_resume_gives_the_uninterrupted_run(saved, clusters, name):
     cfg, root, full, first = saved(name)
     resumed = train(cfg.with_(resume=str(root)), cluster=clusters(cfg.world_size),
                     return_state=True)
-    assert resumed["summary"]["start_step"] == 5
-    assert resumed["summary"]["resumed_from"] == str(root / "step-000005")
-    assert first["losses"] == full["losses"][:5]
-    assert len(resumed["losses"]) == 5
-    for a, b in zip(resumed["losses"], full["losses"][5:]):
-        assert abs(a - b) <= 1e-6 * abs(b), (resumed["losses"], full["losses"][5:])
-    for key, value in full["state"].items():
-        torch.testing.assert_close(resumed["state"][key], value, rtol=0, atol=0, msg=key)
+    assert resumed.summary.start_step == 5
+    assert resumed.summary.resumed_from == str(root / "step-000005")
+    assert first.losses == full.losses[:5]
+    assert len(resumed.losses) == 5
+    for a, b in zip(resumed.losses, full.losses[5:]):
+        assert abs(a - b) <= 1e-6 * abs(b), (resumed.losses, full.losses[5:])
+    for key, value in full.state.items():
+        torch.testing.assert_close(resumed.state[key], value, rtol=0, atol=0, msg=key)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_consolidation_is_the_single_process_state_dict(saved, name):
     cfg, root, _, first = saved(name)
     state = consolidate(root)
-    assert list(state) == list(first["state"])  # the single-process names, in its order
-    for key, value in first["state"].items():
+    assert list(state) == list(first.state)  # the single-process names, in its order
+    for key, value in first.state.items():
         assert torch.equal(state[key], value), key
     model = GPT(cfg.model)
     model.load_state_dict({k: v.float() for k, v in state.items()})  # strict: every key, shape
@@ -113,10 +113,10 @@ def test_each_rank_writes_its_own_file_and_the_files_load_weights_only(saved):
 def test_save_every_and_resume_from_an_earlier_step(clusters, tmp_path):
     cfg = config("ddp", steps=6, save_dir=str(tmp_path), save_every=2)
     full = train(cfg, cluster=clusters(2))
-    assert full["summary"]["checkpoints"] == [str(tmp_path / f"step-00000{k}") for k in (2, 4, 6)]
+    assert full.summary.checkpoints == [str(tmp_path / f"step-00000{k}") for k in (2, 4, 6)]
     assert find_checkpoint(tmp_path) == tmp_path / "step-000006"  # a save dir: its latest
     again = train(config("ddp", steps=6, resume=str(tmp_path / "step-000002")), cluster=clusters(2))
-    assert again["losses"] == pytest.approx(full["losses"][2:], rel=1e-6)
+    assert again.losses == pytest.approx(full.losses[2:], rel=1e-6)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -265,7 +265,7 @@ def test_cli_consolidates_and_refuses(saved, tmp_path, capsys, no_spawn):
     cfg, root, _, first = saved("pipeline")
     assert main(["consolidate", str(root), str(tmp_path / "full.pt")]) == 0
     state = torch.load(tmp_path / "full.pt", weights_only=True)
-    assert all(torch.equal(state[k], v) for k, v in first["state"].items())
+    assert all(torch.equal(state[k], v) for k, v in first.state.items())
     with pytest.raises(SystemExit) as info:
         main(["train", "--strategy", "pipeline", "--world-size", "2", "--model", "nano",
               "--n-layer", "4", "--microbatches", "3", "--resume", str(root)])

@@ -54,13 +54,13 @@ def test_the_python_api_gives_the_cli_numbers(contract_run, clusters):
     steps, _ = parse(contract_run.stdout)
     result = train(TrainConfig(steps=20, seed=0, batch_size=16), cluster=clusters(1))
     # same numbers up to float rounding (the CLI's ranks may use more threads than the fixture's)
-    assert result["losses"] == pytest.approx([s["loss"] for s in steps], rel=1e-5)
+    assert result.losses == pytest.approx([s["loss"] for s in steps], rel=1e-5)
 
 
 def test_loss_falls_far_in_a_few_hundred_steps(clusters):
     result = train(TrainConfig(steps=300, batch_size=16), cluster=clusters(1))
     # from ln(13) ~ 2.56 towards the ~1.0 floor set by the random operands
-    assert result["losses"][0] > 2.4 and sum(result["losses"][-20:]) / 20 < 1.7
+    assert result.losses[0] > 2.4 and sum(result.losses[-20:]) / 20 < 1.7
 
 
 def test_readable_output_without_json():

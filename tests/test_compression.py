@@ -230,11 +230,11 @@ def test_ddp_keeping_everything_equals_a_single_process(clusters, single, n):
     options = {"compress": "topk:1.0", "bucket_mb": 0.1, "timeline": True}
     run = train(CFG.with_(strategy="ddp", world_size=n, options=options), cluster=clusters(n),
                 return_state=True)
-    for a, b in zip(run["losses"], single["losses"], strict=True):
+    for a, b in zip(run.losses, single.losses, strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (a, b)
-    for name, ref in single["state"].items():
-        torch.testing.assert_close(run["state"][name], ref, rtol=1e-4, atol=5e-5, msg=name)
-    report = run["summary"]["report"][0]
+    for name, ref in single.state.items():
+        torch.testing.assert_close(run.state[name], ref, rtol=1e-4, atol=5e-5, msg=name)
+    report = run.summary.report[0]
     assert report["compression"] == "topk:1" and len(report["bucket_bytes"]) > 1
     assert len(report["overlap"]) == CFG.steps and all(0 <= o <= 1 for o in report["overlap"])
 
@@ -244,11 +244,11 @@ def test_ddp_with_each_compressor_trains_and_sends_its_payload(clusters, spec, n
     cfg = CFG.with_(strategy="ddp", world_size=n, steps=8, options={"compress": spec,
                                                                      "bucket_mb": 0.25})
     run = train(cfg, cluster=clusters(n))
-    losses = run["losses"]
+    losses = run.losses
     assert sum(losses[-3:]) / 3 < losses[0] - 0.05, losses
-    buckets = [b // 4 for b in run["summary"]["report"][0]["bucket_bytes"]]
+    buckets = [b // 4 for b in run.summary.report[0]["bucket_bytes"]]
     payload = sum(parse_compressor(spec).nbytes(b) for b in buckets)  # one step, all buckets
-    for comm in run["summary"]["comm"]:
+    for comm in run.summary.comm:
         if spec.startswith("powersgd"):
             assert set(comm) == {"all_reduce", "total"}
             assert comm["all_reduce"]["calls"] == 2 * len(buckets) * cfg.steps

@@ -81,7 +81,7 @@ def test_context_equals_single(clusters, single, n, opts):
     run = train(CFG.with_(strategy="context", world_size=n, options=opts),
                 cluster=clusters(n), return_state=True)
     assert_same_run(run, single)
-    rep = run["summary"]["report"][0]
+    rep = run.summary.report[0]
     assert rep["ring_sent_bytes_per_step"] == rep["ring_sent_bytes_theory"]
     assert rep["padded_len"] % (2 * rep["cp"]) == 0
 

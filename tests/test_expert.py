@@ -60,7 +60,7 @@ def test_expert_equals_single(clusters, case, n):
     run = train(cfg.with_(strategy="expert", world_size=n), cluster=clusters(n),
                 return_state=True)
     assert_same_run(run, ref)
-    rep = run["summary"]["report"][0]
+    rep = run.summary.report[0]
     assert (sum(rep["dropped"]) > 0) == (cfg.model.capacity_factor is not None)
     assert rep["all_to_all_sent_bytes_per_step"] == pytest.approx(rep["all_to_all_bytes_routed"])
 

@@ -73,14 +73,14 @@ def test_the_loss_scale_seam_runs_inside_the_real_strategy(clusters):
     cfg = TrainConfig(steps=6, precision="fp16-mixed", loss_scale=2.0 ** 30, model=TrainConfig().model)
     own = train(cfg, cluster=clusters(1))
     theirs = train(cfg, cluster=clusters(1), seams={"loss_scale_update": _reference_loss_scale_update})
-    assert theirs["losses"] == own["losses"]
-    assert theirs["summary"]["loss_scaler"]["history"] == own["summary"]["loss_scaler"]["history"]
-    assert own["summary"]["loss_scaler"]["skipped_steps"] > 0  # the rule was exercised
+    assert theirs.losses == own.losses
+    assert theirs.summary.loss_scaler["history"] == own.summary.loss_scaler["history"]
+    assert own.summary.loss_scaler["skipped_steps"] > 0  # the rule was exercised
 
     def never_skips(scale, good, found_inf, interval):
         return scale, good, True
     wrong = train(cfg, cluster=clusters(1), seams={"loss_scale_update": never_skips})
-    assert wrong["summary"]["loss_scaler"]["scale"] != own["summary"]["loss_scaler"]["scale"]
+    assert wrong.summary.loss_scaler["scale"] != own.summary.loss_scaler["scale"]
 
 
 def test_the_scaler_seam_alone():
@@ -127,3 +127,36 @@ def _minitrain_imports(path: Path) -> set[str]:
 def test_a_strategy_file_imports_nothing_from_the_layers_above(path):
     above = _minitrain_imports(path) & ABOVE_STRATEGIES
     assert not above, f"strategies/{path.name} imports {', '.join(sorted(above))}: move what it needs down"
+
+
+@pytest.mark.parametrize("strategy, world, options, axes", [
+    ("single", 1, {}, {"dp": 1}),
+    ("zero2", 2, {}, {"dp": 2, "zero_stage": 2}),
+    ("pipeline", 2, {"schedule": "interleaved", "microbatches": 4},
+     {"pp": 2, "schedule": "interleaved", "microbatches": 4, "virtual_stages": 2}),
+    ("tensor", 2, {}, {"tp": 2, "dp": 1}),
+    ("3d", 4, {"pp": 2, "tp": 2}, {"dp": 1, "pp": 2, "tp": 2, "zero_stage": 1}),
+])
+def test_a_run_carries_the_layout_its_strategy_declares(strategy, world, options, axes, clusters):
+    """The record's layout is the strategy's declaration (``Strategy.layout(cfg)``), and it is
+    what ran: the sizes, a pipeline's stages on each rank, a mesh's groups as its ranks saw them."""
+    cfg = TrainConfig(strategy=strategy, world_size=world, steps=2, batch_size=8,
+                      options=options)
+    run = train(cfg, cluster=clusters(world))
+    layout = run.summary.layout
+    assert layout == get_strategy(strategy).layout(cfg)
+    assert {k: getattr(layout, k) for k in axes} == axes
+    assert layout.free_running is None
+    for rank, rep in enumerate(run.summary.report or []):
+        if "layers" in rep:  # the pipeline's stages on this rank
+            assert layout.stages_of(rank) == sorted(rep["layers"])
+        if "groups" in rep:  # the 3D mesh's
+            assert sorted(layout.stages_of(rank)) == sorted(rep["stages"])
+            for axis, ranks in rep["groups"].items():
+                assert tuple(ranks) in layout.groups[axis]
+
+
+def test_a_free_running_strategy_declares_why_its_ranks_share_no_step():
+    cfg = TrainConfig(strategy="ps-async", world_size=3)
+    assert "never step together" in get_strategy("ps-async").layout(cfg).free_running
+    assert get_strategy("ddp").layout(TrainConfig(strategy="ddp", world_size=2)).free_running is None

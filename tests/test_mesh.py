@@ -52,7 +52,7 @@ def test_coordinates_and_groups_tile_the_world(dp, pp, tp):
 def test_3d_equals_a_single_process(clusters, single, dp, pp, tp):
     run = train(mesh_cfg(dp, pp, tp), cluster=clusters(dp * pp * tp), return_state=True)
     assert_same_run(run, single)
-    reports = run["summary"]["report"]
+    reports = run.summary.report
     s = MeshShape(dp, pp, tp)
     for r, rep in enumerate(reports):
         assert MeshShape(rep["dp"], rep["pp"], rep["tp"]) == s
@@ -75,15 +75,15 @@ def test_tensor_collectives_per_layer_and_zero1_shards_over_dp(clusters):
     steps, M = 2, 3
     cfg = mesh_cfg(2, 2, 2).with_(steps=steps)
     reports = {z: train(cfg.with_(options={**cfg.options.given(), "zero_stage": z}),
-                        cluster=clusters(8))["summary"] for z in (0, 1)}
-    rep = reports[1]["report"][0]  # rank 0: replica 0, stage 0 (blocks 0 and 1), tensor rank 0
+                        cluster=clusters(8)).summary for z in (0, 1)}
+    rep = reports[1].report[0]  # rank 0: replica 0, stage 0 (blocks 0 and 1), tensor rank 0
     assert rep["stages"] == {0: [0, 1]}
     for block in ("blocks.0", "blocks.1"):
         ops = rep["comm_per_layer"][block]
         # Megatron: per layer and micro-batch, g's 2 all-reduces forward, f's 2 backward
         assert ops["all_reduce forward"]["calls"] == 2 * M
         assert ops["all_reduce backward"]["calls"] == 2 * M
-    mem = {z: reports[z]["memory"][0]["bytes"] for z in (0, 1)}
+    mem = {z: reports[z].memory[0]["bytes"] for z in (0, 1)}
     # ZeRO-1: Adam's two moments of this rank's shards, split over the 2 replicas
     assert mem[1]["optimizer_states"] < 0.55 * mem[0]["optimizer_states"]
     assert mem[1]["parameters"] == mem[0]["parameters"]

@@ -28,24 +28,24 @@ def ps(clusters, strategy="ps-sync", workers=2, servers=1, steps=20, state=False
 
 
 def server_log(run, server=0):
-    return run["summary"]["report"][server]["log"]
+    return run.summary.report[server]["log"]
 
 
 @pytest.mark.parametrize("servers", [1, 2])
 @pytest.mark.parametrize("workers", [2, 3, 4])
 def test_sync_equals_a_single_process(clusters, single, servers, workers):
     run = ps(clusters, workers=workers, servers=servers, state=True)
-    for a, b in zip(run["losses"], single["losses"], strict=True):
+    for a, b in zip(run.losses, single.losses, strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (a, b)
-    for name, ref in single["state"].items():
-        torch.testing.assert_close(run["state"][name], ref, rtol=1e-4, atol=5e-5, msg=name)
+    for name, ref in single.state.items():
+        torch.testing.assert_close(run.state[name], ref, rtol=1e-4, atol=5e-5, msg=name)
 
 
 def test_bounded_staleness_zero_is_sync(clusters):
     sync = ps(clusters, workers=3, servers=2, steps=8)
     ssp0 = ps(clusters, "ps-async", workers=3, servers=2, steps=8, staleness=0,
               slow_worker="0:0.02")
-    assert ssp0["losses"] == sync["losses"]  # same sums in the same order: bit-identical
+    assert ssp0.losses == sync.losses  # same sums in the same order: bit-identical
     assert {e["staleness"] for e in server_log(ssp0)} == {0}
 
 
@@ -77,7 +77,7 @@ def test_async_applies_every_gradient_once_in_a_recorded_order(clusters):
     slow = [e["staleness"] for e in log if e["worker"] == 1]
     fast = [e["staleness"] for e in log if e["worker"] != 1]
     assert sum(slow) / len(slow) > sum(fast) / len(fast)  # the straggler computes on old weights
-    assert run["losses"][-1] < run["losses"][0]
+    assert run.losses[-1] < run.losses[0]
 
 
 def test_delay_compensation_formula_and_run(clusters):
@@ -88,8 +88,8 @@ def test_delay_compensation_formula_and_run(clusters):
     plain = ps(clusters, "ps-async", workers=3, steps=6, staleness=2, slow_worker="0:0.02")
     comp = ps(clusters, "ps-async", workers=3, steps=6, staleness=2, slow_worker="0:0.02",
               delay_comp=2.0)
-    assert comp["losses"][-1] < comp["losses"][0]
-    assert comp["losses"] != plain["losses"]
+    assert comp.losses[-1] < comp.losses[0]
+    assert comp.losses != plain.losses
 
 
 def test_a_dead_worker_is_reported_and_the_cluster_recovers(clusters):
@@ -100,13 +100,13 @@ def test_a_dead_worker_is_reported_and_the_cluster_recovers(clusters):
     assert err.value.rank == 2 and "exited with code 3" in str(err.value)
     assert time.perf_counter() - t0 < 15
     again = ps(clusters, "ps-async", workers=3, steps=3)  # the next run on the same cluster works
-    assert len(again["losses"]) == 3 and cluster.world_size == 4
+    assert len(again.losses) == 3 and cluster.world_size == 4
 
 
 def test_bytes_on_the_wire_are_the_gradients_and_the_weights(clusters):
     run = ps(clusters, workers=2, servers=2, steps=3)
     numel = PRESETS["tiny"].num_params()
-    comm = run["summary"]["comm"]
+    comm = run.summary.comm
     servers_sent = sum(comm[s]["send"]["bytes"] for s in (0, 1))
     workers_sent = sum(comm[w]["send"]["bytes"] for w in (2, 3))
     # every step, each worker pushes its gradient (header: 3 float64 per server) ...
@@ -118,13 +118,13 @@ def test_bytes_on_the_wire_are_the_gradients_and_the_weights(clusters):
 def test_compressed_push_sends_the_payload(clusters):
     plain = ps(clusters, workers=2, steps=5)
     keep_all = ps(clusters, workers=2, steps=5, compress="topk:1.0")
-    for a, b in zip(keep_all["losses"], plain["losses"], strict=True):
+    for a, b in zip(keep_all.losses, plain.losses, strict=True):
         assert abs(a - b) <= 1e-6 * abs(b)
     int8 = ps(clusters, workers=2, steps=5, compress="int8")
     numel = PRESETS["tiny"].num_params()
-    pushed = int8["summary"]["comm"][1]["send"]["bytes"]
+    pushed = int8.summary.comm[1]["send"]["bytes"]
     assert pushed == 5 * (numel + 4 + 24)  # int8 values + one fp32 scale + the header
-    assert int8["losses"][-1] < int8["losses"][0]
+    assert int8.losses[-1] < int8.losses[0]
 
 
 def test_partition_balances_keys_and_keeps_model_order():
@@ -176,6 +176,6 @@ def test_staleness_aware_learning_rate_scales_one_step_and_restores_the_rate():
 
 def test_a_staleness_aware_async_run_trains(clusters):
     run = ps(clusters, "ps-async", workers=3, steps=6, slow_worker="0:0.02", staleness_lr=True)
-    assert run["losses"][-1] < run["losses"][0]
-    log = run["summary"]["report"][0]["log"]
+    assert run.losses[-1] < run.losses[0]
+    log = run.summary.report[0]["log"]
     assert len(log) == 18 and max(e["staleness"] for e in log) >= 1

@@ -218,7 +218,7 @@ def test_every_schedule_equals_a_single_process(clusters, single, P, schedule, M
         return
     run = train(cfg, cluster=clusters(P), return_state=True)
     assert_same_run(run, single)
-    reports = run["summary"]["report"]
+    reports = run.summary.report
     assert [r["rank"] for r in reports] == list(range(P))
     rep = reports[0]
     assert (rep["schedule"], rep["stages"], rep["microbatches"]) == (schedule, P, M)
@@ -249,7 +249,7 @@ def test_the_cli_options_are_refused_before_spawning_with_the_fix():
 def test_activation_checkpointing_gives_the_same_losses(clusters, single):
     cfg = pipe_cfg(2, "1f1b", 4, steps=5, checkpoint_activations=True)
     run = train(cfg, cluster=clusters(2))
-    assert run["losses"] == pytest.approx(single["losses"][:5], rel=1e-5)
+    assert run.losses == pytest.approx(single.losses[:5], rel=1e-5)
 
 
 def test_run_schedule_gives_a_notebook_the_measured_timeline(clusters):
@@ -345,7 +345,7 @@ def measured(clusters):
     def get(schedule):
         if schedule not in cache:
             cfg = BUBBLE.with_(options={"schedule": schedule, "microbatches": 4})
-            cache[schedule] = train(cfg, cluster=clusters(2))["summary"]["report"][0]
+            cache[schedule] = train(cfg, cluster=clusters(2)).summary.report[0]
         return cache[schedule]
     return get
 

@@ -41,8 +41,8 @@ def loss_falls(losses, by=0.25):
 def test_the_ledger_shows_the_bytes_per_parameter_of_each_precision(runs, clusters, precision, dtype,
                                                                    expect):
     run = runs.get(precision) or train(CFG.with_(precision=precision), cluster=clusters(1))
-    assert loss_falls(run["losses"]), run["losses"]
-    mem = run["summary"]["memory"][0]
+    assert loss_falls(run.losses), run.losses
+    mem = run.summary.memory[0]
     assert mem["by_dtype"]["parameters"] == {dtype: expect[0] * PSI}
     assert mem["by_dtype"]["gradients"] == {dtype: expect[1] * PSI}
     assert mem["by_dtype"]["optimizer_states"] == {"float32": expect[2] * PSI}  # master, m, v
@@ -50,16 +50,16 @@ def test_the_ledger_shows_the_bytes_per_parameter_of_each_precision(runs, cluste
         formula = model_state_bytes(PSI, recipe="mixed-adam")
         assert {k: mem["bytes"][k] for k in ("parameters", "gradients", "optimizer_states")} == \
             {k: formula[k] for k in ("parameters", "gradients", "optimizer_states")}
-    assert run["summary"]["precision"] == precision
+    assert run.summary.precision == precision
 
 
 def test_bf16_tracks_fp32_and_halves_the_activations(runs):
     fp32, bf16 = runs["fp32"], runs["bf16-mixed"]
-    for a, b in zip(bf16["losses"], fp32["losses"]):
+    for a, b in zip(bf16.losses, fp32.losses):
         assert abs(a - b) <= 1e-3 * b  # measured 2e-4: bf16 rounding of weights and activations
-    peak = lambda r: r["summary"]["memory"][0]["bytes"]["activations_peak"]
+    peak = lambda r: r.summary.memory[0]["bytes"]["activations_peak"]
     assert peak(bf16) < 0.6 * peak(fp32)  # 16-bit activations (int64 indices and fp32 loss aside)
-    assert bf16["summary"]["loss_scaler"] is None  # bf16 has fp32's range: no loss scaling
+    assert bf16.summary.loss_scaler is None  # bf16 has fp32's range: no loss scaling
 
 
 def test_masters_start_from_the_fp32_weights_and_updates_are_not_lost():
@@ -111,26 +111,26 @@ def test_data_parallel_bf16_equals_single_bf16(runs, clusters, strategy, n):
     ref = runs["bf16-mixed"]
     run = train(CFG.with_(strategy=strategy, world_size=n, precision="bf16-mixed"),
                 cluster=clusters(n), return_state=True)
-    for a, b in zip(run["losses"], ref["losses"]):
+    for a, b in zip(run.losses, ref.losses):
         assert abs(a - b) <= 1e-3 * b, (a, b)
     diffs = []
-    for name, w in ref["state"].items():
-        assert run["state"][name].dtype == torch.bfloat16
-        mine, theirs = run["state"][name].float(), w.float()
+    for name, w in ref.state.items():
+        assert run.state[name].dtype == torch.bfloat16
+        mine, theirs = run.state[name].float(), w.float()
         torch.testing.assert_close(mine, theirs, rtol=BF16_ULP, atol=5 * CFG.lr, msg=name)
         diffs.append((mine - theirs).abs().flatten())
     assert torch.cat(diffs).mean() < 0.2 * CFG.lr
     if strategy == "ddp":  # the buckets are bf16: 2 bytes per parameter on the wire per step
-        assert run["summary"]["comm"][0]["all_reduce"]["bytes"] == 2 * PSI * CFG.steps
+        assert run.summary.comm[0]["all_reduce"]["bytes"] == 2 * PSI * CFG.steps
 
 
 def test_ddp_fp16_with_loss_scaling_equals_single_fp16(clusters):
     ref = train(CFG.with_(precision="fp16-mixed"), cluster=clusters(1))
     run = train(CFG.with_(strategy="ddp", world_size=2, precision="fp16-mixed"), cluster=clusters(2))
-    for a, b in zip(run["losses"], ref["losses"]):
+    for a, b in zip(run.losses, ref.losses):
         assert abs(a - b) <= 1e-3 * b, (a, b)  # measured 2.5e-5 (fp16 has 11 significant bits)
-    assert run["summary"]["loss_scaler"] == ref["summary"]["loss_scaler"]
-    assert ref["summary"]["loss_scaler"]["scale"] == 2.0 ** 16
+    assert run.summary.loss_scaler == ref.summary.loss_scaler
+    assert ref.summary.loss_scaler["scale"] == 2.0 ** 16
 
 
 # --- fp16: loss scaling, overflow and underflow -----------------------------------------------------
@@ -168,7 +168,7 @@ def test_the_scale_grows_after_enough_good_steps():
 def test_fp16_training_with_a_huge_initial_scale_skips_then_trains(clusters):
     run = train(CFG.with_(precision="fp16-mixed", loss_scale=2.0 ** 30, steps=30),
                 cluster=clusters(1))
-    scaler = run["summary"]["loss_scaler"]
+    scaler = run.summary.loss_scaler
     # measured: 13 skips halve 2^30 to 2^17, 14 good steps, one more overflow (the gradients
     # grow as the model learns), 2^16 from then on: 14 skipped steps
     skipped = [s for _, s in scaler["history"]]
@@ -177,8 +177,8 @@ def test_fp16_training_with_a_huge_initial_scale_skips_then_trains(clusters):
     assert scaler["scale"] == 2.0 ** 30 / 2 ** scaler["skipped_steps"]  # halved once per skip
     first_good = skipped.index(False)
     assert scaler["history"][first_good][0] <= 2.0 ** 20
-    assert max(run["losses"][:first_good + 1]) - min(run["losses"][:first_good + 1]) < 0.05  # flat
-    assert loss_falls(run["losses"], by=0.1), run["losses"]
+    assert max(run.losses[:first_good + 1]) - min(run.losses[:first_good + 1]) < 0.05  # flat
+    assert loss_falls(run.losses, by=0.1), run.losses
 
 
 def small_loss_gradients(dtype, scale=1.0):
@@ -210,9 +210,9 @@ def test_checkpointing_gives_the_same_losses_with_a_lower_activation_peak(runs, 
     cfg = CFG.with_(strategy=strategy, world_size=n)
     plain = runs["fp32"] if n == 1 else train(cfg, cluster=clusters(n))
     ckpt = train(cfg.with_(checkpoint_activations=True), cluster=clusters(n))
-    for a, b in zip(ckpt["losses"], plain["losses"]):
+    for a, b in zip(ckpt.losses, plain.losses):
         assert abs(a - b) <= 1e-6 * b, (a, b)
-    for mem_p, mem_c in zip(plain["summary"]["memory"], ckpt["summary"]["memory"]):
+    for mem_p, mem_c in zip(plain.summary.memory, ckpt.summary.memory):
         p, c = mem_p["bytes"]["activations_peak"], mem_c["bytes"]["activations_peak"]
         m = CFG.model
         block_inputs = m.n_layer * (CFG.batch_size // n) * m.seq_len * m.d_model * 4
@@ -220,7 +220,7 @@ def test_checkpointing_gives_the_same_losses_with_a_lower_activation_peak(runs, 
         assert c >= block_inputs
         # ... and everything inside the blocks is not: measured 6.57 MB -> 0.62 MB at 1 rank
         assert c < 0.2 * p, (c, p)
-    assert ckpt["summary"]["checkpoint_activations"] is True
+    assert ckpt.summary.checkpoint_activations is True
 
 
 def test_checkpointing_is_off_without_gradients():

@@ -10,6 +10,9 @@ import statistics
 import subprocess
 import sys
 
+from dataclasses import replace
+from types import SimpleNamespace
+
 import pytest
 
 from minitrain import train
@@ -17,6 +20,8 @@ from minitrain.planning import clusters as clusters_module
 from minitrain.planning.clusters import PRESETS, calibrate_here, describe, get_cluster
 from minitrain.cli import format_clusters, main
 from minitrain.model import GPTConfig, PRESETS as MODELS, training_flops
+from minitrain.record import Layout
+from minitrain.strategies import TrainConfig, get_strategy
 from minitrain.planning.projection import (MODEL_SIZES, Instance, Op, ReplayError, breakdown,
                                   check_projection, ddp_timeline, even_work, pipeline_timeline,
                                   project, rank_work, replay, target_model)
@@ -208,11 +213,15 @@ def test_training_flops_are_narayanans_formula():
                        "model": GPTConfig(n_layer=2)}, None),
 ])
 def test_impossible_projections_are_refused_naming_the_choices(project_, as_model, kw, message):
+    """Refused by the layout the strategy declares (``Strategy.layout(cfg)``)."""
+    cfg = TrainConfig(strategy=kw.get("strategy", "single"), world_size=kw.get("world_size", 1))
+    layout = get_strategy(cfg.strategy).layout(cfg)
+    kw = {**kw, "strategy": cfg.strategy}
     if message is None:
-        check_projection(project_, as_model, **kw)  # possible: no error
+        check_projection(project_, as_model, layout, **kw)  # possible: no error
         return
     with pytest.raises(ValueError, match=re.escape(message)):
-        check_projection(project_, as_model, **kw)
+        check_projection(project_, as_model, layout, **kw)
 
 
 def test_the_cli_refuses_a_projection_before_any_process_starts(no_spawn, capsys):
@@ -249,11 +258,24 @@ def test_degrees_that_are_not_a_mesh_are_refused_saying_what_they_take(ddp_run):
                       ({"dp": True}, "got True"), ({"pp": 2}, "got 'pp'"), ([8], "got [8]")]:
         with pytest.raises(ValueError, match=re.escape(said)):
             project(ddp_run, "dgx-h100", "1.3b", degrees=bad)
-    assert project(ddp_run, "dgx-h100", "1.3b", degrees={"dp": 8, "tp": None})["degrees"] == {"dp": 8}
+    assert project(ddp_run, "dgx-h100", "1.3b", degrees={"dp": 8, "tp": None}).degrees == {"dp": 8}
+
+
+def test_a_free_running_run_is_refused_by_its_record_not_its_name(ddp_run):
+    """project() reads the run's layout: a record whose ranks share no step is refused with the
+    reason it gives, whatever the strategy is called; a lockstep record named like a parameter
+    server is projected."""
+    apart = Layout(free_running="its ranks run their own loops")
+    refused = replace(ddp_run, summary=replace(ddp_run.summary, layout=apart))
+    with pytest.raises(ValueError, match="'ddp' cannot be projected: its ranks run their own loops"):
+        project(refused, "dgx-h100", "1.3b")
+    named = replace(ddp_run, summary=replace(ddp_run.summary, strategy="ps-sync"))
+    assert project(named, "dgx-h100", "1.3b").step_time_s == pytest.approx(
+        project(ddp_run, "dgx-h100", "1.3b").step_time_s)
 
 
 def test_recording_keeps_issue_order_waits_steps_and_optimizer_steps(ddp_run):
-    log = ddp_run["events"][0]
+    log = ddp_run.events[0]
     kinds = [k for _, k, _ in log["marks"]]
     assert kinds.count("step") == kinds.count("step_end") == 3
     assert kinds.count("optimizer") == kinds.count("optimizer_end") == 3
@@ -265,7 +287,7 @@ def test_recording_keeps_issue_order_waits_steps_and_optimizer_steps(ddp_run):
     # the loss's untraced all-reduce is seen (it synchronises the ranks) but is not training traffic
     untraced = [e for e in log["events"] if not e["traced"]]
     assert [e["op"] for e in untraced] == ["all_reduce"] * 3
-    assert ddp_run["summary"]["comm"][0]["total"]["calls"] == len(buckets)
+    assert ddp_run.summary.comm[0]["total"]["calls"] == len(buckets)
 
 
 def test_ddp_bytes_scale_to_the_closed_form_at_the_target_size(ddp_run):
@@ -274,7 +296,7 @@ def test_ddp_bytes_scale_to_the_closed_form_at_the_target_size(ddp_run):
         p = project(ddp_run, "dgx-h100", "7b", precision=precision)
         psi = MODEL_SIZES["7b"].num_params()
         for rank in (0, 1):
-            sent = sum(e["bytes"] for e in p["timeline"][rank] if e.get("tag", "").startswith("bucket"))
+            sent = sum(e["bytes"] for e in p.timeline[rank] if e.get("tag", "").startswith("bucket"))
             assert sent == pytest.approx(item * psi, rel=1e-9)
         n = 2
         assert 2 * (n - 1) / n * sent == pytest.approx(item * psi)
@@ -299,7 +321,7 @@ def test_shapes_params_counts_the_models_parameters():
 
 def step_sent(p, rank, op=None, tags=None) -> float:
     """Bytes of the projected step's communications of ``rank``'s timeline (by op, by tag)."""
-    return sum(e["bytes"] for e in p["timeline"][rank] if e["op"] != "compute"
+    return sum(e["bytes"] for e in p.timeline[rank] if e["op"] != "compute"
                and (op is None or e["op"] == op)
                and (tags is None or e.get("tag", "").startswith(tags)))
 
@@ -307,7 +329,7 @@ def step_sent(p, rank, op=None, tags=None) -> float:
 def messages_sent(p, rank) -> float:
     """Bytes of the point-to-point messages ``rank`` sent in the projected step (by the replay's
     keys: ("p", src, dst, channel, n)), each with the layers it stands for."""
-    return sum(inst.bytes * inst.repeat for key, inst in p["_replay"]["instances"].items()
+    return sum(inst.bytes * inst.repeat for key, inst in p.replay["instances"].items()
                if key[0] == "p" and key[1] == rank)
 
 
@@ -321,7 +343,7 @@ def test_zero12_bytes_scale_to_the_closed_form_at_the_target_size(strategy, opti
     run = train(strategy=strategy, world_size=n, steps=2, batch_size=8, cluster=clusters(n),
                 options=options, record_events=True)
     if strategy == "zero2":  # buckets: each one scaled with the parameters it carries
-        assert len(run["summary"]["report"][0]["bucket_bytes"]) > 1
+        assert len(run.summary.report[0]["bucket_bytes"]) > 1
     psi, _ = shapes_params(MODEL_SIZES["7b"])
     # the flat vector is padded to a multiple of n (each bucket's, ZeRO-2): at most n−1 elements
     # per bucket of the tiny model's, which scale with it
@@ -385,7 +407,7 @@ def test_zero3_gathers_scale_unit_by_unit(clusters):
     target = MODEL_SIZES["1.3b"]
     p = project(run, "dgx-h100", "1.3b", precision="fp32", steps=[1])
     gathers = {}
-    for e in p["timeline"][0]:
+    for e in p.timeline[0]:
         if e.get("tag", "").startswith("params-unit"):
             gathers.setdefault(e["tag"], e["bytes"])  # a unit's first gather (forward)
     # the embedding and head units carry theirs; each run block stands for L'/L target blocks
@@ -398,7 +420,7 @@ def test_tensor_parallel_activations_scale_with_batch_sequence_and_hidden(cluste
                 record_events=True)
     target = MODEL_SIZES["1.3b"]
     p = project(run, "dgx-h100", "1.3b", steps=[1])  # bf16: 2 bytes
-    layer = [e for e in p["timeline"][0] if e.get("tag", "").startswith("blocks.0.")]
+    layer = [e for e in p.timeline[0] if e.get("tag", "").startswith("blocks.0.")]
     assert layer
     one = 4 * target.seq_len * target.d_model * 2  # batch 4 (the run's) x s x h, bf16
     per_layer = target.n_layer / GPTConfig().n_layer
@@ -406,21 +428,21 @@ def test_tensor_parallel_activations_scale_with_batch_sequence_and_hidden(cluste
 
 
 def test_train_adds_a_projection_beside_the_measurement(ddp_run):
-    p = ddp_run["summary"]["projection"]
+    p = ddp_run.summary.projection
     for key in ("cluster", "model", "step_time_s", "compute_s", "exposed_comm_s", "bubble_s",
                 "hidden_comm_share", "mfu", "measured_step_s", "sources"):
-        assert key in p
-    assert p["cluster"] == "dgx-h100" and p["model"].startswith("1.3b")
-    assert 0 < p["mfu"] < 1
-    parts = p["compute_s"] + p["exposed_comm_s"] + p["bubble_s"] + p["idle_s"]
-    assert parts == pytest.approx(p["step_time_s"])
+        assert key in p.to_dict()
+    assert p.cluster == "dgx-h100" and p.model.startswith("1.3b")
+    assert 0 < p.mfu < 1
+    parts = p.compute_s + p.exposed_comm_s + p.bubble_s + p.idle_s
+    assert parts == pytest.approx(p.step_time_s)
     # compute is the rank's FLOPs at the device's sustained rate, plus Adam's 28 bytes per
     # parameter at its memory bandwidth
     for name in ("dgx-a100", "dgx-h100"):
         device = get_cluster(name).device
-        work = rank_work(ddp_run["summary"], MODEL_SIZES["1.3b"], 0)
+        work = rank_work(ddp_run.summary, MODEL_SIZES["1.3b"], 0)
         expected = work.flops / device.flop_rate() + 28 * work.opt_params / device.memory_bw
-        assert project(ddp_run, name, "1.3b")["compute_s"] == pytest.approx(expected, rel=1e-9)
+        assert project(ddp_run, name, "1.3b").compute_s == pytest.approx(expected, rel=1e-9)
 
 
 #: every lockstep strategy (and pipeline schedule) through train(project=...), on the fewest ranks
@@ -448,66 +470,67 @@ LOCKSTEP = [
 def test_every_lockstep_strategy_is_projected_by_train(strategy, world, options, model, clusters):
     run = train(strategy=strategy, world_size=world, steps=2, batch_size=8, options=options,
                 model=MODELS[model], cluster=clusters(world), project="dgx-h100", as_model="1.3b")
-    p = run["summary"]["projection"]
-    assert p["cluster"] == "dgx-h100" and p["model"].startswith("1.3b")
+    p = run.summary.projection
+    assert p.cluster == "dgx-h100" and p.model.startswith("1.3b")
     parts = ("compute_s", "exposed_comm_s", "bubble_s", "idle_s")
     for key in ("step_time_s", "mfu", "comm_s") + parts:
-        assert math.isfinite(p[key]) and p[key] >= 0, (key, p[key])
-    assert p["step_time_s"] > 0 and 0 < p["mfu"] < 1
+        value = getattr(p, key)
+        assert math.isfinite(value) and value >= 0, (key, value)
+    assert p.step_time_s > 0 and 0 < p.mfu < 1
     # by construction (replay.breakdown): a rank's segments tile its step — compute, and waits
     # that are exposed communication while its communication is in flight, else idle (bubble on a
     # pipeline's messages) — and the rest to the slowest rank's end is idle (bubble in a
     # pipeline); the parts are means over the ranks, so they add up to the step time
-    assert sum(p[k] for k in parts) == pytest.approx(p["step_time_s"], rel=1e-9)
+    assert sum(getattr(p, k) for k in parts) == pytest.approx(p.step_time_s, rel=1e-9)
     pipelined = strategy == "pipeline" or "pp" in options
-    assert (p["bubble_s"] > 0) if pipelined else (p["bubble_s"] == 0)
+    assert (p.bubble_s > 0) if pipelined else (p.bubble_s == 0)
     if world == 1:  # nothing is sent: nothing to hide
-        assert p["hidden_comm_share"] is None and p["exposed_comm_s"] == p["comm_s"] == 0
+        assert p.hidden_comm_share is None and p.exposed_comm_s == p.comm_s == 0
     else:  # exposed communication is the part of the time in flight no compute ran beside
-        assert 0 < p["comm_s"] and p["exposed_comm_s"] <= p["comm_s"] * (1 + 1e-9)
-        assert p["hidden_comm_share"] == pytest.approx(1 - p["exposed_comm_s"] / p["comm_s"],
+        assert 0 < p.comm_s and p.exposed_comm_s <= p.comm_s * (1 + 1e-9)
+        assert p.hidden_comm_share == pytest.approx(1 - p.exposed_comm_s / p.comm_s,
                                                        abs=1e-9)
     # compute: each rank's FLOPs at the H100's sustained rate and Adam's 28 bytes per parameter
     # it steps at its memory bandwidth, the mean over ranks; MFU: the model FLOPs at peak
     device = get_cluster("dgx-h100").device
-    works = [rank_work(run["summary"], MODEL_SIZES["1.3b"] if model == "tiny" else
+    works = [rank_work(run.summary, MODEL_SIZES["1.3b"] if model == "tiny" else
                        target_model("1.3b", MODELS[model]), r) for r in range(world)]
-    assert p["compute_s"] == pytest.approx(statistics.fmean(
+    assert p.compute_s == pytest.approx(statistics.fmean(
         w.flops / device.flop_rate() + 28 * w.opt_params / device.memory_bw for w in works),
         rel=1e-9)
-    assert p["mfu"] == pytest.approx(sum(w.model_flops for w in works) / (
-        p["step_time_s"] * world * device.peak_flops), rel=1e-9)
+    assert p.mfu == pytest.approx(sum(w.model_flops for w in works) / (
+        p.step_time_s * world * device.peak_flops), rel=1e-9)
     # the summary is project()'s: equal micro-batches of GPipe and 1F1B with equal work (as
     # lesson 05 projects them), every other run as measured
     even = strategy == "pipeline" and options["schedule"] in ("gpipe", "1f1b")
-    assert p["even"] is even
-    assert p["step_time_s"] == pytest.approx(
-        project(run, "dgx-h100", "1.3b", even=even)["step_time_s"], rel=1e-12)
+    assert p.even is even
+    assert p.step_time_s == pytest.approx(
+        project(run, "dgx-h100", "1.3b", even=even).step_time_s, rel=1e-12)
 
 
 def test_even_work_is_for_gpipe_and_1f1b_of_equal_micro_batches():
-    def summary(strategy="pipeline", schedule="1f1b", m=4, batch=8):
-        return {"strategy": strategy, "batch_size": batch,
-                "report": [{"schedule": schedule, "microbatches": m}]}
+    def summary(schedule="1f1b", m=4, batch=8, **axes):
+        return SimpleNamespace(batch_size=batch, layout=Layout(pp=2, schedule=schedule,
+                                                               microbatches=m, **axes))
     assert even_work(summary()) and even_work(summary(schedule="gpipe"))
     assert not even_work(summary(batch=10))  # tensor_split: micro-batches of 3, 3, 2, 2
     assert not even_work(summary(schedule="interleaved"))  # its chunks differ (embedding, head)
     assert not even_work(summary(schedule="zb-h1"))  # its backward is two passes of unlike work
     assert not even_work(summary(schedule="naive", m=1))
-    assert not even_work(summary(strategy="3d"))
-    assert not even_work({"strategy": "ddp", "batch_size": 8})
+    assert not even_work(summary(dp=2, tp=2))  # a 3D mesh: tensor-parallel layers in its stages
+    assert not even_work(SimpleNamespace(batch_size=8, layout=Layout(dp=2)))
 
 
 def test_a_bigger_model_that_does_not_fit_says_so(ddp_run):
     p = project(ddp_run, "dgx-h100", "13b")
-    assert p["fits"] is False  # 16 bytes per parameter of 13B replicated: over 80 GB
-    assert p["memory"][0]["optimizer_states"] == pytest.approx(12 * MODEL_SIZES["13b"].num_params())
+    assert p.fits is False  # 16 bytes per parameter of 13B replicated: over 80 GB
+    assert p.memory[0]["optimizer_states"] == pytest.approx(12 * MODEL_SIZES["13b"].num_params())
 
 
 def test_the_run_replayed_on_this_machine_keeps_its_measured_compute(ddp_run):
     p = project(ddp_run, "local")
-    assert p["compute_mode"] == "measured" and p["cluster"] == "local"
-    measured = [s for s in p["_replay"]["ranks"][0]["segments"] if s["kind"] == "compute"]
+    assert p.compute_mode == "measured" and p.cluster == "local"
+    measured = [s for s in p.replay["ranks"][0]["segments"] if s["kind"] == "compute"]
     assert all(s["end"] - s["start"] == pytest.approx(s["measured"][1] - s["measured"][0])
                for s in measured)
 
@@ -516,14 +539,14 @@ def test_a_pipeline_projection_reports_its_bubble_and_redraws_its_timeline(clust
     run = train(strategy="pipeline", world_size=2, steps=2, batch_size=8, cluster=clusters(2),
                 options={"schedule": "gpipe", "microbatches": 4}, record_events=True)
     p = project(run, "dgx-h100", "1.3b")
-    assert p["bubble_s"] > 0 and p["exposed_comm_s"] >= 0
-    sends = [e for e in p["timeline"][0] if e["op"] == "send"]
+    assert p.bubble_s > 0 and p.exposed_comm_s >= 0
+    sends = [e for e in p.timeline[0] if e["op"] == "send"]
     assert len(sends) == 4  # one activation per micro-batch, forward
     assert sends[0]["bytes"] == pytest.approx(2 * MODEL_SIZES["1.3b"].seq_len * 2048 * 2)
     timeline, q = pipeline_timeline(run, "dgx-h100", "1.3b")
-    measured = run["summary"]["report"][0]["timeline"]
+    measured = run.summary.report[0]["timeline"]
     assert [e["action"] for e in timeline] == [e["action"] for e in measured]
-    assert all(e["ready"] <= e["start"] <= e["end"] <= q["step_time_s"] * (1 + 1e-9)
+    assert all(e["ready"] <= e["start"] <= e["end"] <= q.step_time_s * (1 + 1e-9)
                for e in timeline)
     summary = bubble_summary(timeline, 2, 4)
     assert 0 < summary["bubble"] < 1
@@ -536,10 +559,10 @@ def test_even_gives_a_pipelines_equal_micro_batches_equal_time(clusters):
                 options={"schedule": "gpipe", "microbatches": 4}, record_events=True)
     _, p = pipeline_timeline(run, "dgx-h100", "1.3b")
     timeline, q = pipeline_timeline(run, "dgx-h100", "1.3b", even=True)
-    forwards = [e["end"] - e["start"] for e in q["timeline"][0]
+    forwards = [e["end"] - e["start"] for e in q.timeline[0]
                 if e["op"] == "compute" and e["phase"] == "forward"]
     assert len(forwards) == 4 and max(forwards) == pytest.approx(min(forwards), rel=1e-6)
-    assert q["compute_s"] == pytest.approx(p["compute_s"], rel=1e-6)  # the same FLOPs, shared out
+    assert q.compute_s == pytest.approx(p.compute_s, rel=1e-6)  # the same FLOPs, shared out
 
 
 def test_the_ddp_timeline_is_redrawn_on_the_cluster(clusters):
@@ -547,9 +570,9 @@ def test_the_ddp_timeline_is_redrawn_on_the_cluster(clusters):
                 options={"timeline": True, "bucket_mb": 0.2}, record_events=True)
     p = project(run, "dgx-h100", "1.3b")
     rows = timeline_rows(ddp_timeline(run, p))
-    assert len(rows) == 2 and len(rows[0]["buckets"]) == len(run["summary"]["report"][0]["bucket_bytes"])
+    assert len(rows) == 2 and len(rows[0]["buckets"]) == len(run.summary.report[0]["bucket_bytes"])
     start, end = rows[0]["backward"]
-    assert start < end <= p["step_time_s"] * 1e3
+    assert start < end <= p.step_time_s * 1e3
     # the buckets carry the 1.3B model's gradients (bf16), all of them once
     assert sum(b[3] for b in rows[0]["buckets"]) == pytest.approx(2 * MODEL_SIZES["1.3b"].num_params())
 

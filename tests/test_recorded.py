@@ -1,6 +1,8 @@
 """This machine's α-β, fitted on a run's own recorded events (minitrain.planning.recorded), on hand-made
 logs: what is timed, from when, and what a stalled step does to the fit."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from minitrain.planning.costmodel import ring_steps
@@ -37,7 +39,7 @@ def run_of(steps_per_rank: list[list[list[dict]]], length=0.1) -> dict:
                 shifted["id"] += 1000 * i
                 events.append(shifted)
         logs.append({"events": events, "marks": marks})
-    return {"events": logs, "summary": {"world_size": len(steps_per_rank)}}
+    return SimpleNamespace(events=logs, summary=SimpleNamespace(world_size=len(steps_per_rank)))
 
 
 WARM_UP: list[dict] = []  # the first recorded step is left out of the fit

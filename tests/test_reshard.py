@@ -76,16 +76,16 @@ def test_resume_on_another_layout_gives_the_uninterrupted_run(runs, clusters, sa
     ref = uninterrupted(resumed_as, precision=precision)
     cfg = cfg_of(resumed_as, precision=precision, resume=str(root))
     out = train(cfg, cluster=clusters(cfg.world_size), return_state=True)
-    assert out["summary"]["start_step"] == SAVE_AT
-    assert out["summary"]["resharded_from"] == saved_as.split("+")[0].replace("@", " on ") + \
+    assert out.summary.start_step == SAVE_AT
+    assert out.summary.resharded_from == saved_as.split("+")[0].replace("@", " on ") + \
         (" rank" if saved_as.split("+")[0].endswith("@1") else " ranks")
-    assert len(out["losses"]) == BASE.steps - SAVE_AT
-    diff = max(abs(a - b) for a, b in zip(out["losses"], ref["losses"][SAVE_AT:]))
+    assert len(out.losses) == BASE.steps - SAVE_AT
+    diff = max(abs(a - b) for a, b in zip(out.losses, ref.losses[SAVE_AT:]))
     print(f"{saved_as} -> {resumed_as} ({precision}): max loss difference {diff:.2e}",
           file=sys.stderr)
-    assert diff <= 1e-5, (out["losses"], ref["losses"][SAVE_AT:])
-    for name, value in ref["state"].items():
-        torch.testing.assert_close(out["state"][name], value, rtol=1e-4, atol=5e-5, msg=name)
+    assert diff <= 1e-5, (out.losses, ref.losses[SAVE_AT:])
+    for name, value in ref.state.items():
+        torch.testing.assert_close(out.state[name], value, rtol=1e-4, atol=5e-5, msg=name)
 
 
 def test_a_chain_of_layouts(runs, clusters, tmp_path):
@@ -96,10 +96,10 @@ def test_a_chain_of_layouts(runs, clusters, tmp_path):
     mid = train(cfg_of("zero1@3", steps=3, resume=str(root), save_dir=str(again)),
                 cluster=clusters(3))
     end = train(cfg_of("single@1", resume=str(again)), cluster=clusters(1))
-    assert mid["summary"]["resharded_from"] == "zero3 on 4 ranks"
-    assert end["summary"]["resharded_from"] == "zero1 on 3 ranks"
-    ref = uninterrupted("single@1", precision="fp32")["losses"]
-    assert mid["losses"] + end["losses"] == pytest.approx(ref[SAVE_AT:], abs=1e-5)
+    assert mid.summary.resharded_from == "zero3 on 4 ranks"
+    assert end.summary.resharded_from == "zero1 on 3 ranks"
+    ref = uninterrupted("single@1", precision="fp32").losses
+    assert mid.losses + end.losses == pytest.approx(ref[SAVE_AT:], abs=1e-5)
 
 
 def test_a_tied_model_reshards(clusters, tmp_path):
@@ -107,7 +107,7 @@ def test_a_tied_model_reshards(clusters, tmp_path):
     ref = train(cfg_of("ddp@3", model=TIED), cluster=clusters(3))
     train(cfg_of("zero3@2", model=TIED, steps=SAVE_AT, save_dir=str(tmp_path)), cluster=clusters(2))
     out = train(cfg_of("ddp@3", model=TIED, resume=str(tmp_path)), cluster=clusters(3))
-    assert out["losses"] == pytest.approx(ref["losses"][SAVE_AT:], abs=1e-5)
+    assert out.losses == pytest.approx(ref.losses[SAVE_AT:], abs=1e-5)
 
 
 def test_the_portable_state_names_every_parameter(runs):

@@ -39,7 +39,7 @@ def test_a_used_save_dir_is_refused_unless_resumed_or_overwritten(first_run, clu
         train(NANO.with_(save_dir=str(first_run), seed=1), cluster=clusters(1))
     resumed = train(NANO.with_(steps=6, save_dir=str(first_run), resume=str(first_run)),
                     cluster=clusters(1))
-    assert resumed["summary"]["start_step"] == 4
+    assert resumed.summary.start_step == 4
 
 
 def test_overwrite_deletes_the_earlier_runs_steps(tmp_path, clusters):
@@ -78,7 +78,7 @@ def test_a_diverging_run_stops_with_the_step_and_the_fix(clusters):
     assert "Diverged" in text and "training diverged; lower --lr (now 10000)" in text
     kept = train(NANO.with_(lr=1e4, steps=6, allow_nonfinite=True, model=TrainConfig().model),
                  cluster=clusters(1))
-    assert len(kept["losses"]) == 6
+    assert len(kept.losses) == 6
 
 
 def test_the_cli_exits_non_zero_and_its_json_stays_json():
@@ -136,7 +136,7 @@ def test_two_runs_on_one_save_dir_the_second_is_refused_and_a_killed_one_frees_i
         os.kill(a.pid, signal.SIGKILL)
         a.wait()
     result = train(NANO.with_(save_dir=str(save), overwrite=True, steps=2), cluster=clusters(1))
-    assert result["summary"]["checkpoints"] == [str(save / "step-000002")]
+    assert result.summary.checkpoints == [str(save / "step-000002")]
     assert not (save / ".minitrain-lock").exists()  # a run that ends removes its lock file
 
 
@@ -154,11 +154,11 @@ def test_a_second_history_in_one_save_dir_is_refused_or_replaces_the_later_steps
     assert "is older than the latest checkpoint" in text and "(step-000006)" in text
     assert "--overwrite to delete the steps after step-000002 (step-000004, step-000006)" in text
     again = train(older.with_(overwrite=True), cluster=clusters(1))
-    assert again["summary"]["start_step"] == 2
+    assert again.summary.start_step == 2
     assert sorted(p.name for p in save.iterdir()) == ["step-000002", "step-000005"]
     assert find_checkpoint(save) == save / "step-000005"
     latest = train(NANO.with_(steps=6, resume=str(save)), cluster=clusters(1))
-    assert latest["summary"]["resumed_from"] == str(save / "step-000005")
+    assert latest.summary.resumed_from == str(save / "step-000005")
 
 
 def test_only_an_unfinished_save_is_named_with_the_real_choice(tmp_path, no_spawn):

@@ -39,14 +39,14 @@ def test_a_seam_filled_from_outside_trains_like_the_package(clusters, strategy, 
     cfg = CFG.with_(strategy=strategy, options=options)
     own = train(cfg, cluster=clusters(2))
     theirs = train(cfg, cluster=clusters(2), seams={seam: fn})
-    assert theirs["losses"] == own["losses"]
+    assert theirs.losses == own.losses
 
 
 def test_the_top_k_seam_in_the_parameter_server(clusters):
     cfg = CFG.with_(strategy="ps-sync", world_size=3, options={"compress": "topk:0.1"})
     own = train(cfg, cluster=clusters(3))
     theirs = train(cfg, cluster=clusters(3), seams={"topk_error_feedback": topk_error_feedback})
-    assert theirs["losses"] == own["losses"]
+    assert theirs.losses == own.losses
 
 
 def test_a_seam_is_really_called(clusters):
@@ -57,7 +57,7 @@ def test_a_seam_is_really_called(clusters):
     cfg = CFG.with_(strategy="ddp-naive")
     own = train(cfg, cluster=clusters(2))
     broken = train(cfg, cluster=clusters(2), seams={"sync_gradients": no_sync})
-    assert broken["losses"][0] == own["losses"][0] and broken["losses"][1:] != own["losses"][1:]
+    assert broken.losses[0] == own.losses[0] and broken.losses[1:] != own.losses[1:]
 
 
 def test_zero3_gathered_peak_is_one_unit_blocking_two_with_prefetch_all_when_never_freed(clusters):
@@ -71,7 +71,7 @@ def test_zero3_gathered_peak_is_one_unit_blocking_two_with_prefetch_all_when_nev
             comm.reduce_scatter(unit.grad_shard, unit.grad)
 
     cfg = CFG.with_(strategy="zero3", steps=2)
-    peaks = {name: train(cfg, cluster=clusters(2), seams=seams)["summary"]["memory"][0]["gathered_peak"]
+    peaks = {name: train(cfg, cluster=clusters(2), seams=seams).summary.memory[0]["gathered_peak"]
              for name, seams in (("package", None), ("blocking", {"zero3_hook": zero3_hook}),
                                  ("never freed", {"zero3_hook": keep_all}))}
     block = 4 * sum(p.numel() for p in GPT(CFG.model).blocks[0].parameters())  # fp32, N=2: no padding
@@ -93,6 +93,6 @@ def test_a_hook_with_the_packages_code_prefetches_too(clusters):
     own = train(cfg, cluster=clusters(2))
     theirs = train(cfg, cluster=clusters(2), seams={"zero3_hook": same_code})
     block = 4 * sum(p.numel() for p in GPT(CFG.model).blocks[0].parameters())
-    peak = lambda run: run["summary"]["memory"][0]["gathered_peak"]  # noqa: E731
-    assert theirs["losses"] == own["losses"]
+    peak = lambda run: run.summary.memory[0]["gathered_peak"]  # noqa: E731
+    assert theirs.losses == own.losses
     assert peak(theirs) == peak(own) == 2 * block

@@ -49,8 +49,8 @@ CASES = {
 def test_a_seam_filled_from_outside_gives_the_packages_losses(clusters, case):
     cfg, seams = CASES[case]
     cluster = clusters(cfg.world_size)
-    ours = train(cfg, cluster=cluster)["losses"]
-    theirs = train(cfg, cluster=cluster, seams=seams)["losses"]
+    ours = train(cfg, cluster=cluster).losses
+    theirs = train(cfg, cluster=cluster, seams=seams).losses
     assert theirs == ours
 
 
@@ -61,7 +61,7 @@ def test_the_seams_reach_the_technique(clusters):
 
     cfg, _ = CASES["pipeline 1f1b"]
     run = train(cfg, cluster=clusters(2), seams={"one_f_one_b": gpipe})
-    assert run["summary"]["report"][0]["peak_in_flight"] == {0: 4, 1: 4}  # GPipe holds all M
+    assert run.summary.report[0]["peak_in_flight"] == {0: 4, 1: 4}  # GPipe holds all M
     with pytest.raises(Exception, match="not an action"):
         train(cfg, cluster=clusters(2), seams={"one_f_one_b": lambda r, P, M: ["X0"]})
 
@@ -71,7 +71,7 @@ def test_the_ring_seam_carries_the_3d_replicas_gradients(clusters):
     cfg, seams = CASES["3d 2x2x1 ring"]
     run = train(cfg, cluster=clusters(4), seams={"ring_all_reduce": ring_all_reduce})
     ours = train(cfg, cluster=clusters(4))
-    dp_calls = lambda r: r["summary"]["report"][0]["comm_by_group"]["dp"]["calls"]  # noqa: E731
+    dp_calls = lambda r: r.summary.report[0]["comm_by_group"]["dp"]["calls"]  # noqa: E731
     assert dp_calls(run) == 4 * (2 - 1) * dp_calls(ours)  # 2 phases x (N-1) sends and recvs
 
 

@@ -32,17 +32,17 @@ def test_a_precision_seam_filled_from_outside_trains_like_the_package(clusters, 
     cfg = CFG.with_(strategy=strategy, world_size=world, **more)
     own = train(cfg, cluster=clusters(world))
     theirs = train(cfg, cluster=clusters(world), seams={seam: fn})
-    assert theirs["losses"] == own["losses"]
-    assert theirs["summary"]["loss_scaler"] == own["summary"]["loss_scaler"]
+    assert theirs.losses == own.losses
+    assert theirs.summary.loss_scaler == own.summary.loss_scaler
     if seam == "recompute_block":  # only the blocks' inputs are kept, as with the package's
-        assert (theirs["summary"]["memory"][0]["bytes"]["activations_peak"]
-                == own["summary"]["memory"][0]["bytes"]["activations_peak"])
+        assert (theirs.summary.memory[0]["bytes"]["activations_peak"]
+                == own.summary.memory[0]["bytes"]["activations_peak"])
 
 
 def test_the_fp16_run_skips_steps_through_the_seam(clusters):
     cfg = CFG.with_(precision="fp16-mixed", loss_scale=2.0 ** 20)
     run = train(cfg, cluster=clusters(1), seams={"mixed_precision_step": step})
-    assert run["summary"]["loss_scaler"]["skipped_steps"] > 0
+    assert run.summary.loss_scaler["skipped_steps"] > 0
 
 
 def test_the_seam_is_really_called(clusters):
@@ -51,12 +51,12 @@ def test_the_seam_is_really_called(clusters):
     cfg = CFG.with_(precision="bf16-mixed", steps=3)
     stuck = train(cfg, cluster=clusters(1), seams={"mixed_precision_step": forgets_to_copy_back})
     own = train(cfg, cluster=clusters(1))
-    assert stuck["losses"][0] == own["losses"][0]
-    assert all(a != b for a, b in zip(stuck["losses"][1:], own["losses"][1:]))
+    assert stuck.losses[0] == own.losses[0]
+    assert all(a != b for a, b in zip(stuck.losses[1:], own.losses[1:]))
 
 
 def test_the_ledger_splits_the_optimizer_states_by_key(clusters):
-    summary = train(CFG.with_(precision="bf16-mixed"), cluster=clusters(1))["summary"]
-    psi, by_state = summary["params"], summary["memory"][0]["by_state"]
+    summary = train(CFG.with_(precision="bf16-mixed"), cluster=clusters(1)).summary
+    psi, by_state = summary.params, summary.memory[0]["by_state"]
     assert by_state["master"] == 4 * psi
     assert by_state["exp_avg"] == by_state["exp_avg_sq"] == 4 * psi

@@ -53,7 +53,7 @@ def test_tensor_parallel_equals_a_single_process(runs, n, sp):
 def test_three_ranks_six_heads_with_padded_vocabulary_and_sequence(runs, sp):
     run = runs(3, sp, SIX_HEADS)
     assert_same_run(run, runs(0, model=SIX_HEADS))
-    report = run["summary"]["report"][0]
+    report = run.summary.report[0]
     assert report["vocab_padded"] == 15 and report["heads_per_rank"] == 2
     assert report["shapes"]["blocks.0.attn.qkv.weight"] == [3 * 48 // 3, 48]
     assert report["shapes"]["blocks.0.mlp.proj.weight"] == [48, 4 * 48 // 3]
@@ -74,7 +74,7 @@ def parameters_per_rank(m: GPTConfig, n: int) -> int:
 
 @pytest.mark.parametrize("n, model", [(2, CFG.model), (4, CFG.model), (3, SIX_HEADS)])
 def test_each_rank_holds_its_shard_of_the_model_states(runs, n, model):
-    for mem in runs(n, False, model)["summary"]["memory"]:
+    for mem in runs(n, False, model).summary.memory:
         assert mem["bytes"]["parameters"] == 4 * parameters_per_rank(model, n)
         assert mem["bytes"]["gradients"] == mem["bytes"]["parameters"]  # fp32 Adam: 4 + 4 + 8
         assert mem["bytes"]["optimizer_states"] == 2 * mem["bytes"]["parameters"]
@@ -99,7 +99,7 @@ def test_the_cli_keeps_the_json_contract():
 
 
 def per_layer(run, rank=0):
-    return run["summary"]["report"][rank]["comm_per_layer"]
+    return run.summary.report[rank]["comm_per_layer"]
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -117,7 +117,7 @@ def test_two_all_reduces_forward_and_two_backward_per_layer(runs, n):
         assert {k: v["calls"] for k, v in rows["embed"].items()} == {"all_reduce forward": 1}
         assert {k: v["calls"] for k, v in rows["head"].items()} == {"all_reduce backward": 1}
         assert {k: v["calls"] for k, v in rows["loss"].items()} == {"all_reduce forward": 2}
-        total = run["summary"]["comm"][rank]["all_reduce"]["calls"] / CFG.steps
+        total = run.summary.comm[rank]["all_reduce"]["calls"] / CFG.steps
         assert total == 4 * CFG.model.n_layer + 4
 
 

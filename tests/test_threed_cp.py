@@ -84,7 +84,7 @@ def test_4d_equals_a_single_process(clusters, single, name):
     assert_same_run(run, single)  # every step's loss within 1e-5 relative, the final weights
     s = MeshShape(dp, pp, tp, cp)
     padded = 2 * cp * -(-MODEL.seq_len // (2 * cp))
-    for r, rep in enumerate(run["summary"]["report"]):
+    for r, rep in enumerate(run.summary.report):
         assert MeshShape(rep["dp"], rep["pp"], rep["tp"], rep["cp"]) == s
         assert Coords(**rep["coords"]) == s.coords(r)
         assert rep["groups"] == {axis: s.group_of(r, axis) for axis in s.axes}
@@ -95,7 +95,7 @@ def test_4d_equals_a_single_process(clusters, single, name):
                                     *range((2 * cp - 1 - c) * chunk, (2 * cp - c) * chunk)]
         # the ring's bytes per step (tracer) are the theory's: 3cp-2 blocks of the local heads
         assert rep["cp_ring_sent_bytes_per_step"] == rep["cp_ring_sent_bytes_theory"] > 0
-    sent = {axis for axis, row in run["summary"]["report"][0]["comm_by_group"].items()
+    sent = {axis for axis, row in run.summary.report[0]["comm_by_group"].items()
             if row["sent_bytes"] > 0}
     assert sent == {axis for axis, n in (("dp", dp), ("cp", cp), ("pp", pp), ("tp", tp)) if n > 1}
 
@@ -111,12 +111,12 @@ def mesh_groups_3d(dp, pp, tp, axis):
 def test_seams_in_the_4d_mesh(clusters):
     cfg = mesh_cfg(1, 2, 1, 2)
     cluster = clusters(4)
-    ours = train(cfg, cluster=cluster)["losses"]
+    ours = train(cfg, cluster=cluster).losses
     seams = {"online_softmax_merge": merge_attention}
-    assert train(cfg, cluster=cluster, seams=seams)["losses"] == ours
+    assert train(cfg, cluster=cluster, seams=seams).losses == ours
     # the merge really runs inside: one that keeps only the first part changes the losses
     keep_first = lambda out_a, lse_a, out_b, lse_b: (out_a, lse_a)  # noqa: E731
-    wrong = train(cfg, cluster=cluster, seams={"online_softmax_merge": keep_first})["losses"]
+    wrong = train(cfg, cluster=cluster, seams={"online_softmax_merge": keep_first}).losses
     assert wrong != ours
 
 

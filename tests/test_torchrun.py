@@ -90,8 +90,8 @@ def test_two_torchrun_nodes_train_like_one_machine(processes, clusters, tmp_path
     cfg = TrainConfig(strategy="ddp", world_size=2, steps=STEPS, batch_size=BATCH,
                       model=PRESETS["nano"])
     local = train(cfg, cluster=clusters(2), return_state=True)
-    assert losses == pytest.approx(local["losses"], rel=1e-5)
+    assert losses == pytest.approx(local.losses, rel=1e-5)
 
     state = consolidate(tmp_path)  # rank files written by the two nodes, meta.json by rank 0
-    for key, value in local["state"].items():
+    for key, value in local.state.items():
         torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-6, msg=key)

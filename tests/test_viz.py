@@ -110,7 +110,7 @@ def test_timeline_rows_and_plot_from_a_real_ddp_run(clusters):
     from minitrain.viz.timeline import plot_ddp_timeline, timeline_rows
     cfg = TrainConfig(strategy="ddp", world_size=2, steps=2, batch_size=8,
                       options={"bucket_mb": 0.2, "timeline": True})
-    reports = train(cfg, cluster=clusters(2))["summary"]["report"]
+    reports = train(cfg, cluster=clusters(2)).summary.report
     rows = timeline_rows(reports)
     assert [r["rank"] for r in rows] == [0, 1]
     assert min(r["backward"][0] for r in rows) == 0.0

@@ -63,8 +63,8 @@ def test_each_stage_equals_a_single_process(runs, single, strategy, n):
 @pytest.mark.parametrize("strategy", list(STAGES))
 def test_offload_gives_the_same_losses_and_moves_the_optimizer_to_the_host(runs, strategy):
     plain, off = runs(strategy, 3), runs(strategy, 3, offload=True)
-    assert off["losses"] == pytest.approx(plain["losses"], rel=1e-6, abs=0)
-    for rep in off["summary"]["report"]:
+    assert off.losses == pytest.approx(plain.losses, rel=1e-6, abs=0)
+    for rep in off.summary.report:
         s = rep["shard_numel"]  # elements this rank owns, padding included
         assert rep["offload"] and rep["device_bytes"]["optimizer_states"] == 0
         # fp32 master copy + Adam's two moments, and the gradient shard, in host memory
@@ -77,7 +77,7 @@ def assert_ledger_equals_the_formulas(run, stage, n, recipe):
     """A sharded tensor holds its unit's padding, so it is the formula for Ψ + padding; a tensor
     that is not sharded (stage 1's .grad) is the formula for Ψ exactly."""
     psi = CFG.model.num_params()
-    for rep, mem in zip(run["summary"]["report"], run["summary"]["memory"]):
+    for rep, mem in zip(run.summary.report, run.summary.memory):
         assert rep["numel"] == psi and rep["stage"] == stage and rep["recipe"] == recipe
         assert 0 <= rep["padding"] < n * rep["units"]  # at most N-1 zeros per unit
         assert rep["padded_numel"] == n * rep["shard_numel"]
@@ -90,7 +90,7 @@ def assert_ledger_equals_the_formulas(run, stage, n, recipe):
             assert mem["bytes"][kind] == expected[kind], (kind, mem["bytes"][kind], expected[kind])
             assert mem["device"][kind] == mem["bytes"][kind] and mem["host"][kind] == 0
     if n == 3:  # Ψ is not a multiple of 3: the uneven partition really was exercised
-        assert run["summary"]["report"][0]["padding"] > 0
+        assert run.summary.report[0]["padding"] > 0
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -101,20 +101,20 @@ def test_ledger_equals_the_formulas_up_to_the_padding(runs, strategy, n):
 
 
 def per_step(run, op, key="bytes"):
-    return [c.get(op, {}).get(key, 0) / CFG.steps for c in run["summary"]["comm"]]
+    return [c.get(op, {}).get(key, 0) / CFG.steps for c in run.summary.comm]
 
 
 def assert_stage_3_moves_one_and_a_half_times_stage_1(runs, n, precision="fp32"):
     size = 4 if precision == "fp32" else 2  # bytes per element on the wire
     one, two, three = (runs(s, n, precision=precision) for s in STAGES)
     for run, stage in ((one, 1), (two, 2), (three, 3)):
-        padded = run["summary"]["report"][0]["padded_numel"]
+        padded = run.summary.report[0]["padded_numel"]
         assert per_step(run, "reduce_scatter") == [size * padded] * n
         assert per_step(run, "all_gather") == [(2 if stage == 3 else 1) * size * padded] * n
         assert per_step(run, "total", "sent_bytes") == pytest.approx(
             [(n - 1) / n * (3 if stage == 3 else 2) * size * padded] * n)
     psi = CFG.model.num_params()
-    slack = n * three["summary"]["report"][0]["units"] / psi  # what padding can add
+    slack = n * three.summary.report[0]["units"] / psi  # what padding can add
     for key in ("bytes", "sent_bytes"):
         ratio = per_step(three, "total", key)[0] / per_step(one, "total", key)[0]
         assert ratio == pytest.approx(1.5, rel=slack), ratio
@@ -136,13 +136,13 @@ BF16_LOSS_REL, BF16_ULP, BF16_ATOL_LRS, BF16_MEAN_LRS = 1e-3, 2.0 ** -7, 5, 0.2
 
 
 def assert_same_bf16_run(run, ref):
-    assert len(run["losses"]) == len(ref["losses"]) == CFG.steps
-    for a, b in zip(run["losses"], ref["losses"]):
+    assert len(run.losses) == len(ref.losses) == CFG.steps
+    for a, b in zip(run.losses, ref.losses):
         assert abs(a - b) <= BF16_LOSS_REL * b, (a, b)
     diffs = []
-    for name, w in ref["state"].items():
-        assert run["state"][name].dtype == torch.bfloat16, name
-        mine, theirs = run["state"][name].float(), w.float()
+    for name, w in ref.state.items():
+        assert run.state[name].dtype == torch.bfloat16, name
+        mine, theirs = run.state[name].float(), w.float()
         torch.testing.assert_close(mine, theirs, rtol=BF16_ULP, atol=BF16_ATOL_LRS * CFG.lr, msg=name)
         diffs.append((mine - theirs).abs().flatten())
     assert torch.cat(diffs).mean() < BF16_MEAN_LRS * CFG.lr
@@ -163,7 +163,7 @@ def test_bf16_ledger_equals_the_mixed_precision_formulas(runs, strategy, n):
     the paper's stage 1 4Ψ+12Ψ/N, stage 2 2Ψ+14Ψ/N, stage 3 16Ψ/N, up to the padding."""
     run = runs(strategy, n, precision="bf16-mixed")
     assert_ledger_equals_the_formulas(run, STAGES[strategy], n, "mixed-adam")
-    for mem in run["summary"]["memory"]:
+    for mem in run.summary.memory:
         assert mem["by_dtype"]["parameters"].keys() == {"bfloat16"}
         assert mem["by_dtype"]["gradients"].keys() == {"bfloat16"}
         assert mem["by_dtype"]["optimizer_states"].keys() == {"float32"}
@@ -174,7 +174,7 @@ def test_bf16_stage_3_moves_one_and_a_half_times_the_bytes_of_stage_1_in_16_bits
 
 
 def test_bf16_offload_keeps_masters_and_moments_on_the_host(runs):
-    for rep in runs("zero3", 2, True, "bf16-mixed")["summary"]["report"]:
+    for rep in runs("zero3", 2, True, "bf16-mixed").summary.report:
         s = rep["shard_numel"]
         assert rep["device_bytes"]["optimizer_states"] == 0
         assert rep["host_bytes"]["optimizer_states"] == 12 * s  # fp32 master, m, v

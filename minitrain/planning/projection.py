@@ -44,78 +44,144 @@ import math
 import numbers
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass
 
 from .clusters import ClusterSpec, get_cluster, parse
 from ..memory import GB
 from ..model import GPTConfig
+from ..record import Layout
 from .recorded import drop_unmatched, fit_run, message_times, smooth, step_programs, windows
 from .recorded import even as even_out
 from .replay import Instance, Op, ReplayError, breakdown, replay, timelines
-from .scaling import (MODEL_SIZES, NOT_REPLAYED, RankWork, Scaler, itemsize, layout,
-                      rank_memory, rank_work, target_model)
+from .scaling import MODEL_SIZES, RankWork, Scaler, itemsize, rank_memory, rank_work, target_model
 
-__all__ = ["MODEL_SIZES", "target_model", "check_projection", "project", "replay", "Op",
-           "Instance", "ReplayError", "rank_work", "RankWork", "Scaler", "format_projection",
-           "breakdown", "warp", "ddp_timeline", "pipeline_timeline", "fsdp_timeline", "NOT_REPLAYED",
+__all__ = ["MODEL_SIZES", "target_model", "check_projection", "project", "Projection", "replay",
+           "Op", "Instance", "ReplayError", "rank_work", "RankWork", "Scaler", "format_projection",
+           "breakdown", "warp", "ddp_timeline", "pipeline_timeline", "fsdp_timeline",
            "fit_run", "message_times", "even_work", "checked_degrees", "mesh_sizes"]
 
 #: Adam's update reads the weight, the gradient and two moments and writes three: 7 fp32 words
 ADAM_BYTES = 28
 
 
-def check_projection(project: str | None, as_model=None, *, strategy: str = "", world_size: int = 1,
-                     options: dict | None = None, model: GPTConfig | None = None,
-                     batch_size: int | None = None) -> None:
+def _refuse_free_running(layout: Layout, strategy: str, fix: str = "") -> None:
+    if layout.free_running:
+        raise ValueError(f"strategy {strategy!r} cannot be projected: {layout.free_running}, so "
+                         f"there is no shared step to re-time{fix}")
+
+
+def check_projection(project: str | None, as_model=None, layout: Layout | None = None, *,
+                     strategy: str = "", world_size: int = 1,
+                     model: GPTConfig | None = None) -> None:
     """Raise ValueError, naming the choices, for a projection that cannot be made: an unknown
-    cluster or model size, a free-running strategy, more ranks than the cluster has, or a layout the
-    target model cannot take (heads or layers that do not split)."""
+    cluster or model size, a free-running strategy, more ranks than the cluster has, or a
+    ``layout`` (the strategy's: ``Strategy.layout(cfg)``; ``strategy`` names it) the target model
+    cannot take (heads or layers that do not split)."""
     if project is None:
         if as_model is not None:
             raise ValueError("--as-model needs --project CLUSTER (the model is projected on a "
                              "cluster); e.g. --project dgx-h100 --as-model 7b")
         return
     name, _ = parse(project)
-    if strategy in NOT_REPLAYED:
-        raise ValueError(f"strategy {strategy!r} cannot be projected: {NOT_REPLAYED[strategy]}; "
-                         "project a lockstep strategy (ddp, zero1-3, pipeline, tensor, 3d, ...)")
+    lay = layout or Layout()
+    _refuse_free_running(lay, strategy, "; project a lockstep strategy (ddp, zero1-3, pipeline, "
+                                        "tensor, 3d, ...)")
     cluster = get_cluster(project) if name not in ("local", "binder") else None
     if cluster is not None and world_size > cluster.devices:
         raise ValueError(f"{world_size} ranks do not fit {cluster.title}: it has {cluster.devices} "
                          f"devices; use {name}xN with N >= {math.ceil(world_size / 8)} nodes or "
                          "fewer ranks")
-    run = model or GPTConfig()
-    cfg = target_model(as_model, run)
-    opts = options or {}
-    tp = opts.get("tp") or (world_size if strategy == "tensor" else 1)
-    if cfg.n_head % tp or cfg.ff % tp:
+    cfg = target_model(as_model, model or GPTConfig())
+    if cfg.n_head % lay.tp or cfg.ff % lay.tp:
         raise ValueError(f"--as-model {as_model}: its {cfg.n_head} heads (d_ff {cfg.ff}) do not "
-                         f"split over tensor parallelism {tp}")
-    stages = (opts.get("stages") or world_size) if strategy == "pipeline" else opts.get("pp") or 1
-    chunks = opts.get("chunks") or (2 if opts.get("schedule") == "interleaved" else 1)
-    if stages * chunks > cfg.n_layer:
-        raise ValueError(f"--as-model {as_model}: {cfg.n_layer} layers cannot fill {stages} stages "
-                         f"x {chunks} chunks")
-    cp = opts.get("cp") or 1
+                         f"split over tensor parallelism {lay.tp}")
+    if lay.pp * lay.virtual_stages > cfg.n_layer:
+        raise ValueError(f"--as-model {as_model}: {cfg.n_layer} layers cannot fill {lay.pp} stages "
+                         f"x {lay.virtual_stages} chunks")
+    cp = lay.cp
     if cfg.seq_len % (2 * cp if cp > 1 else 1):
         raise ValueError(f"--as-model {as_model}: its {cfg.seq_len} positions do not split over "
                          f"context parallelism {cp} (2·cp chunks)")
 
 
-def even_work(summary: dict) -> bool:
-    """Whether :func:`project`'s ``even`` holds for this run — its micro-batches do equal work:
-    a ``pipeline`` run of GPipe or 1F1B (what ``even`` is for) whose batch splits into equal
-    micro-batches (``torch.tensor_split``: otherwise their sizes differ by one sample).  The CLI
-    and ``train(project=...)`` project with it, as lesson 05 does."""
-    if summary.get("strategy") != "pipeline":
-        return False
-    report = (summary.get("report") or [{}])[0] or {}
-    m = report.get("microbatches") or 1
-    return report.get("schedule") in ("gpipe", "1f1b") and m > 1 and summary["batch_size"] % m == 0
+def even_work(summary) -> bool:
+    """Whether :func:`project`'s ``even`` holds for this run (a :class:`~minitrain.record.RunSummary`)
+    — its micro-batches do equal work: a pipeline and nothing else (no other axis) of GPipe or
+    1F1B (what ``even`` is for) whose batch splits into equal micro-batches
+    (``torch.tensor_split``: otherwise their sizes differ by one sample).  The CLI and
+    ``train(project=...)`` project with it, as lesson 05 does."""
+    lay = summary.layout
+    m = lay.microbatches
+    return (lay.dp * lay.tp * lay.cp * lay.ep == 1 and lay.schedule in ("gpipe", "1f1b")
+            and m > 1 and summary.batch_size % m == 0)
 
 
 # --------------------------------------------------------------------------------------------------
 # The projection of a run
 # --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Projection:
+    """A run re-timed on a cluster (:func:`project`).
+
+    ``step_time_s`` is the median step's (``step_times_s`` step by step); its parts ``compute_s``,
+    ``exposed_comm_s``, ``bubble_s``, ``idle_s`` (means over ranks: they add up to the step time),
+    ``comm_s`` (the time communication is in flight) and ``hidden_comm_share``; ``mfu`` (model
+    FLOPs) and ``hfu`` (with recomputation) against the devices' peak; ``memory``: bytes per
+    device; ``timeline``: per rank, tracer-style events and compute spans, seconds from the drawn
+    step's start; ``measured_step_s``: the run's own median step, all ranks, beside it.  ``step``
+    (which recorded step is drawn), ``windows`` (each rank's start of it) and ``replay`` (its
+    replay) are what :func:`warp` redraws a measured timeline with."""
+
+    cluster: str
+    cluster_title: str
+    model: str
+    params: int
+    precision: str
+    compute_mode: str  # "measured" (each compute span as measured) or "model" (from its FLOPs)
+    degrees: dict | None
+    step_time_s: float
+    step_times_s: list[float]
+    measured_step_s: float
+    measured_step_times_s: list[float]
+    mean_step_time_s: float
+    measured_mean_step_s: float
+    compute_s: float
+    exposed_comm_s: float
+    bubble_s: float
+    idle_s: float
+    comm_s: float
+    hidden_comm_share: float | None  # None where nothing is communicated
+    mfu: float | None
+    hfu: float | None
+    tokens_per_s: float | None
+    memory: list[dict]
+    fits: bool | None  # None off accelerators
+    timeline: list[list[dict]]
+    sources: list[str]
+    step: int
+    windows: dict
+    replay: dict
+    even: bool = False  # each micro-batch given equal work (project's ``even``)
+
+    @property
+    def memory_per_device_gb(self) -> list[float]:
+        return [m["total"] / 1e9 for m in self.memory]
+
+    def to_dict(self) -> dict:
+        """The fields a run's JSON summary carries (``minitrain train --project ... --json``): no
+        timelines, no replay."""
+        out = {k: getattr(self, k) for k in _SUMMARY_FIELDS}
+        out["even"] = self.even
+        out["memory_per_device_gb"] = self.memory_per_device_gb
+        return out
+
+
+_SUMMARY_FIELDS = ("cluster", "cluster_title", "model", "params", "precision", "compute_mode",
+                   "step_time_s", "measured_step_s", "compute_s", "exposed_comm_s", "bubble_s",
+                   "idle_s", "comm_s", "hidden_comm_share", "mfu", "tokens_per_s", "fits",
+                   "sources")
 
 
 def checked_degrees(degrees: dict | None) -> dict:
@@ -138,156 +204,168 @@ def checked_degrees(degrees: dict | None) -> dict:
     return out
 
 
-def mesh_sizes(lay: dict, degrees: dict) -> dict:
-    """{axis: size} of the mesh a projection stands for: the run's layout (``scaling.layout``),
-    each axis ``degrees`` names (checked: :func:`checked_degrees`) re-sized; their product is its
-    devices."""
-    return {a: degrees.get(a, lay[a]) for a in _ORDER}
+def mesh_sizes(lay: Layout, degrees: dict) -> dict:
+    """{axis: size} of the mesh a projection stands for: the run's layout, each axis ``degrees``
+    names (checked: :func:`checked_degrees`) re-sized; their product is its devices."""
+    return {a: degrees.get(a, getattr(lay, a)) for a in _ORDER}
 
 
-def project(result: dict, cluster="dgx-h100", model=None, *, precision: str | None = None,
+def project(result, cluster="dgx-h100", model=None, *, precision: str | None = None,
             compute: str | None = None, degrees: dict | None = None, steps=None,
-            recompute: bool | None = None, even: bool = False) -> dict:
-    """Re-time ``result`` (from ``train(..., record_events=True)`` or ``project=``) on ``cluster``
-    (a preset name, a :class:`~minitrain.planning.clusters.ClusterSpec`; "local"/"binder" need the run's
+            recompute: bool | None = None, even: bool = False) -> Projection:
+    """Re-time ``result`` (a :class:`~minitrain.record.RunResult` from
+    ``train(..., record_events=True)`` or ``project=``) on ``cluster`` (a preset name, a
+    :class:`~minitrain.planning.clusters.ClusterSpec`; "local"/"binder" need the run's
     calibration) for ``model`` (None: the run's own; "1.3b", "7b"..., or a GPTConfig).
 
     ``precision``: of the projected run (default: the run's, but an fp32 run on GPUs as bf16-mixed,
     the way such models are trained).  ``compute``: "measured" keeps each compute span's measured
     duration (this machine, same model: the self-consistency check; on "binder" stretched by the
     cores the ranks had here, as they would share one), "model" (default otherwise) prices it from
-    its FLOPs.  ``degrees``: {axis: size} re-sizes the groups of an axis ("dp"
-    or "tp"; a whole number of devices) — the run's ranks stand for a bigger mesh of the same shape (every replica
+    its FLOPs.  ``degrees``: {axis: size} re-sizes the groups of an axis ("dp" or "tp"; a whole
+    number of devices) — the run's ranks stand for a bigger mesh of the same shape (every replica
     alike), e.g. ``{"dp": 48}`` for 48 replicas where the run had 2.  ``steps``: which recorded
     steps (default: all but the first); the median step is drawn.  ``recompute``: count one more
     forward of the blocks (activation checkpointing) where the run did not recompute (a strategy
     that cannot) — its FLOPs only: the recomputed forward's communication is not in the run's log.
     ``even``: every forward (and every backward) a rank ran in the step does the same work — a
     pipeline's equal micro-batches — so each gets the same share of its phase's FLOPs, not a share
-    in proportion to how long it happened to take here (:func:`minitrain.planning.recorded.even`; for GPipe
-    and 1F1B only).
-
-    Returns a dict: ``cluster``, ``model``, ``step_time_s`` (median over the steps), ``compute_s``,
-    ``exposed_comm_s``, ``bubble_s``, ``idle_s`` (their mean over ranks: they add up to the step
-    time), ``hidden_comm_share``, ``mfu``, ``memory`` (bytes per device), ``timeline`` (per rank,
-    tracer-style events and compute spans, seconds from the step's start), ``measured_step_s``
-    (the run's own median step, all ranks, beside it; ``step_times_s`` and
-    ``measured_step_times_s`` step by step) and ``sources``."""
-    summary = result["summary"]
-    if "events" not in result:
+    in proportion to how long it happened to take here (:func:`minitrain.planning.recorded.even`;
+    for GPipe and 1F1B only).  Returns a :class:`Projection`."""
+    summary = result.summary
+    if result.events is None:
         raise ValueError("this result has no recorded events: train with record_events=True (or "
                          "project=...) to project it")
-    if summary["strategy"] in NOT_REPLAYED:
-        raise ValueError(f"strategy {summary['strategy']!r}: {NOT_REPLAYED[summary['strategy']]}")
+    _refuse_free_running(summary.layout, summary.strategy)
     spec = cluster if isinstance(cluster, ClusterSpec) else _cluster(cluster, result, compute,
                                                                       model)
-    run_cfg = GPTConfig(**summary["model"]) if isinstance(summary.get("model"), dict) else \
-        summary.get("model_config") or GPTConfig()
-    target = target_model(model, run_cfg)
-    run_precision = summary.get("precision", "fp32")
-    precision = precision or (run_precision if not spec.accelerator or run_precision != "fp32"
-                              else "bf16-mixed")
-    items = (itemsize(run_precision), itemsize(precision))
-    same = target == run_cfg and items[0] == items[1]
+    target = target_model(model, summary.model)
+    precision = precision or (summary.precision if not spec.accelerator or
+                              summary.precision != "fp32" else "bf16-mixed")
+    items = (itemsize(summary.precision), itemsize(precision))
+    same = target == summary.model and items[0] == items[1]
     mode = compute or ("measured" if (same and spec.key in ("local", "binder")) else "model")
-    # Binder: the same spans on one core where this machine gave them min(ranks, cores)
-    stretch = (min(summary["world_size"], spec.calibration.get("cores", 1))
-               if spec.key == "binder" and mode == "measured" else 1.0)
-    world = summary["world_size"]
-    lay = layout(summary)
-    axes = _axes(summary)
     degrees = checked_degrees(degrees)
-    sizes = mesh_sizes(lay, degrees)
+    sizes = mesh_sizes(summary.layout, degrees)
     if degrees and math.prod(sizes.values()) > spec.devices:
         raise ValueError(f"the mesh {sizes} needs {math.prod(sizes.values())} devices; "
                          f"{spec.title} has {spec.devices}")
-    nodes = _placement(spec, world, lay, axes, degrees)
-    ranks_on_node = defaultdict(int)
-    for node in nodes.values():
-        ranks_on_node[node] += 1
-    work = {r: rank_work(summary, target, r, degrees, recompute) for r in range(world)}
-    scale = Scaler(summary, run_cfg, target, items, degrees)
-    recorded = len(windows(result["events"][0]["marks"]))
+    work = {r: rank_work(summary, target, r, degrees, recompute)
+            for r in range(summary.world_size)}
+    recorded = len(windows(result.events[0]["marks"]))
     if recorded == 0:
         raise ValueError("no step was recorded")
     chosen = list(steps) if steps is not None else (list(range(1, recorded)) or [0])
-    replays = []
+    pricing = _Pricing(summary, spec, precision, mode, degrees, sizes, work)
+    scale = Scaler(summary, summary.model, target, items, degrees)
     built = [step_programs(result, i) for i in chosen]
     smooth([b[0] for b in built])
     if even:
         for i, (programs, _, _) in zip(chosen, built):
             even_out(result, i, programs)
-    for programs, events, window in built:
-        instances = {}
-        for r, evs in events.items():
-            for key, e in evs.items():
-                nbytes, repeat = scale(e, r)
-                members = (key[1], key[2]) if key[0] == "p" else key[1]
-                old = instances.get(key)
-                if old is None or nbytes > old.bytes:
-                    instances[key] = Instance(e["op"], members, nbytes, repeat, e["group"], e["tag"])
-        drop_unmatched(programs, instances)
-
-        def cost(inst, _spec=spec):
-            n = len(inst.members) if inst.op in ("send", "recv") else degrees.get(
-                _axis_of(inst, axes), len(inst.members))
-            where = _member_nodes(inst, nodes, n, sizes, axes, spec, bool(degrees))
-            return inst.repeat * _spec.seconds(inst.op, inst.bytes, where)
-
-        timing = (lambda rank, op, k=stretch: op.seconds * k) if stretch != 1.0 else None
-        if mode == "model":
-            timing = _model_compute(programs, work, spec, precision, ranks_on_node, nodes)
-        first = min(w[0] for w in window.values())
-        offsets = {r: w[0] - first for r, w in window.items()} if mode == "measured" else None
-        out = replay(programs, instances, cost, timing, issue_cost=not spec.accelerator,
-                     start=offsets)
-        out["instances"], out["window"] = instances, window
-        out["measured"] = max(w[1] for w in window.values()) - min(w[0] for w in window.values())
-        replays.append(out)
+    replays = [_replay_step(programs, events, window, scale, pricing)
+               for programs, events, window in built]
     order = sorted(range(len(replays)), key=lambda k: replays[k]["step_time"])
-    median = replays[order[len(order) // 2]]
-    T = median["step_time"]  # the median step (its parts and timeline are the ones shown)
-    parts = breakdown(median, lay["pp"] > 1)
-    peak = spec.device.flop_rate(precision) / spec.device.fraction
-    if not spec.accelerator:
-        peak = spec.device.flop_rate(precision, max(ranks_on_node.values()))
-    total_model_flops = sum(w.model_flops for w in work.values())
-    memory = rank_memory(summary, run_cfg, target, precision, work, {**lay, "dp": sizes["dp"]})
-    out = {
-        "cluster": spec.key, "cluster_title": spec.title,
-        "model": _model_name(model, target), "params": target.num_params(),
-        "precision": precision, "compute_mode": mode, "degrees": degrees or None,
-        "step_time_s": T,
-        "step_times_s": [r["step_time"] for r in replays],
-        "measured_step_s": statistics.median(r["measured"] for r in replays),
-        "measured_step_times_s": [r["measured"] for r in replays],  # step by step, as step_times_s
-        "mean_step_time_s": statistics.fmean(r["step_time"] for r in replays),
-        "measured_mean_step_s": statistics.fmean(r["measured"] for r in replays),
-        **parts,
-        "mfu": total_model_flops / (T * world * peak) if T > 0 else None,
-        "hfu": sum(w.flops for w in work.values()) / (T * world * peak) if T > 0 else None,
-        "tokens_per_s": summary["batch_size"] * target.seq_len * sizes["dp"] / lay["dp"] / T
-        if T > 0 else None,
-        "memory": memory,
-        "fits": all(m["total"] <= spec.device.memory_gb * GB for m in memory) if spec.accelerator
-        else None,
-        "timeline": timelines(median),
-        "sources": spec.row()["sources"],
-    }
-    out["step"] = chosen[order[len(order) // 2]]
-    out["windows"] = {r: w[0] for r, w in median["window"].items()}  # each rank's step start
-    out["_replay"] = median
+    median = replays[order[len(order) // 2]]  # the median step: its parts and timeline are shown
+    return _projection(summary, pricing, model, target, replays, median,
+                       chosen[order[len(order) // 2]], even)
+
+
+class _Pricing:
+    """What a step's replay is priced with on ``spec``: each rank's node, each collective's
+    seconds on the links its group spans, each compute span's seconds."""
+
+    def __init__(self, summary, spec: ClusterSpec, precision: str, mode: str, degrees: dict,
+                 sizes: dict, work: dict):
+        self.spec, self.precision, self.mode, self.work = spec, precision, mode, work
+        self.degrees, self.sizes = degrees, sizes
+        self.axes = _axes(summary.layout, summary.world_size)
+        self.nodes = _placement(spec, summary.world_size, degrees)
+        self.ranks_on_node = defaultdict(int)
+        for node in self.nodes.values():
+            self.ranks_on_node[node] += 1
+        # Binder: the same spans on one core where this machine gave them min(ranks, cores)
+        self.stretch = (min(summary.world_size, spec.calibration.get("cores", 1))
+                        if spec.key == "binder" and mode == "measured" else 1.0)
+
+    def cost(self, inst: Instance) -> float:
+        n = len(inst.members) if inst.op in ("send", "recv") else self.degrees.get(
+            _axis_of(inst, self.axes), len(inst.members))
+        where = _member_nodes(inst, self.nodes, n, self.sizes, self.axes, self.spec,
+                              bool(self.degrees))
+        return inst.repeat * self.spec.seconds(inst.op, inst.bytes, where)
+
+    def compute(self, programs):
+        """compute(rank, op) for :func:`replay`: as measured (stretched on Binder), or None (each
+        span's own seconds), or from its FLOPs (:func:`_model_compute`)."""
+        if self.mode == "model":
+            return _model_compute(programs, self.work, self.spec, self.precision,
+                                  self.ranks_on_node, self.nodes)
+        return (lambda rank, op, k=self.stretch: op.seconds * k) if self.stretch != 1.0 else None
+
+
+def _replay_step(programs, events, window, scale: Scaler, pricing: _Pricing) -> dict:
+    """One recorded step replayed on the cluster: each message at the target size, the compute
+    priced, each rank started where it started here (measured) or together."""
+    instances = {}
+    for r, evs in events.items():
+        for key, e in evs.items():
+            nbytes, repeat = scale(e, r)
+            members = (key[1], key[2]) if key[0] == "p" else key[1]
+            old = instances.get(key)
+            if old is None or nbytes > old.bytes:
+                instances[key] = Instance(e["op"], members, nbytes, repeat, e["group"], e["tag"])
+    drop_unmatched(programs, instances)
+    first = min(w[0] for w in window.values())
+    offsets = ({r: w[0] - first for r, w in window.items()} if pricing.mode == "measured"
+               else None)
+    out = replay(programs, instances, pricing.cost, pricing.compute(programs),
+                 issue_cost=not pricing.spec.accelerator, start=offsets)
+    out["instances"], out["window"] = instances, window
+    out["measured"] = max(w[1] for w in window.values()) - first
     return out
 
 
-def ddp_timeline(result: dict, projection: dict) -> list[dict]:
+def _projection(summary, pricing: _Pricing, model, target: GPTConfig, replays: list,
+                median: dict, step: int, even: bool) -> Projection:
+    """The :class:`Projection` of the replayed steps: the median step's time, parts, timeline,
+    MFU, and the memory per device."""
+    T, world, lay = median["step_time"], summary.world_size, summary.layout
+    spec, precision, work, sizes = pricing.spec, pricing.precision, pricing.work, pricing.sizes
+    peak = spec.device.flop_rate(precision) / spec.device.fraction
+    if not spec.accelerator:
+        peak = spec.device.flop_rate(precision, max(pricing.ranks_on_node.values()))
+    memory = rank_memory(summary, summary.model, target, precision, work, sizes["dp"])
+    return Projection(
+        cluster=spec.key, cluster_title=spec.title, model=_model_name(model, target),
+        params=target.num_params(), precision=precision, compute_mode=pricing.mode,
+        degrees=pricing.degrees or None, step_time_s=T,
+        step_times_s=[r["step_time"] for r in replays],
+        measured_step_s=statistics.median(r["measured"] for r in replays),
+        measured_step_times_s=[r["measured"] for r in replays],
+        mean_step_time_s=statistics.fmean(r["step_time"] for r in replays),
+        measured_mean_step_s=statistics.fmean(r["measured"] for r in replays),
+        **breakdown(median, lay.pp > 1),
+        mfu=sum(w.model_flops for w in work.values()) / (T * world * peak) if T > 0 else None,
+        hfu=sum(w.flops for w in work.values()) / (T * world * peak) if T > 0 else None,
+        tokens_per_s=(summary.batch_size * target.seq_len * sizes["dp"] / lay.dp / T
+                      if T > 0 else None),
+        memory=memory,
+        fits=(all(m["total"] <= spec.device.memory_gb * GB for m in memory) if spec.accelerator
+              else None),
+        timeline=timelines(median), sources=spec.row()["sources"], step=step,
+        windows={r: w[0] for r, w in median["window"].items()},  # each rank's step start
+        replay=median, even=even)
+
+
+def ddp_timeline(result, projection: Projection) -> list[dict]:
     """The DDP report's timeline of the projected step (``--timeline``: backward and each bucket's
     all-reduce, per rank) re-timed: the form :func:`minitrain.viz.timeline.timeline_rows` draws.
     Backward's edges are warped (:func:`warp`); a bucket runs when the replay ran it."""
     out = []
-    for rank, rep in enumerate(result["summary"]["report"]):
-        step = rep["timeline"][projection["step"] - result["summary"].get("start_step", 0)]
-        comm = {e["tag"]: e for e in projection["timeline"][rank] if e["op"] != "compute"}
+    for rank, rep in enumerate(result.summary.report):
+        step = rep["timeline"][projection.step - result.summary.start_step]
+        comm = {e["tag"]: e for e in projection.timeline[rank] if e["op"] != "compute"}
         buckets = []
         for b in step["buckets"]:
             e = comm.get(f"bucket{b['index']}")
@@ -299,18 +377,18 @@ def ddp_timeline(result: dict, projection: dict) -> list[dict]:
     return out
 
 
-def fsdp_timeline(result: dict, projection: dict) -> list[list[dict]]:
+def fsdp_timeline(result, projection: Projection) -> list[list[dict]]:
     """ZeRO-3's report timeline (``zero3 --timeline``: each unit's gather, compute, free and
     reduce-scatter, per rank) of the projected step, re-timed: the form
     :func:`minitrain.viz.fsdp.plot_fsdp_timeline` draws.  A unit's k-th gather (reduce-scatter)
     runs from when the replay issued its k-th ``params-unitK`` all-gather (``grad-unitK``
     reduce-scatter) to when that completed; compute spans and frees are warped (:func:`warp`)."""
     out = []
-    start_step = result["summary"].get("start_step", 0)
-    for rank, rep in enumerate(result["summary"]["report"]):
-        events = rep["timeline"][projection["step"] - start_step]
+    start_step = result.summary.start_step
+    for rank, rep in enumerate(result.summary.report):
+        events = rep["timeline"][projection.step - start_step]
         comm: dict = defaultdict(list)
-        for e in projection["timeline"][rank]:
+        for e in projection.timeline[rank]:
             if e["op"] != "compute":
                 comm[e["tag"]].append(e)
         used: dict = defaultdict(int)
@@ -329,31 +407,31 @@ def fsdp_timeline(result: dict, projection: dict) -> list[list[dict]]:
     return out
 
 
-def pipeline_timeline(result: dict, cluster="dgx-h100", model=None, **kw) -> tuple[list, dict]:
+def pipeline_timeline(result, cluster="dgx-h100", model=None, **kw) -> tuple[list, Projection]:
     """The pipeline's measured timeline (its report's, the last step's) re-timed on ``cluster`` at
     ``model``: ``(timeline, projection)`` — the timeline in the executor's own form (``rank``,
     ``action``, ``ready``, ``start``, ``end``; seconds from the step's start), what the lesson's
     Gantt charts draw."""
-    steps = len(windows(result["events"][0]["marks"]))
+    steps = len(windows(result.events[0]["marks"]))
     p = project(result, cluster, model, steps=[steps - 1], **kw)
     # the executor's clock starts on rank 0 after its barrier, where it broadcast that reading
-    window = windows(result["events"][0]["marks"])[steps - 1]
-    t0 = next(e["start"] for e in sorted(result["events"][0]["events"], key=lambda e: e["start"])
+    window = windows(result.events[0]["marks"])[steps - 1]
+    t0 = next(e["start"] for e in sorted(result.events[0]["events"], key=lambda e: e["start"])
               if not e["traced"] and e["op"] == "broadcast" and e["start"] >= window[1])
     out = []
-    for e in result["summary"]["report"][0]["timeline"]:
+    for e in result.summary.report[0]["timeline"]:
         r = e["rank"]
         out.append({**e, **{k: warp(p, r, t0 + e[k]) for k in ("ready", "start", "end")}})
     return out, p
 
 
-def warp(projection: dict, rank: int, t: float) -> float:
+def warp(projection: Projection, rank: int, t: float) -> float:
     """The projected time (seconds from the drawn step's start) of the instant ``t`` (a
     ``time.perf_counter()`` reading on ``rank`` during that step, as the measured timelines of DDP,
     ZeRO-3 and the pipeline record them): inside a replayed span, at the same fraction of it — so a
     lesson draws its measured timeline re-timed with the same function that draws it measured."""
-    rel = t - projection["windows"][rank]
-    segs = projection["_replay"]["ranks"][rank]["segments"]
+    rel = t - projection.windows[rank]
+    segs = projection.replay["ranks"][rank]["segments"]
     for s in segs:
         a, b = s["measured"]
         if a <= rel <= b:
@@ -364,18 +442,17 @@ def warp(projection: dict, rank: int, t: float) -> float:
     return segs[0]["start"] if segs else 0.0
 
 
-def format_projection(p: dict) -> str:
+def format_projection(p: Projection) -> str:
     """One line for the readable summary."""
-    hidden = p.get("hidden_comm_share")
-    mem = (max(m["total"] for m in p["memory"]) / GB if p.get("memory")
-           else max(p.get("memory_per_device_gb") or [0.0]))
-    return (f"projected on {p['cluster']} as {p['model']}: {p['step_time_s'] * 1e3:,.2f} ms per step "
-            f"(compute {p['compute_s'] * 1e3:,.2f}, exposed comm {p['exposed_comm_s'] * 1e3:,.2f}, "
-            f"bubble {p['bubble_s'] * 1e3:,.2f}, idle {p['idle_s'] * 1e3:,.2f} ms; "
+    hidden = p.hidden_comm_share
+    mem = max(m["total"] for m in p.memory) / GB if p.memory else 0.0
+    return (f"projected on {p.cluster} as {p.model}: {p.step_time_s * 1e3:,.2f} ms per step "
+            f"(compute {p.compute_s * 1e3:,.2f}, exposed comm {p.exposed_comm_s * 1e3:,.2f}, "
+            f"bubble {p.bubble_s * 1e3:,.2f}, idle {p.idle_s * 1e3:,.2f} ms; "
             f"{'n/a' if hidden is None else f'{hidden:.0%}'} of comm hidden), MFU "
-            f"{p['mfu']:.1%}, {mem:,.1f} GB per device"
-            + ("" if p.get("fits") in (None, True) else " — does not fit") +
-            f"; measured here {p['measured_step_s'] * 1e3:,.2f} ms")
+            f"{p.mfu:.1%}, {mem:,.1f} GB per device"
+            + ("" if p.fits in (None, True) else " — does not fit") +
+            f"; measured here {p.measured_step_s * 1e3:,.2f} ms")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -383,14 +460,14 @@ def format_projection(p: dict) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-def _cluster(name: str, result: dict, compute, model) -> ClusterSpec:
-    """A preset, or this machine: calibrated (``summary["calibration"]``), its α-β fitted on the
+def _cluster(name: str, result, compute, model) -> ClusterSpec:
+    """A preset, or this machine: calibrated (``summary.calibration``), its α-β fitted on the
     run's own messages when they tell (:func:`fit_run`) — what the measured compute is replayed
     with."""
     key, _ = parse(name)
     if key not in ("local", "binder"):
         return get_cluster(name)
-    cal = dict(result["summary"].get("calibration") or {})
+    cal = dict(result.summary.calibration or {})
     fitted = fit_run(result, cal.get("beta"))
     if fitted is not None:
         if fitted.get("p2p_alpha") is None:
@@ -400,14 +477,14 @@ def _cluster(name: str, result: dict, compute, model) -> ClusterSpec:
             else "the run's own messages"))
     elif cal:
         cal["fit"] = "an all-reduce sweep after the run (lesson 01)"
-    if result["summary"]["world_size"] == 1:
+    if result.summary.world_size == 1:
         cal.setdefault("alpha", 0.0)  # one rank sends nothing
     cal.setdefault("beta", 0.0)
     if "flop_rate" not in cal:
         if compute == "model" or model is not None or key == "binder":
             raise ValueError(f"cluster {key!r} prices compute at this machine's calibrated FLOP "
                              "rate: train with project='local' (or 'binder') to calibrate")
-        cal.update(ranks=result["summary"]["world_size"], cores=1, flop_rate=1.0, memory_rate=1.0)
+        cal.update(ranks=result.summary.world_size, cores=1, flop_rate=1.0, memory_rate=1.0)
     if "alpha" not in cal:
         raise ValueError("this machine's α-β cannot be fitted from the run's messages; train "
                          "with project='local' to calibrate it")
@@ -452,20 +529,13 @@ def _model_compute(programs, work, spec: ClusterSpec, precision, ranks_on_node, 
     return price
 
 
-def _axes(summary: dict) -> dict:
-    """{ranks tuple: axis name} for the run's groups (the world: its one axis)."""
-    s, w = summary["strategy"], summary["world_size"]
-    world = tuple(range(w))
-    one = {"pipeline": "pp", "tensor": "tp", "3d": "world", "context": "world"}.get(s, "dp")
-    out = {world: one}
-    if s == "3d":
-        for rep in summary.get("report") or []:
-            for axis, ranks in (rep.get("groups") or {}).items():
-                out[tuple(ranks)] = axis
-    if s == "context":
-        cp = layout(summary)["cp"]
-        for r in range(0, w, cp):
-            out[tuple(range(r, r + cp))] = "cp"
+def _axes(layout: Layout, world_size: int) -> dict:
+    """{ranks tuple: axis name} for the run's groups (the world: "world", unless it is the one
+    group of an axis)."""
+    out = {tuple(range(world_size)): "world"}
+    for axis, groups in layout.groups.items():
+        for ranks in groups:
+            out[tuple(ranks)] = axis
     return out
 
 
@@ -479,7 +549,7 @@ def _axis_of(inst: Instance, axes: dict) -> str | None:
     return None
 
 
-def _placement(spec: ClusterSpec, world: int, lay: dict, axes: dict, degrees: dict) -> dict:
+def _placement(spec: ClusterSpec, world: int, degrees: dict) -> dict:
     """{rank: node} for the run's ranks (no ``degrees``): as torchrun would place them."""
     if not degrees:
         return dict(enumerate(spec.placement(world)))

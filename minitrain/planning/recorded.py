@@ -104,10 +104,10 @@ def program(rank: int, events: list[dict], t0: float, t1: float, spans) -> tuple
     return ops, {key: e for key, e in keyed}
 
 
-def step_programs(result: dict, step_index: int):
+def step_programs(result, step_index: int):
     """Programs of every rank for one step (by position in the recorded steps), and the events."""
     programs, events, window = {}, {}, {}
-    for r, log in enumerate(result["events"]):
+    for r, log in enumerate(result.events):
         steps = windows(log["marks"])
         step, t0, t1, opts = steps[step_index]
         programs[r], events[r] = program(r, log["events"], t0, t1, opts)
@@ -150,7 +150,7 @@ def smooth(all_programs: list[dict]) -> None:
                         progs[r][i].weight = w
 
 
-def even(result: dict, step_index: int, programs: dict) -> None:
+def even(result, step_index: int, programs: dict) -> None:
     """Give each forward (and each backward) interval of a rank's step the median weight of its
     kind's intervals on that rank, split over the interval's compute spans as measured — equal
     micro-batches do equal work, whatever this machine's noise made them take.  The backward's
@@ -161,7 +161,7 @@ def even(result: dict, step_index: int, programs: dict) -> None:
         return max(0.0, min(b, op.measured[1]) - max(a, op.measured[0]))
 
     for r, prog in programs.items():
-        _, t0, _, spans = windows(result["events"][r]["marks"])[step_index]
+        _, t0, _, spans = windows(result.events[r]["marks"])[step_index]
         kinds = {kind: [(a - t0, b - t0) for a, b in spans.get(kind, [])]
                  for kind in ("forward", "backward")}
         phase = {"forward": "forward", "backward": "model"}
@@ -201,7 +201,7 @@ def completed_at(e: dict) -> float | None:
     return None
 
 
-def message_times(result: dict) -> list[tuple]:
+def message_times(result) -> list[tuple]:
     """(op, ranks, bytes, seconds, step) of the run's own communications, as the ranks saw them
     (one clock: the ranks of one host).  A collective is timed when every member saw it complete
     (:func:`completed_at`), from when the replay would start it — its last member's issue, or the
@@ -212,7 +212,7 @@ def message_times(result: dict) -> list[tuple]:
     them as well.  A message from its send's post to its arrival, seen by a receiver that was
     already waiting for it.  The first recorded step is left out (warm-up)."""
     out = []
-    logs = result["events"]
+    logs = result.events
     steps = len(windows(logs[0]["marks"]))
     for i in range(1 if steps > 1 else 0, steps):
         issue, done, meta, sends, recvs = defaultdict(dict), defaultdict(dict), {}, {}, {}
@@ -251,7 +251,7 @@ def message_times(result: dict) -> list[tuple]:
     return out
 
 
-def fit_run(result: dict, beta: float | None = None) -> dict | None:
+def fit_run(result, beta: float | None = None) -> dict | None:
     """This machine's α-β from the run's own messages (:func:`message_times`).  With ``beta``
     given (an all-reduce sweep's, lesson 01: its fastest repeats measure the wire; the run's
     messages, on a loaded machine, mostly its delays), α is the typical step's: the median over the

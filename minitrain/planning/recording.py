@@ -15,12 +15,13 @@ optimizer — and autograd's hooks on the graph its forwards build; nothing of `
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-__all__ = ["recording"]
+__all__ = ["recording", "Recording"]
 
 
 def _modules(strategy) -> list[nn.Module]:
@@ -114,3 +115,31 @@ def recording(strategy):
         tracer.recording = was
         for h in handles:
             h.remove()
+
+
+class Recording:
+    """What :mod:`minitrain.planning.projection` replays, recorded while the run trains (``on``):
+    around the loop, every collective and each forward's, backward's and optimizer step's edges
+    (:func:`recording`); at each step, its start and end (tracer marks).  Off, it records
+    nothing.  A callback of :func:`minitrain.train.fit`."""
+
+    def __init__(self, strategy, on: bool = True):
+        self.tracer, self.on = strategy.comm.tracer, on
+        self._block = recording(strategy) if on else contextlib.nullcontext()
+
+    def __enter__(self):
+        self._block.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._block.__exit__(*exc)
+
+    def begin(self, step: int) -> None:
+        self.tracer.mark("step", step)
+
+    def end(self, step: int, loss: float) -> None:
+        self.tracer.mark("step_end", step)
+
+    def export(self) -> dict | None:
+        """This rank's log (:meth:`minitrain.comm.Tracer.export`), or None when off."""
+        return self.tracer.export() if self.on else None

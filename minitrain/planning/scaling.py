@@ -4,8 +4,8 @@
 same family (:data:`MODEL_SIZES`, or any :class:`~minitrain.model.GPTConfig`) with the same
 strategy, world size, batch and schedule.  What that takes:
 
-* the layout of the run (:func:`layout`: dp, pp, tp, cp, ep, micro-batches, virtual stages, ZeRO
-  stage) from its options and reports;
+* the layout of the run (``summary.layout``: dp, pp, tp, cp, ep, micro-batches, virtual stages,
+  ZeRO stage), as its strategy declared it (:class:`minitrain.record.Layout`);
 * each rank's work at the target size (:func:`rank_work`): the tokens through its blocks, its
   FLOPs from the shapes (:func:`minitrain.model.training_flops`: forward, backward, recomputation),
   the parameters it holds and steps;
@@ -25,8 +25,8 @@ from ..memory import memory_per_device
 from ..model import GPTConfig, training_flops
 from ..parallel.schedules import split_layers
 
-__all__ = ["MODEL_SIZES", "NOT_REPLAYED", "target_model", "layout", "RankWork", "rank_work",
-           "Scaler", "itemsize", "rank_memory"]
+__all__ = ["MODEL_SIZES", "target_model", "RankWork", "rank_work", "Scaler", "itemsize",
+           "rank_memory"]
 
 #: Bigger models of the same family (GPT-2 shaped: 4h-wide GeLU MLPs, learned positions), by the
 #: shapes of Brown et al., 2020, "Language Models are Few-Shot Learners", Table 2.1 (GPT-3 XL 1.3B,
@@ -39,13 +39,6 @@ MODEL_SIZES = {
     "7b": GPTConfig(vocab_size=50257, seq_len=2048, n_layer=32, n_head=32, d_model=4096),
     "13b": GPTConfig(vocab_size=50257, seq_len=2048, n_layer=40, n_head=40, d_model=5120),
 }
-#: free-running strategies: their ranks share no steps to replay
-NOT_REPLAYED = {"ps-sync": "the parameter server's ranks run their own loops (servers and "
-                           "workers never step together), so there is no shared step to re-time",
-                "ps-async": "the asynchronous parameter server's workers never step together, so "
-                            "there is no shared step to re-time"}
-_DATA_PARALLEL = ("single", "ddp", "ddp-naive", "zero1", "zero2", "zero3", "expert")
-
 
 def target_model(as_model, run: GPTConfig) -> GPTConfig:
     """The GPTConfig ``as_model`` names (a key of :data:`MODEL_SIZES`, a GPTConfig, or None: the
@@ -69,41 +62,6 @@ def target_model(as_model, run: GPTConfig) -> GPTConfig:
 # --------------------------------------------------------------------------------------------------
 # The layout: what each rank computes and holds
 # --------------------------------------------------------------------------------------------------
-
-
-def _report(summary: dict, rank: int) -> dict:
-    reports = summary.get("report") or []
-    return reports[rank] if rank < len(reports) and reports[rank] else {}
-
-
-def _stages(report: dict, key: str) -> list[int]:
-    return sorted(int(s) for s in (report.get(key) or {}))
-
-
-def layout(summary: dict) -> dict:
-    """dp, pp, tp, cp, ep, micro-batches, virtual stages of the run (from its options and reports)."""
-    s, w = summary["strategy"], summary["world_size"]
-    opts = summary.get("options") or {}
-    r0 = _report(summary, 0)
-    out = {"dp": 1, "pp": 1, "tp": 1, "cp": 1, "ep": 1, "m": 1, "chunks": 1, "zero": 0}
-    if s in _DATA_PARALLEL:
-        out["dp"] = w
-        out["zero"] = int(s[-1]) if s.startswith("zero") else 0
-        out["ep"] = w if s == "expert" else 1
-    elif s == "pipeline":
-        out.update(pp=w, m=r0.get("microbatches", w), chunks=r0.get("chunks", 1))
-    elif s == "tensor":
-        out["tp"] = w
-    elif s == "context":
-        out.update(dp=r0.get("dp", 1), cp=r0.get("cp", w))
-    elif s == "3d":
-        out.update(dp=r0["dp"], pp=r0["pp"], tp=r0["tp"], cp=r0.get("cp", 1),
-                   m=r0.get("microbatches", 1), chunks=r0.get("chunks", 1),
-                   zero=r0.get("zero_stage", opts.get("zero_stage", 1)))
-    else:
-        raise ValueError(f"strategy {s!r} cannot be projected: "
-                         f"{NOT_REPLAYED.get(s, 'its layout is not known to the projection')}")
-    return out
 
 
 @dataclass
@@ -130,33 +88,25 @@ def rank_work(summary: dict, cfg: GPTConfig, rank: int, degrees: dict | None = N
     a bigger one: the same stages, degrees and batch; blocks split as the run split its own);
     ``degrees`` ({"tp": 8}) re-sizes tensor parallelism (data parallelism leaves a rank's work
     as it is: each replica takes its own micro-batches)."""
-    lay, s = dict(layout(summary)), summary["strategy"]
-    lay.update({k: v for k, v in (degrees or {}).items() if k == "tp"})
-    rep = _report(summary, rank)
-    batch, seq = summary["batch_size"], cfg.seq_len
-    L, tp = cfg.n_layer, lay["tp"]
-    embed = head = True
-    if s in ("pipeline", "3d"):
-        stages = _stages(rep, "layers" if s == "pipeline" else "stages")
-        virtual = lay["pp"] * lay["chunks"]
-        split = split_layers(L, virtual)
-        blocks = sum(len(split[st]) for st in stages)
-        embed, head = 0 in stages, virtual - 1 in stages
-    else:
-        blocks = L
-    tokens = batch * seq / (layout(summary)["dp"] * lay["cp"])
+    lay = summary.layout
+    tp = (degrees or {}).get("tp") or lay.tp
+    stages, virtual = lay.stages_of(rank), lay.pp * lay.virtual_stages
+    split = split_layers(cfg.n_layer, virtual)
+    blocks = sum(len(split[st]) for st in stages)
+    embed, head = 0 in stages, virtual - 1 in stages
+    tokens = summary.batch_size * cfg.seq_len / (lay.dp * lay.cp)
     if recompute is None:
-        recompute = bool(summary.get("checkpoint_activations"))
+        recompute = summary.checkpoint_activations
     flops = training_flops(cfg, tokens, blocks, head, tp=tp, recompute=recompute)
     model_flops = training_flops(cfg, tokens, blocks, head, tp=tp)
     block = cfg.block_params() / tp
-    if cfg.n_expert and lay["ep"] > 1:
-        block -= cfg.n_expert * cfg.mlp_params() * (1 - 1 / lay["ep"])
+    if cfg.n_expert and lay.ep > 1:
+        block -= cfg.n_expert * cfg.mlp_params() * (1 - 1 / lay.ep)
     emb = cfg.embed_params() / (tp if tp > 1 else 1) if embed else 0.0
     hd = cfg.head_params() / tp if head else 0.0
     params = blocks * block + emb + hd
-    dp = (degrees or {}).get("dp") or lay["dp"]
-    opt = params / dp if lay["zero"] >= 1 else params
+    dp = (degrees or {}).get("dp") or lay.dp
+    opt = params / dp if lay.zero_stage >= 1 else params
     return RankWork(tokens, blocks, embed, head, tp, flops, model_flops, params, opt, block, emb, hd)
 
 
@@ -205,17 +155,17 @@ class Scaler:
         self.run, self.target, self.items = run, target, itemsizes
         self.same = run == target and itemsizes[0] == itemsizes[1] and not degrees
         self.dtype = itemsizes[1] / itemsizes[0]
-        world = summary["world_size"]
+        world = summary.world_size
         mine = [rank_work(summary, run, r) for r in range(world)]
         theirs = [rank_work(summary, target, r, degrees) for r in range(world)]
         self.param_ratio = [t.params / max(m.params, 1.0) for m, t in zip(mine, theirs)]
         self.block_ratio = [t.block_params / max(m.block_params, 1.0) for m, t in zip(mine, theirs)]
-        lay = layout(summary)
-        self.tokens_mb = summary["batch_size"] / (lay["dp"] * lay["m"]) * run.seq_len / lay["cp"]
+        lay = summary.layout
+        self.tokens_mb = summary.batch_size / (lay.dp * lay.microbatches) * run.seq_len / lay.cp
         # expert parallelism: the gradient all-reduce ("grads") carries only the replicated
         # (dense) parameters — each expert has one owner — not the rank's own experts with them
         self.dense_ratio = (_replicated_params(target) / max(_replicated_params(run), 1.0)
-                            if lay["ep"] > 1 else None)
+                            if lay.ep > 1 else None)
 
     def __call__(self, event: dict, rank: int) -> tuple[float, float]:
         nbytes, kind = float(event["bytes"]), _carries(event)
@@ -250,22 +200,24 @@ def itemsize(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
-def rank_memory(summary, run: GPTConfig, target: GPTConfig, precision, work, lay) -> list[dict]:
-    """Bytes per device of each rank (:func:`minitrain.memory.memory_per_device`): the model
-    states of the rank's share at the projected precision by ZeRO's formulas, and the ledger's
-    measured activation peak scaled by micro-batch × sequence × hidden × layers held; with
-    ZeRO-Offload, Adam's states (and the fp32 masters) in host memory."""
+def rank_memory(summary, run: GPTConfig, target: GPTConfig, precision, work,
+                dp: int) -> list[dict]:
+    """Bytes per device of each rank, the run's replicas re-sized to ``dp``
+    (:func:`minitrain.memory.memory_per_device`): the model states of the rank's share at the
+    projected precision by ZeRO's formulas, and the ledger's measured activation peak scaled by
+    micro-batch × sequence × hidden × layers held; with ZeRO-Offload, Adam's states (and the fp32
+    masters) in host memory."""
     recipe = "fp32-adam" if precision == "fp32" else "mixed-adam"
-    offload = bool((summary.get("options") or {}).get("offload"))
     out = []
-    mems = summary.get("memory") or []
+    mems = summary.memory or []
+    lay = summary.layout
     for r, w in sorted(work.items()):
         measured = (mems[r]["bytes"]["activations_peak"] if r < len(mems) else 0)
         own = rank_work(summary, run, r)
         scale = (target.seq_len * target.d_model * max(w.blocks, 1)) / (
             run.seq_len * run.d_model * max(own.blocks, 1))
-        item = itemsize(precision) / itemsize(summary.get("precision", "fp32"))
+        item = itemsize(precision) / itemsize(summary.precision)
         acts = measured * scale * item if (target != run or item != 1) else measured
-        out.append(memory_per_device(w.params, lay["dp"], lay["zero"], recipe, acts,
-                                     offload=offload))
+        out.append(memory_per_device(w.params, dp, lay.zero_stage, recipe, acts,
+                                     offload=lay.offload))
     return out

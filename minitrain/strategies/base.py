@@ -13,6 +13,9 @@ place of ``train_step``):
                       the sentence saying why it cannot save                              optional
     declarations      options (an Options record: one flag per field), precisions, seams (the
                       names it honours), recomputes; by default none, fp32, none, True
+    layout(cfg)       how it lays the run over its ranks (a Layout: dp, pp, tp, cp, ep,
+                      ZeRO stage, schedule...), read by whatever reads the run; default: a
+                      replica per rank                                                     optional
     report(), memory(), final_state(), close(), check_seams(cfg, seams): defaults serve a
                       replica; override where its facts or its state lie elsewhere
 
@@ -40,6 +43,7 @@ from ..comm import Comm
 from ..memory import ActivationMeter, ledger
 from ..model import GPT, GPTConfig, PRESETS
 from ..precision import PRECISIONS, DynamicLossScaler, MixedPrecisionOptimizer, cast_model_
+from ..record import Layout
 from .options import ConfigError, NoOptions, Options, did_you_mean, flag
 
 __all__ = ["TrainConfig", "Seams", "Strategy", "Lockstep", "FreeRunning", "Checkpointer",
@@ -291,6 +295,12 @@ class Strategy(abc.ABC):
         """Raise :class:`ConfigError` if the seams given (all among ``cls.seams``) cannot serve
         ``cfg`` (e.g. a function written for fewer axes than the run has)."""
 
+    @classmethod
+    def layout(cls, cfg: TrainConfig) -> Layout:
+        """How this strategy lays a run of ``cfg`` over its ranks (a checked ``cfg``: the same
+        before spawning and in the run's summary).  Default: a replica per rank."""
+        return Layout(dp=cfg.world_size, groups={"dp": (tuple(range(cfg.world_size)),)})
+
     def __init__(self, cfg: TrainConfig, comm: Comm, seams: Seams | None = None):
         self.cfg: TrainConfig = cfg
         self.comm: Comm = comm
@@ -385,6 +395,12 @@ class Lockstep(Strategy):
 
 class FreeRunning(Strategy):
     """Ranks that do not step together (an asynchronous parameter server) run their own loop."""
+
+    apart = "its ranks run their own loops"  # why they never step together, for the layout
+
+    @classmethod
+    def layout(cls, cfg: TrainConfig) -> Layout:
+        return Layout(free_running=cls.apart)
 
     @abc.abstractmethod
     def run(self, data, on_step=None) -> tuple[list[float], list[float]]:

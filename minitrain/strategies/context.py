@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from ..comm import all_reduce_coalesced
 from ..parallel.context import (balanced_layout, context_parallel_, contiguous_layout,
                                 local_forward, ring_bytes_per_layer, ring_work, sequence_piece)
+from ..record import Layout
 from .base import Lockstep, TrainConfig, register
 from .options import ConfigError, Options, Replicas, at_least, option
 from .single import Replica
@@ -73,6 +74,12 @@ class ContextParallel(Lockstep):
         if cfg.model.seq_len < 2 * cp:
             raise ConfigError(f"seq_len {cfg.model.seq_len} is shorter than 2 x --cp {cp} chunks; "
                               f"use --seq-len {2 * cp} or more, or a smaller --cp")
+
+    @classmethod
+    def layout(cls, cfg: TrainConfig) -> Layout:
+        dp, cp = _sizes(cfg)  # a cp group: consecutive ranks
+        return Layout(dp=dp, cp=cp, groups={"cp": tuple(tuple(range(d * cp, (d + 1) * cp))
+                                                        for d in range(dp))})
 
     def __init__(self, cfg: TrainConfig, comm, seams=None):
         super().__init__(cfg, comm, seams)

@@ -14,6 +14,7 @@ from ..comm import all_reduce_coalesced
 from ..data import shard
 from ..model import GPT
 from ..parallel.expert import all_to_all_bytes, expert_parallel_
+from ..record import Layout
 from .base import Checkpointer, Lockstep, TrainConfig, register
 from .options import ConfigError, Options, at_least, option
 
@@ -84,6 +85,11 @@ class ExpertParallel(Lockstep):
         if cfg.batch_size % ep:
             raise ConfigError(f"--batch-size {cfg.batch_size} does not split over {ep} ranks; use "
                               f"a multiple of {ep}")
+
+    @classmethod
+    def layout(cls, cfg: TrainConfig) -> Layout:
+        w = cfg.world_size  # each rank a replica of the dense layers and 1/w of the experts
+        return Layout(dp=w, ep=w, groups={"dp": (tuple(range(w)),)})
 
     def __init__(self, cfg: TrainConfig, comm, seams=None):
         super().__init__(cfg, comm, seams)

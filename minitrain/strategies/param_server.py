@@ -202,6 +202,8 @@ class PSSync(_ParameterServerStrategy):
     name = "ps-sync"
     help = "parameter server, synchronous: servers average all workers' gradients each step"
     mode = "sync"
+    apart = ("the parameter server's ranks run their own loops (servers and workers never step "
+             "together)")
 
 
 @register
@@ -210,3 +212,4 @@ class PSAsync(_ParameterServerStrategy):
     help = ("parameter server, asynchronous (--staleness s: bounded, SSP; --delay-comp: DC-ASGD; "
             "--staleness-lr: the step divided by the staleness)")
     mode = "async"
+    apart = "the asynchronous parameter server's workers never step together"

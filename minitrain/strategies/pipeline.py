@@ -18,6 +18,7 @@ from ..model import GPT, PRESETS
 from ..parallel.pipeline import PipelineExecutor, PipelineStage, split_weight_gradients
 from ..parallel.schedules import (SCHEDULES, ScheduleError, check_schedule, make_schedule, simulate,
                                   split_layers, validate)
+from ..record import Layout
 from .base import Checkpointer, Lockstep, TrainConfig, register
 from .checks import check_strategy
 from .options import ConfigError, Options, at_least, in_cli_words, option
@@ -116,6 +117,12 @@ class Pipeline(Lockstep):
                               f"stage); use --world-size {P} or leave --stages out")
         _, P, M, V = schedule_shape(cfg.options, P)
         check_pipeline(cfg, P, M, V, cfg.batch_size)
+
+    @classmethod
+    def layout(cls, cfg: TrainConfig) -> Layout:
+        schedule, P, M, V = schedule_shape(cfg.options, cfg.world_size)
+        return Layout(pp=P, schedule=schedule, microbatches=M, virtual_stages=V,
+                      groups={"pp": (tuple(range(P)),)})
 
     def __init__(self, cfg: TrainConfig, comm: Comm, seams=None):
         super().__init__(cfg, comm, seams)

@@ -15,6 +15,7 @@ from ..comm import Comm
 from ..model import GPTConfig
 from ..parallel.tensor import Split, merge_shards
 from ..parallel.tensor_gpt import TensorParallelGPT
+from ..record import Layout
 from .base import Checkpointer, Lockstep, TrainConfig, register
 from .options import ConfigError, Options, at_least, option
 
@@ -146,6 +147,10 @@ class TensorParallel(Lockstep):
                               f"'tensor' is tensor parallel only); use --world-size {tp} or leave "
                               "--tp out")
         check_tensor_parallel(cfg.model, tp)
+
+    @classmethod
+    def layout(cls, cfg: TrainConfig) -> Layout:
+        return Layout(tp=cfg.world_size, groups={"tp": (tuple(range(cfg.world_size)),)})
 
     def __init__(self, cfg: TrainConfig, comm: Comm, seams=None):
         super().__init__(cfg, comm, seams)

@@ -40,6 +40,7 @@ from ..parallel.schedules import make_schedule, split_layers, validate
 from ..parallel.tensor_gpt import (TensorParallelParts, all_reduce_sequence_parallel_grads,
                                    tag_collectives)
 from ..parallel.zero import ZeroRedundancyOptimizer
+from ..record import Layout
 from .base import Checkpointer, Lockstep, Seams, TrainConfig, register
 from .options import ConfigError, Replicas, at_least, option
 from .context import ContextAxis
@@ -179,6 +180,14 @@ class ThreeD(Lockstep):
         if cfg.options.schedule == "zb-h1":
             raise ConfigError("strategy 3d cannot run --schedule zb-h1 (the tensor-parallel layers "
                               "do not split their backward into I and W); use 1f1b or interleaved")
+
+    @classmethod
+    def layout(cls, cfg: TrainConfig) -> Layout:
+        s = mesh_shape(cfg)
+        schedule, _, M, V = schedule_shape(cfg.options, s.pp)
+        return Layout(dp=s.dp, pp=s.pp, tp=s.tp, cp=s.cp, zero_stage=cfg.options.zero_stage,
+                      schedule=schedule, microbatches=M, virtual_stages=V,
+                      groups={a: tuple(tuple(g) for g in s.groups(a)) for a in s.axes})
 
     @classmethod
     def check_seams(cls, cfg: TrainConfig, seams: Seams) -> None:

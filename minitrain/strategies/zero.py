@@ -9,7 +9,7 @@ Memory per rank (measured by :func:`minitrain.memory.ledger`, compared with
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -21,6 +21,7 @@ from ..parallel.data_parallel import mean_over_ranks
 from ..parallel.flat import FlatUnit
 from ..parallel.fsdp import FullyShardedDataParallel
 from ..parallel.zero import Zero2Optimizer, ZeroRedundancyOptimizer, shard_optimizer
+from ..record import Layout
 from .base import Checkpointer, Lockstep, TrainConfig, register
 from .options import ConfigError, Options, option
 from .data_parallel import Buckets, Timeline, check_batch_split
@@ -226,6 +227,10 @@ class _Zero(Lockstep):
             raise ConfigError(f"strategy {cls.name!r} does not scale the loss: each rank sees only "
                               "its shard of the gradients, so an overflow check would need every "
                               "rank's verdict; leave out --loss-scale (bf16-mixed needs none)")
+
+    @classmethod
+    def layout(cls, cfg: TrainConfig) -> Layout:
+        return replace(super().layout(cfg), zero_stage=cls.stage, offload=cfg.options.offload)
 
     def __init__(self, cfg, comm, seams=None):
         super().__init__(cfg, comm, seams)

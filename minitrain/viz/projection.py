@@ -35,6 +35,7 @@ the layout cannot take) gets a sentence saying why, in place of the charts.
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import io
 import math
@@ -66,66 +67,58 @@ AXES = {"dp": "data parallelism", "tp": "tensor parallelism"}
 # --------------------------------------------------------------------------------------------------
 
 
-def _kind(result: dict) -> str:
+def _kind(result) -> str:
     """"ddp" (the DDP report's bucket timeline), "pipeline" (the executor's timeline) or
     "streams" (every rank's compute and communication, any other lockstep strategy)."""
-    summary = result["summary"]
-    report = (summary.get("report") or [None])[0] or {}
-    if summary["strategy"] in ("ddp", "ddp-naive") and report.get("timeline"):
-        return "ddp"
-    if summary["strategy"] == "pipeline" and report.get("timeline"):
+    lay = result.summary.layout
+    report = (result.summary.report or [None])[0] or {}
+    if not report.get("timeline"):
+        return "streams"
+    if lay.dp == lay.tp == lay.cp == 1 and lay.schedule:  # a pipeline only
         return "pipeline"
+    if lay.pp == lay.tp == lay.cp == lay.ep == 1 and lay.zero_stage == 0:  # DDP's buckets
+        return "ddp"
     return "streams"
 
 
-def devices(summary: dict, degrees: dict | None = None) -> int:
+def devices(summary, degrees: dict | None = None) -> int:
     """How many devices the projection stands for: the run's ranks, or the mesh ``degrees``
     re-sizes (``{"dp": 8}`` of a 2-rank DDP run: 8)."""
     from ..planning.projection import checked_degrees, mesh_sizes
-    from ..planning.scaling import layout
 
     degrees = checked_degrees(degrees)
     if not degrees:
-        return summary["world_size"]
-    return math.prod(mesh_sizes(layout(summary), degrees).values())
+        return summary.world_size
+    return math.prod(mesh_sizes(summary.layout, degrees).values())
 
 
-def _why_not(result: dict, cluster: str, model, degrees: dict | None = None) -> str | None:
+def _why_not(result, cluster: str, model, degrees: dict | None = None) -> str | None:
     """Why ``result`` cannot be projected on ``cluster`` at ``model`` (its mesh re-sized by
     ``degrees``), in words; None if it can."""
-    from ..planning.projection import NOT_REPLAYED, check_projection, checked_degrees
+    from ..planning.projection import check_projection, checked_degrees
 
-    if "summary" not in result or "events" not in result:
+    if result is None or result.events is None:
         return ("This run kept no events to re-time: train it with record_events (or project) "
                 "switched on, then give it to the widget.")
-    summary = result["summary"]
-    if summary["strategy"] in NOT_REPLAYED:
-        strategy = summary["strategy"]
-        return f"A {strategy} run cannot be projected: {NOT_REPLAYED[strategy]}."
-    options = dict(summary.get("options") or {})
+    summary = result.summary
+    if summary.layout.free_running:
+        return (f"A {summary.strategy} run cannot be projected: {summary.layout.free_running}, "
+                "so there is no shared step to re-time.")
     try:
         degrees = checked_degrees(degrees)
     except ValueError as exc:
         return f"This run could not be re-timed: {exc}."
-    if degrees.get("tp"):
-        options["tp"] = degrees["tp"]
+    layout = dataclasses.replace(summary.layout, tp=degrees.get("tp") or summary.layout.tp)
     try:
-        check_projection(cluster, None if model == "own" else model,
-                         strategy=summary["strategy"], world_size=devices(summary, degrees),
-                         options=options,
-                         model=_run_model(summary), batch_size=summary["batch_size"])
+        check_projection(cluster, None if model == "own" else model, layout,
+                         strategy=summary.strategy, world_size=devices(summary, degrees),
+                         model=summary.model)
     except ValueError as exc:
         return f"This run cannot be projected there: {exc}."
     return None
 
 
-def _run_model(summary: dict):
-    from ..model import GPTConfig
-    m = summary.get("model")
-    return GPTConfig(**m) if isinstance(m, dict) else m
-
-
-def stream_rows(result: dict, projection: dict, measured: bool) -> list[dict]:
+def stream_rows(result, projection, measured: bool) -> list[dict]:
     """Per rank, the drawn step's ``compute`` spans ``(start_ms, end_ms, phase)`` and ``comm``
     intervals ``(start_ms, end_ms, group, bytes)`` (the group "untraced" for a metric's or a
     synchronisation's), in ms from the step's start: as ``measured`` here (the run's recorded
@@ -134,9 +127,9 @@ def stream_rows(result: dict, projection: dict, measured: bool) -> list[dict]:
 
     out = []
     if measured:
-        _, events, window = step_programs(result, projection["step"])
+        _, events, window = step_programs(result, projection.step)
         first = min(w[0] for w in window.values())
-    for rank, rows in enumerate(projection["timeline"]):
+    for rank, rows in enumerate(projection.timeline):
         compute = []
         for e in rows:
             if e["op"] != "compute":
@@ -155,16 +148,16 @@ def stream_rows(result: dict, projection: dict, measured: bool) -> list[dict]:
     return out
 
 
-def step_parts(projection: dict) -> list[dict]:
+def step_parts(projection) -> list[dict]:
     """The projected step's parts in order — ``name``, ``seconds``, ``share`` of the step and
     ``color`` — compute, exposed communication, bubble, idle (they add up to the step time)."""
-    total = projection["step_time_s"]
-    return [{"name": name, "seconds": projection[key], "color": color,
-             "share": projection[key] / total if total > 0 else 0.0}
+    total = projection.step_time_s
+    return [{"name": name, "seconds": getattr(projection, key), "color": color,
+             "share": getattr(projection, key) / total if total > 0 else 0.0}
             for key, name, color in PARTS]
 
 
-def projection_view(result: dict, cluster: str = "dgx-h100", model="1.3b", *,
+def projection_view(result, cluster: str = "dgx-h100", model="1.3b", *,
                     degrees: dict | None = None, even: bool | None = None,
                     precision: str | None = None, compute: str | None = None,
                     recompute: bool | None = None) -> dict:
@@ -189,22 +182,22 @@ def projection_view(result: dict, cluster: str = "dgx-h100", model="1.3b", *,
         return {"message": why, "cluster": cluster, "model": model}
     target = None if model == "own" else model
     if even is None:
-        even = even_work(result["summary"])
+        even = even_work(result.summary)
     options = {"degrees": degrees, "even": even, "precision": precision, "compute": compute,
                "recompute": recompute}
-    summary = result["summary"]
+    summary = result.summary
     kind = _kind(result)
     view = {"message": None, "cluster": cluster, "model": model, "kind": kind,
-            "stages": summary["world_size"], "devices": devices(summary, degrees)}
+            "stages": summary.world_size, "devices": devices(summary, degrees)}
     try:
         if kind == "pipeline":
             projected, p = pipeline_timeline(result, cluster, target, **options)
-            view["measured"], view["projected"] = summary["report"][0]["timeline"], projected
+            view["measured"], view["projected"] = summary.report[0]["timeline"], projected
         else:
             p = project(result, cluster, target, **options)
             if kind == "ddp":
-                index = p["step"] - summary.get("start_step", 0)
-                view["measured"] = timeline_rows(summary["report"], step=index)
+                index = p.step - summary.start_step
+                view["measured"] = timeline_rows(summary.report, step=index)
                 view["projected"] = timeline_rows(ddp_timeline(result, p))
             else:
                 view["measured"] = stream_rows(result, p, measured=True)
@@ -212,7 +205,7 @@ def projection_view(result: dict, cluster: str = "dgx-h100", model="1.3b", *,
     except (ValueError, RuntimeError) as exc:  # a log the replay cannot read: say so, never raise
         return {"message": f"This run could not be re-timed: {exc}.", "cluster": cluster,
                 "model": model}
-    replayed = p["_replay"]
+    replayed = p.replay
     view["measured_step_ms"] = replayed["measured"] * 1e3
     view["projection"], view["parts"] = p, step_parts(p)
     view["html"] = summary_html(view)
@@ -234,32 +227,32 @@ def summary_html(view: dict) -> str:
     esc = html.escape
     parts = ", ".join(f'{esc(x["name"])} {_ms(x["seconds"])} ({x["share"]:.0%})'
                       for x in view["parts"])
-    hidden = p["hidden_comm_share"]
+    hidden = p.hidden_comm_share
     hidden = ("no communication" if hidden is None
               else f"{hidden:.0%} of its communication hidden behind compute")
-    gb = max(m["total"] for m in p["memory"]) / 1e9 if p["memory"] else 0.0
-    fits = p.get("fits")
+    gb = max(m["total"] for m in p.memory) / 1e9 if p.memory else 0.0
+    fits = p.fits
     if fits is None:
         memory = f"{gb:,.3g} GB per device at most"
     else:
         from ..planning.clusters import get_cluster
-        cap = get_cluster(p["cluster"]).device.memory_gb
+        cap = get_cluster(p.cluster).device.memory_gb
         memory = (f"{gb:,.3g} GB per device at most, of {cap:g} GB: "
                   + ("fits" if fits else "<b>does not fit</b>"))
-    mfu = "" if p.get("mfu") is None else f"; MFU {p['mfu']:.1%}"
+    mfu = "" if p.mfu is None else f"; MFU {p.mfu:.1%}"
     n, ranks = view.get("devices", view["stages"]), view["stages"]
     where = f"{n} devices"
-    if p.get("degrees"):
+    if p.degrees:
         where += (f" (the run's {ranks} ranks drawn, standing for "
-                  + " and ".join(f"{AXES.get(a, esc(a))} of {v}" for a, v in p["degrees"].items())
+                  + " and ".join(f"{AXES.get(a, esc(a))} of {v}" for a, v in p.degrees.items())
                   + ")")
-    sources = "".join(f"<li>{esc(s)}</li>" for s in p["sources"])
+    sources = "".join(f"<li>{esc(s)}</li>" for s in p.sources)
     return (
         '<div class="mt-projection-summary" style="font-family:sans-serif;line-height:1.45">'
-        f'<b>Projected</b> on <b>{esc(p["cluster_title"])}</b> (<code>{esc(p["cluster"])}</code>) '
-        f'as <b>{esc(p["model"])}</b>, {esc(p["precision"])}, on <span class="mt-projection-devices">'
+        f'<b>Projected</b> on <b>{esc(p.cluster_title)}</b> (<code>{esc(p.cluster)}</code>) '
+        f'as <b>{esc(p.model)}</b>, {esc(p.precision)}, on <span class="mt-projection-devices">'
         f'{where}</span>: '
-        f'<b class="mt-projection-step">{_ms(p["step_time_s"])} per step</b> — beside '
+        f'<b class="mt-projection-step">{_ms(p.step_time_s)} per step</b> — beside '
         f'<b class="mt-projection-measured">{_ms(view["measured_step_ms"] / 1e3)}</b> measured here '
         f'for the same step (this machine, the run\'s own model).<br>'
         f'Parts: {parts}; {hidden}{mfu}; memory: {memory}.'
@@ -342,7 +335,7 @@ def projection_figure(view: dict):
     top, mid, bottom = axes
     titles = (f"measured here: {_ms(view['measured_step_ms'] / 1e3)} per step (this machine, "
               "the run's own model)",
-              f"projected on {p['cluster']} as {p['model']}: {_ms(p['step_time_s'])} per step"
+              f"projected on {p.cluster} as {p.model}: {_ms(p.step_time_s)} per step"
               + (f" ({view['devices']} devices, {n} drawn)" if view.get("devices", n) != n else ""))
     if kind == "streams":
         colors = _group_colors([view["measured"], view["projected"]])
@@ -392,7 +385,7 @@ class ProjectionWidget:
     as ``project(run, "dgx-h100", "1.3b", degrees={"dp": 8})`` does, on whichever cluster and model
     size is chosen.  Views are kept per setting: coming back to one redraws nothing."""
 
-    def __init__(self, run: dict, cluster: str = "dgx-h100", model="1.3b", *,
+    def __init__(self, run, cluster: str = "dgx-h100", model="1.3b", *,
                  degrees: dict | None = None, even: bool | None = None, precision: str | None = None,
                  compute: str | None = None, recompute: bool | None = None):
         import ipywidgets as w
@@ -400,7 +393,7 @@ class ProjectionWidget:
         self.run = run
         self.options = {"degrees": degrees, "even": even, "precision": precision,
                         "compute": compute, "recompute": recompute}
-        calibrated = bool(((run.get("summary") or {}).get("calibration") or {}).get("flop_rate"))
+        calibrated = run is not None and bool((run.summary.calibration or {}).get("flop_rate"))
         clusters = list(CLUSTERS) + (["local", "binder"] if calibrated else [])
         if cluster not in clusters:
             clusters.append(cluster)

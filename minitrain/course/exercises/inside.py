@@ -13,6 +13,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from ...record import RunSummary
 from . import guards
 from .core import ranks
 from .trouble import (learner_line, rank_error, rank_trouble, state_line,  # noqa: F401
@@ -87,8 +88,8 @@ class Run:
     losses: list
     reference: list
     reference_name: str
-    summary: dict
-    package: dict
+    summary: RunSummary
+    package: RunSummary  # the package's own run's
     rows: list = field(default_factory=list)
 
     def lines(self) -> list[str]:
@@ -113,7 +114,7 @@ def step_time_line(mine: dict, own: dict) -> str:
     """Two runs' step times, each with its spread over the steps after the first (the first warms
     up), and a difference claimed only beyond both spreads."""
     def times(summary):
-        ts = summary.get("step_times_s") or [summary["step_time_s"]]
+        ts = summary.step_times_s or [summary.step_time_s]
         return ts[1:] if len(ts) > 2 else ts
 
     a, b = times(mine), times(own)
@@ -162,17 +163,17 @@ def inside(name: str, fn, cfg, seam: str | None = None, reference: str = "single
     if reference == "single":
         single = cfg.with_(strategy="single", world_size=1, options={})
         if repr(single) not in _ONE_PROCESS:  # the same for every attempt at this check
-            _ONE_PROCESS[repr(single)] = train(single, cluster=ranks(1))["losses"]
+            _ONE_PROCESS[repr(single)] = train(single, cluster=ranks(1)).losses
         want, ref_name = _ONE_PROCESS[repr(single)], "one process"
     else:
-        want, ref_name = package["losses"], "package's"
-    for step, (a, b) in enumerate(zip(theirs["losses"], want)):
+        want, ref_name = package.losses, "package's"
+    for step, (a, b) in enumerate(zip(theirs.losses, want)):
         if not (math.isfinite(a) and abs(a - b) <= tolerance * abs(b)):
             return (f"alone it is right, but {where} the loss at step {step} is {a:.6f} where "
                     f"{ref_name} {'gives' if ref_name == 'one process' else 'code gives'} {b:.6f}")
-    rows = measure(theirs["summary"], cfg, package["summary"]) if measure else []
-    RUNS[name] = Run(name, cfg.strategy, n, theirs["summary"].get("options") or {}, theirs["losses"], want, ref_name, theirs["summary"],
-                     package["summary"], rows)
+    rows = measure(theirs.summary, cfg, package.summary) if measure else []
+    RUNS[name] = Run(name, cfg.strategy, n, theirs.summary.options or {}, theirs.losses, want, ref_name, theirs.summary,
+                     package.summary, rows)
     return None
 
 
@@ -191,11 +192,11 @@ def report(name: str):
     return RUNS[name]
 
 
-def sent_per_rank(summary: dict, op: str | None = None) -> float:
+def sent_per_rank(summary, op: str | None = None) -> float:
     """Mean bytes one rank sent per step (the tracer's ``sent_bytes``), over all ops or one."""
     key = op or "total"
-    per_rank = [c.get(key, {}).get("sent_bytes", 0.0) for c in summary["comm"]]
-    return sum(per_rank) / len(per_rank) / summary["steps"]
+    per_rank = [c.get(key, {}).get("sent_bytes", 0.0) for c in summary.comm]
+    return sum(per_rank) / len(per_rank) / summary.steps
 
 
 # --------------------------------------------------------------------------------------------------

@@ -159,12 +159,12 @@ def ddp_config():
     return TrainConfig(strategy="ddp", model=model, **_DDP_RUN)
 
 
-def ring_rows(summary: dict, cfg, package) -> list:
+def ring_rows(summary, cfg, package) -> list:
     """Bytes and messages one rank sent per step (tracer) beside the ring's formulas."""
-    n, steps, psi = cfg.world_size, summary["steps"], summary["params"]
-    buckets = len(summary["report"][0].get("bucket_bytes") or [])
-    sent = [c.get("send", {}).get("sent_bytes", 0.0) / steps for c in summary["comm"]]
-    calls = [c.get("send", {}).get("calls", 0) / steps for c in summary["comm"]]
+    n, steps, psi = cfg.world_size, summary.steps, summary.params
+    buckets = len(summary.report[0].get("bucket_bytes") or [])
+    sent = [c.get("send", {}).get("sent_bytes", 0.0) / steps for c in summary.comm]
+    calls = [c.get("send", {}).get("calls", 0) / steps for c in summary.comm]
     formula = 2 * (n - 1) / n * 4 * psi
     return [Row("bytes sent per rank per step (mean)", sum(sent) / n, "2(N-1)/N·4Ψ", formula),
             Row("bytes sent by the busiest rank", max(sent), "2(N-1)/N·4Ψ", formula),

@@ -72,7 +72,7 @@ def _naive_rows(summary, cfg, package):
     from ...model import GPT
     formula, expected = _ring_bytes(cfg)
     params = len(list(GPT(cfg.model).parameters()))
-    calls = summary["comm"][0].get("all_reduce", {}).get("calls", 0) / summary["steps"]
+    calls = summary.comm[0].get("all_reduce", {}).get("calls", 0) / summary.steps
     return [Row("all-reduce bytes sent per rank per step", sent_per_rank(summary, "all_reduce"),
                 formula, expected),
             Row("all-reduce calls per step", calls, "one per parameter tensor", params, "")]
@@ -345,11 +345,11 @@ def _hooks_values(model, reference, where, n) -> str | None:
 
 def _ddp_rows(summary, cfg, package):
     formula, expected = _ring_bytes(cfg)
-    mine = summary["report"][0]
+    mine = summary.report[0]
     buckets = len(mine["bucket_bytes"])
-    calls = summary["comm"][0].get("all_reduce", {}).get("calls", 0) / summary["steps"]
-    mine = [o for rep in summary["report"] for o in rep["overlap"][1:]]  # the first step warms up
-    theirs = [o for rep in package["report"] for o in rep["overlap"][1:]]
+    calls = summary.comm[0].get("all_reduce", {}).get("calls", 0) / summary.steps
+    mine = [o for rep in summary.report for o in rep["overlap"][1:]]  # the first step warms up
+    theirs = [o for rep in package.report for o in rep["overlap"][1:]]
     spread = lambda xs: (min(xs), max(xs)) if len(xs) >= 3 else None  # noqa: E731
     return [Row("all-reduce bytes sent per rank per step", sent_per_rank(summary, "all_reduce"),
                 formula, expected),

@@ -87,7 +87,7 @@ def _rows(summary, cfg, package):
     from ...parallel.compression import TopK
 
     n, psi = cfg.world_size, GPT(cfg.model).num_params()
-    k = sum(TopK(_RATIO).k(b // 4) for b in summary["report"][0]["bucket_bytes"])
+    k = sum(TopK(_RATIO).k(b // 4) for b in summary.report[0]["bucket_bytes"])
     sent = sent_per_rank(summary, "all_gather")
     return [Row("bytes sent per rank per step (top-k)", sent, "(N−1)·(4k + 4k)", (n - 1) * 8 * k),
             Row("  the same, against dense DDP", sent, "2(N−1)/N·4Ψ", 2 * (n - 1) / n * 4 * psi)]

@@ -41,8 +41,8 @@ def _cfg(strategy: str, n: int):
     return cfg.with_(strategy=strategy, world_size=n)
 
 
-def _bytes_per_element(summary: dict) -> int:
-    return 4 if summary["precision"] == "fp32" else 2
+def _bytes_per_element(summary) -> int:
+    return 4 if summary.precision == "fp32" else 2
 
 
 def _inside_at(name: str, fn, strategy: str, measure) -> str | None:
@@ -185,10 +185,10 @@ def _check_zero1_step(fn) -> str | None:
     return _on_ranks(_zero1_rank, fn) or _inside_at("zero1_step", fn, "zero1", _zero1_rows)
 
 
-def _zero1_rows(summary: dict, cfg, package) -> list:
-    n, psi, b = cfg.world_size, summary["params"], _bytes_per_element(summary)
+def _zero1_rows(summary, cfg, package) -> list:
+    n, psi, b = cfg.world_size, summary.params, _bytes_per_element(summary)
     sent = sent_per_rank(summary, "reduce_scatter") + sent_per_rank(summary, "all_gather")
-    states = summary["memory"][0]["bytes"]["optimizer_states"]
+    states = summary.memory[0]["bytes"]["optimizer_states"]
     return [Row(f"N={n}: reduce-scatter + all-gather", sent, f"an all-reduce's 2(N−1)/N·{b}B·Ψ",
                 2 * (n - 1) / n * b * psi),
             Row(f"N={n}: Adam's states on rank 0", states, "8B·Ψ/N", 8 * psi / n)]
@@ -398,9 +398,9 @@ def _largest_unit_bytes(model_cfg, n: int, b: int) -> int:
     return max(FlatUnit([p for p in u.parameters() if p.requires_grad], n).total for u in units) * b
 
 
-def _zero3_rows(summary: dict, cfg, package) -> list:
-    n, psi, b = cfg.world_size, summary["params"], _bytes_per_element(summary)
-    mem = summary["memory"][0]
+def _zero3_rows(summary, cfg, package) -> list:
+    n, psi, b = cfg.world_size, summary.params, _bytes_per_element(summary)
+    mem = summary.memory[0]
     peak = mem["bytes"]["parameters"] + mem["gathered_peak"]
     largest = _largest_unit_bytes(cfg.model, n, b)
     return [Row(f"N={n}: all-gather ×2 + reduce-scatter", sent_per_rank(summary),
@@ -436,13 +436,13 @@ def _spread(values: list) -> tuple[float, float] | None:
     return (min(values), max(values)) if len(values) >= 3 else None
 
 
-def _zero2_rows(summary: dict, cfg, package) -> list:
+def _zero2_rows(summary, cfg, package) -> list:
     import statistics
 
-    n, psi, b = cfg.world_size, summary["params"], _bytes_per_element(summary)
-    grads = summary["memory"][0]["bytes"]["gradients"]
-    mine = [o for rep in summary["report"] for o in rep["overlap"][1:]]  # the first step warms up
-    theirs = [o for rep in package["report"] for o in rep["overlap"][1:]]
+    n, psi, b = cfg.world_size, summary.params, _bytes_per_element(summary)
+    grads = summary.memory[0]["bytes"]["gradients"]
+    mine = [o for rep in summary.report for o in rep["overlap"][1:]]  # the first step warms up
+    theirs = [o for rep in package.report for o in rep["overlap"][1:]]
     return [Row(f"N={n}: reduce-scatter sent per rank", sent_per_rank(summary, "reduce_scatter"),
                 f"(N−1)/N·{b}B·Ψ", (n - 1) / n * b * psi),
             Row(f"N={n}: gradients kept on rank 0", grads, f"{b}B·Ψ/N (padded)",

@@ -386,18 +386,18 @@ def _one_microbatch_activations(model, stage: int, P: int, batch: int, M: int) -
     return meter.last
 
 
-def _pipeline_rows(summary: dict, cfg, package) -> list:
+def _pipeline_rows(summary, cfg, package) -> list:
     """Bytes each rank sent (tracer), micro-batches in flight (measured timeline), rank 0's
     activation peak (ledger) and the bubble, each beside the lesson's formula."""
     from .inside import Row
 
-    P, steps, rep = cfg.world_size, summary["steps"], summary["report"][0]
+    P, steps, rep = cfg.world_size, summary.steps, summary.report[0]
     M, b, s, d = rep["microbatches"], cfg.batch_size, cfg.model.seq_len, cfg.model.d_model
     half = b * s * d * 4  # one direction of one boundary, per step: M micro-batches of b/M (fp32)
     rows = []
     for r in range(P):
         k = (r > 0) + (r < P - 1)  # boundaries rank r sends across: activations on, gradients back
-        sent = summary["comm"][r].get("send", {}).get("sent_bytes", 0.0) / steps
+        sent = summary.comm[r].get("send", {}).get("sent_bytes", 0.0) / steps
         rows.append(Row(f"sent per step, rank {r}", sent,
                         f"{k if k > 1 else ''}{'·' if k > 1 else ''}M·(b/M)·s·d·4", k * half))
     gpipe = rep["schedule"] == "gpipe"
@@ -407,7 +407,7 @@ def _pipeline_rows(summary: dict, cfg, package) -> list:
                         "M" if gpipe else "min(P − rank, M)", bound[r], unit=""))
     one = _one_microbatch_activations(cfg.model, 0, P, b, M)
     rows.append(Row("activation peak, rank 0 (ledger)",
-                    summary["memory"][0]["bytes"]["activations_peak"],
+                    summary.memory[0]["bytes"]["activations_peak"],
                     f"{bound[0]} × one micro-batch's {one:,} B", bound[0] * one))
     import os
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

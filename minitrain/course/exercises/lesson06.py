@@ -226,8 +226,8 @@ def _tensor_rows(which: str):
     is in a block) and the whole model's, each beside Megatron's count."""
     from .inside import Row
 
-    def measure(summary: dict, cfg, package) -> list:
-        per = summary["report"][0]["comm_per_layer"]  # rank 0, per step
+    def measure(summary, cfg, package) -> list:
+        per = summary.report[0]["comm_per_layer"]  # rank 0, per step
         L, N = cfg.model.n_layer, cfg.world_size
         b, s, d = cfg.batch_size, cfg.model.seq_len, cfg.model.d_model
         ring, bsd = 2 * (N - 1) / N, b * s * d * 4  # bytes a rank sends per all-reduced byte; fp32
@@ -243,7 +243,7 @@ def _tensor_rows(which: str):
                          if where.startswith("blocks.") for v in ops.values())
             rows.append(Row("all-reduce bytes per rank per layer", (blocks + yours["sent_bytes"]) / L,
                             "(2 fwd + 2 bwd)·2(N−1)/N·b·s·d·4", 4 * ring * bsd))
-        model = summary["comm"][0].get("all_reduce", {}).get("sent_bytes", 0.0) / summary["steps"]
+        model = summary.comm[0].get("all_reduce", {}).get("sent_bytes", 0.0) / summary.steps
         rows.append(Row("all-reduce bytes per rank / step", model,
                         "(4·L + 2)·2(N−1)/N·b·s·d·4 + 2(N−1)/N·3·b·s·4 (loss)",
                         (4 * L + 2) * ring * bsd + ring * 3 * b * s * 4))
@@ -427,15 +427,15 @@ def _vocab_ce_rank(fn):
     return None
 
 
-def _loss_rows(summary: dict, cfg, package) -> list:
+def _loss_rows(summary, cfg, package) -> list:
     """The loss's all-reduces (yours: the collectives no layer's tag names) beside the package's
     and beside 3 numbers per position."""
     from .inside import Row
 
-    per = summary["report"][0]["comm_per_layer"]
+    per = summary.report[0]["comm_per_layer"]
     N, b, s = cfg.world_size, cfg.batch_size, cfg.model.seq_len
     yours = per.get("", {}).get("all_reduce ", {"calls": 0, "bytes": 0.0, "sent_bytes": 0.0})
-    theirs = package["report"][0]["comm_per_layer"].get("loss", {})
+    theirs = package.report[0]["comm_per_layer"].get("loss", {})
     return [Row("all-reduces by your loss / step", yours["calls"], "the package's loss",
                 sum(v["calls"] for v in theirs.values()), unit=""),
             Row("  numbers all-reduced per position", yours["bytes"] / 4 / (b * s),

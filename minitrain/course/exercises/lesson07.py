@@ -180,9 +180,9 @@ def _mp_cfg(precision: str, **more):
                        model=GPTConfig(**_MODEL), **more)
 
 
-def _model_states(summary: dict, cfg, package) -> list:
+def _model_states(summary, cfg, package) -> list:
     """Rank 0's model states from the ledger beside the ZeRO paper's 2Ψ + 2Ψ + 4Ψ + 8Ψ = 16Ψ."""
-    mem, psi = summary["memory"][0], summary["params"]
+    mem, psi = summary.memory[0], summary.params
     b, state = mem["bytes"], mem["by_state"]
     adam = state.get("exp_avg", 0) + state.get("exp_avg_sq", 0)
     low = next(iter(mem["by_dtype"]["parameters"]))
@@ -194,8 +194,8 @@ def _model_states(summary: dict, cfg, package) -> list:
                 + adam, "16Ψ (ZeRO)", 16 * psi)]
 
 
-def _skips(summary: dict, cfg, package) -> list:
-    return [Row("fp16-mixed: steps skipped (overflow)", summary["loss_scaler"]["skipped_steps"],
+def _skips(summary, cfg, package) -> list:
+    return [Row("fp16-mixed: steps skipped (overflow)", summary.loss_scaler["skipped_steps"],
                 unit=" steps")]
 
 
@@ -212,7 +212,7 @@ def _check_mixed_precision_step(fn) -> str | None:
     if found:
         return found
     fp16 = RUNS["mixed_precision_step"]
-    skipped = fp16.package["loss_scaler"]["skipped_steps"]
+    skipped = fp16.package.loss_scaler["skipped_steps"]
     found = inside("mixed_precision_step", fn, _mp_cfg("bf16-mixed"), reference="package",
                    measure=_model_states)
     if found:
@@ -360,21 +360,21 @@ def _block_saves(cfg) -> int:
     return meter.last
 
 
-def _activations(summary: dict, cfg, package) -> list:
+def _activations(summary, cfg, package) -> list:
     """Activation peaks with and without recomputation (an extra run), what recomputation saved
     beside one block's saved tensors, and the step-time cost beside one more forward."""
     from ...train import train
 
-    plain = train(cfg.with_(checkpoint_activations=False), cluster=ranks(cfg.world_size))["summary"]
+    plain = train(cfg.with_(checkpoint_activations=False), cluster=ranks(cfg.world_size)).summary
     m = cfg.model
     sbh = m.seq_len * (cfg.batch_size // cfg.world_size) * m.d_model
-    peak0 = plain["memory"][0]["bytes"]["activations_peak"]
-    peak1 = summary["memory"][0]["bytes"]["activations_peak"]
-    t0, t1 = plain["step_time_s"], summary["step_time_s"]
+    peak0 = plain.memory[0]["bytes"]["activations_peak"]
+    peak1 = summary.memory[0]["bytes"]["activations_peak"]
+    t0, t1 = plain.step_time_s, summary.step_time_s
     block = _block_saves(cfg)
 
     def spread(s):  # the steps after the first: (lowest, highest) in ms
-        times = (s.get("step_times_s") or [s["step_time_s"]])[1:] or [s["step_time_s"]]
+        times = (s.step_times_s or [s.step_time_s])[1:] or [s.step_time_s]
         return f"{min(times) * 1e3:.0f}–{max(times) * 1e3:.0f} ms over {len(times)} steps"
     return [Row("activation peak, no recomputation", peak0),
             Row("activation peak, your recomputation", peak1),
@@ -450,9 +450,9 @@ def _fp16_cfg():
                        loss_scale_growth=_FP16_GROWTH, model=GPTConfig(**_MODEL))
 
 
-def _scales(summary: dict, cfg, package) -> list:
+def _scales(summary, cfg, package) -> list:
     """The scale the run used at each step (and the steps skipped) beside the package's rule's."""
-    mine, ref = summary["loss_scaler"], package["loss_scaler"]
+    mine, ref = summary.loss_scaler, package.loss_scaler
     log2 = lambda h: "·".join(f"{math.log2(s):g}" for s, _ in h["history"])  # noqa: E731
     return [Row("steps skipped (overflow)", mine["skipped_steps"], "the package's rule",
                 ref["skipped_steps"], unit=" steps"),
@@ -473,7 +473,7 @@ def _check_loss_scale_update(fn) -> str | None:
     if found:
         return found
     run = RUNS["loss_scale_update"]
-    mine, ref = run.summary["loss_scaler"]["history"], run.package["loss_scaler"]["history"]
+    mine, ref = run.summary.loss_scaler["history"], run.package.loss_scaler["history"]
     for step, ((s, skipped), (t, ref_skipped)) in enumerate(zip(mine, ref)):
         if s != t or skipped != ref_skipped:
             RUNS.pop("loss_scale_update")

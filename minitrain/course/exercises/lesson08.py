@@ -90,9 +90,9 @@ def _mesh_model():
     return GPTConfig(n_layer=2, n_head=2, d_model=32, seq_len=16)
 
 
-def _mesh_bytes(summary: dict, cfg, package) -> list:
+def _mesh_bytes(summary, cfg, package) -> list:
     """Bytes rank 0 sent per step on each axis of the mesh, beside the lessons' formulas."""
-    rep, dp = summary["report"][0], cfg.options.dp
+    rep, dp = summary.report[0], cfg.options.dp
     sent = {axis: row["sent_bytes"] for axis, row in rep["comm_by_group"].items()}
     return [Row("dp: ZeRO-1 reduce-scatter + all-gather", sent.get("dp", 0.0),
                 "2(dp−1)/dp·4Ψ_r", 2 * (dp - 1) / dp * 4 * rep["params_local"]),

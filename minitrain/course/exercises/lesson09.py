@@ -129,19 +129,19 @@ def _tiny_cfg(strategy: str, world: int, moe: bool = False):
                        model=dataclasses.replace(base, **_MODEL))
 
 
-def _ring_bytes(summary: dict, cfg, package) -> list:
+def _ring_bytes(summary, cfg, package) -> list:
     """Rank 0's ring traffic per step beside (3N − 2) blocks of K and V per layer."""
     from ...parallel.context import ring_bytes_per_layer
 
-    rep, m = summary["report"][0], cfg.model
+    rep, m = summary.report[0], cfg.model
     per_layer = ring_bytes_per_layer(cfg.batch_size, rep["tokens_per_rank"], m.d_model, cfg.world_size)
     return [Row("K/V blocks around the ring per step", rep["ring_sent_bytes_per_step"],
                 "(3N−2)·2·b·L·d·4 per layer", per_layer["total"] * m.n_layer)]
 
 
-def _all_to_all_bytes(summary: dict, cfg, package) -> list:
+def _all_to_all_bytes(summary, cfg, package) -> list:
     """Rank 0's all-to-all traffic per step beside the exact count for the routing that ran."""
-    rep = summary["report"][0]
+    rep = summary.report[0]
     return [Row("all-to-all rows sent per step", rep["all_to_all_sent_bytes_per_step"],
                 "routed rows · d · 4", rep["all_to_all_bytes_routed"])]
 
@@ -335,16 +335,16 @@ def _router_alone(fn) -> str | None:
     return None
 
 
-def _routing_rows(summary: dict, cfg, package) -> list:
+def _routing_rows(summary, cfg, package) -> list:
     """Assignments dropped and the busiest expert against the mean, yours beside the package's."""
     import statistics
 
     def imbalance(rep):
         return statistics.mean(max(layer) / (sum(layer) / len(layer))
                                for step in rep["tokens_per_expert"] for layer in step)
-    mine, ref = summary["report"][0], package["report"][0]
-    return [Row("assignments dropped per step", round(sum(mine["dropped"]) / summary["steps"], 2),
-                "the package's router", round(sum(ref["dropped"]) / package["steps"], 2), unit=""),
+    mine, ref = summary.report[0], package.report[0]
+    return [Row("assignments dropped per step", round(sum(mine["dropped"]) / summary.steps, 2),
+                "the package's router", round(sum(ref["dropped"]) / package.steps, 2), unit=""),
             Row("busiest expert / mean", round(imbalance(mine), 3), "the package's router",
                 round(imbalance(ref), 3), unit="×"),
             Row("all-to-all bytes sent per step", mine["all_to_all_sent_bytes_per_step"],

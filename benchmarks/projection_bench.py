@@ -1,4 +1,4 @@
-"""Does the projection tell the truth?  Three checks, printed as ratios (issue 25).
+"""Does the projection tell the truth?  Three checks, printed as ratios.
 
 (a) Self-consistency: each run replayed with its own measured compute and this machine's α-β
     (fitted on the run's own messages, β from lesson 01's sweep) gives back its measured step time

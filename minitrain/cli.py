@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
                 t.add_argument(flag(name), type=int, default=None,
                                help=f"override the preset's {name}")
     t.add_argument("--json", action="store_true", help="JSON lines on stdout")
-    proj = t.add_argument_group("projection (issue 25): the run re-timed on a real cluster")
+    proj = t.add_argument_group("projection: the run re-timed on a real cluster")
     proj.add_argument("--project", metavar="CLUSTER", default=None,
                       help="re-time this run on CLUSTER and add summary.projection "
                            "(see 'minitrain clusters'; e.g. dgx-h100, ib-h100x4, eth-25g, local) "

@@ -1,12 +1,12 @@
-"""``minitrain grade`` against a class that cheats, vandalises, escapes and sends garbage (issue 27).
+"""``minitrain grade`` against a class that cheats, vandalises, escapes and sends garbage.
 
 Every attack is a notebook of lesson 00 (its exercise is pure Python, so a tiny notebook grades in
-seconds); one folder holds them all and is graded once, and each test reads its row.  Every attack's
-test failed on the grader before issue 27: the cheats were recorded as passes, the vandal changed
-the submissions, solutions/ and the installed package and reached the teacher's loopback, the
-daemons held grading up (for ever, with the pipe kept open) and rewrote the gradebook, 3 GB went
-unnoticed, the malformed notebooks aborted the whole run, a 5 MB message broke the CSV, Ctrl-C lost
-every row.  Ten thousand cells and a 50 MB output were graded before, and still are.
+seconds); one folder holds them all and is graded once, and each test reads its row.  Each attack's
+test fails on a grader that runs notebooks unsealed: there the cheats are recorded as passes, the
+vandal changes the submissions, solutions/ and the installed package and reaches the teacher's
+loopback, the daemons hold grading up (for ever, with the pipe kept open) and rewrite the
+gradebook, 3 GB go unnoticed, a malformed notebook aborts the whole run, a 5 MB message breaks the
+CSV, and Ctrl-C loses every row.  Ten thousand cells and a 50 MB output are graded as well.
 """
 
 import csv
@@ -148,7 +148,7 @@ print("✓ bonus_{k}: correct")  # check("bonus_{k}", zero_bytes_per_device)"""
 
 def vandal(folder: Path, victim: Path, out: Path, planted: str, port: int) -> str:
     """A cell that looks for the grader's folder and gradebook in every process's command line it
-    can see (``/proc/*/cmdline``: the attack of issue 27 found them in its parents'), then, handed
+    can see (``/proc/*/cmdline``: its parents' name them unless the grader hides them), then, handed
     every path anyway, plants files in the submissions folder and solutions/, deletes a classmate's
     check cell, edits the installed checker so that every later notebook passes, writes into the
     gradebook, and looks for a network (the machine's interfaces, a port the teacher listens on at

@@ -1,4 +1,4 @@
-"""The projection (issue 25): the replay's rules on hand-made event logs, the scaling of every message
+"""The projection: the replay's rules on hand-made event logs, the scaling of every message
 to a bigger model, the refusals, and the surfaces (train(project=...), the CLI's JSON, clusters).
 Behaviour only: no test asserts how long anything took here."""
 

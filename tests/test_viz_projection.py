@@ -1,4 +1,4 @@
-"""The projection widget (issue 25): what it draws for a DDP, a pipeline and a tensor-parallel run —
+"""The projection widget: what it draws for a DDP, a pipeline and a tensor-parallel run —
 the measured step and the projected one in the lesson's own form, the step's parts, the summary
 naming the cluster, the model and the sources — the messages in place of a projection, and the
 widget's reactions to its controls (re-projecting the one recorded run, never training again)."""

@@ -1,4 +1,4 @@
-"""The clusters a run is re-timed on (issue 25): named presets, every number with its source.
+"""The clusters a run is re-timed on: named presets, every number with its source.
 
 A :class:`ClusterSpec` is devices (:class:`Device`: peak FLOP/s, the fraction of it a GPT training
 step sustains, memory) in nodes, and two links (:class:`Link`: the bus bandwidth a collective

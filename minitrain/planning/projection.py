@@ -1,4 +1,4 @@
-"""A real run re-timed on a cluster: every timing the course teaches, shown where it holds (issue 25).
+"""A real run re-timed on a cluster: every timing the course teaches, shown where it holds.
 
 On a laptop the ranks share two cores over loopback, so a run's own times say little about a real
 cluster.  But the run *recorded* what it did — every collective with its bytes and group, when each
@@ -34,8 +34,7 @@ parts), :mod:`minitrain.planning.recorded` (a run's recorded events read back as
 machine's α-β fitted on them), :mod:`minitrain.planning.scaling` (the run's layout, each rank's work, each
 message and the memory at the target size), and here what joins them: the cluster's prices for a
 compute span (its FLOPs) and a message (the links its group spans), :func:`project`, and the
-views lessons draw (:func:`ddp_timeline`, :func:`pipeline_timeline`, :func:`warp`).  Everything
-is importable from here, as before the split.
+views lessons draw (:func:`ddp_timeline`, :func:`pipeline_timeline`, :func:`warp`).
 """
 
 from __future__ import annotations

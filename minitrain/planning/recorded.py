@@ -1,4 +1,4 @@
-"""What a run recorded, read back for the projection (issue 25).
+"""What a run recorded, read back for the projection.
 
 A run trained with ``record_events=True`` (or ``project=...``) keeps, per rank, the tracer's
 events (:mod:`minitrain.comm`: every collective and message with its bytes, group and tag, when it

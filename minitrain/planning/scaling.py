@@ -1,4 +1,4 @@
-"""A run's layout, and the same layout at another model size (issue 25).
+"""A run's layout at another model size.
 
 ``project(result, "dgx-h100", model="7b")`` re-times the tiny GPT's run for a bigger model of the
 same family (:data:`MODEL_SIZES`, or any :class:`~minitrain.model.GPTConfig`) with the same

@@ -21,7 +21,7 @@ __all__ = ["Machine", "machine_memory", "check_fits_machine", "SAVED_BYTES"]
 
 
 #: a forked rank's own memory (its unique set size) after a run of the tiny model: 23-24 MiB,
-#: measured with 2 to 32 ranks (issue 28); the parent's imported torch is shared, not counted
+#: measured with 2 to 32 ranks; the parent's imported torch is shared, not counted
 RANK_BYTES = 24 * 2**20
 #: file descriptors per rank: the parent holds ~4 (pipe, sentinel, rendezvous connection), each
 #: rank ~24 of its own plus one per peer (gloo's full mesh); measured with 2 to 32 ranks

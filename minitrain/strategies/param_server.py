@@ -102,7 +102,7 @@ class _ParameterServerStrategy(FreeRunning):
         for w, seconds in parse_slow_workers(o.slow_worker).items():
             if not 0 <= w < workers:
                 raise ConfigError(f"--slow-worker {w}: workers are numbered 0..{workers - 1}")
-            if seconds >= cfg.timeout:  # (issue 28: 0:1e9 ran until killed)
+            if seconds >= cfg.timeout:  # the servers would wait on it until the run timed out
                 raise ConfigError(f"--slow-worker {w}:{seconds:g} must be shorter than --timeout "
                                   f"{cfg.timeout:g}: the servers wait at most that long for a "
                                   f"worker's gradient; use fewer seconds (or a larger --timeout)")

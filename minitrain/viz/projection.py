@@ -1,4 +1,4 @@
-"""The projection widget (issue 25): a lesson's measured run beside the same run re-timed on a named
+"""The projection widget: a lesson's measured run beside the same run re-timed on a named
 cluster at a named model size.
 
 One line in a lesson, under the cell that trained ``run`` with ``record_events=True`` (or

@@ -1,6 +1,8 @@
 """Recording a run for the projection (minitrain.planning.recording): hooks on the strategy's own
 modules and optimizer, nothing of torch replaced; untraced calls seen by the replay, not counted."""
 
+from types import SimpleNamespace
+
 import torch
 
 from minitrain.strategies import TrainConfig
@@ -77,7 +79,7 @@ def test_an_untraced_metric_is_seen_by_the_replay_but_not_in_the_byte_summary(cl
     from minitrain.planning.recorded import step_programs
 
     outs = clusters(2).run(record_a_step, CFG)
-    result = {"events": [o["log"] for o in outs]}
+    result = SimpleNamespace(events=[o["log"] for o in outs])  # what step_programs reads of a run
     programs, events, _ = step_programs(result, 0)
     for r, out in enumerate(outs):
         untraced = [e for e in out["log"]["events"] if not e["traced"]]

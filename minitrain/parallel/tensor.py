@@ -224,21 +224,21 @@ class ColumnParallelLinear(nn.Module):
     or the vocabulary-parallel loss.  The weights start at zero; :meth:`from_linear` cuts them
     from a full layer.
 
-    ``function``: an autograd Function whose ``apply(x, weight, bias, comm)`` is this layer with
-    its f (lesson 06's exercise).  Default: the package's, :meth:`linear` — ``f`` (or, sequence
-    parallel, the all-gather) then ``F.linear``; a function of one's own not with sequence
-    parallelism (its f is an all-gather).
+    ``column_parallel_linear``: an autograd Function whose ``apply(x, weight, bias, comm)`` is
+    this layer with its f (lesson 06's exercise).  None: the package's, :meth:`linear` — ``f``
+    (or, sequence parallel, the all-gather) then ``F.linear``; a function of one's own not with
+    sequence parallelism (its f is an all-gather).
     """
 
     def __init__(self, in_features: int, out_features: int, comm: Comm, bias: bool = True, *,
                  parts: int = 1, pad: bool = False, sequence_parallel: bool = False,
-                 function=None, device=None, dtype=None):
+                 column_parallel_linear=None, device=None, dtype=None):
         super().__init__()
-        if function is not None and sequence_parallel:
-            raise ValueError("function= replaces f and the linear; sequence parallelism gathers the "
-                             "sequence instead: use one or the other")
+        if column_parallel_linear is not None and sequence_parallel:
+            raise ValueError("column_parallel_linear= replaces f and the linear; sequence "
+                             "parallelism gathers the sequence instead: use one or the other")
         self.comm, self.sequence_parallel, self.tag = comm, sequence_parallel, "column"
-        self.apply_function = function.apply if function is not None else self.linear
+        self.column_parallel_linear = column_parallel_linear  # None: self.linear
         self.in_features, self.out_features = in_features, out_features
         self.split = Split(0, parts, out_features if pad else None)
         padded = padded_size(out_features, comm.size) if pad else out_features
@@ -262,11 +262,13 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.apply_function(x, self.weight, self.bias, self.comm)
+        if self.column_parallel_linear is not None:
+            return self.column_parallel_linear.apply(x, self.weight, self.bias, self.comm)
+        return self.linear(x, self.weight, self.bias, self.comm)
 
     def linear(self, x, weight, bias, comm: Comm) -> torch.Tensor:
-        """The package's column-parallel linear, in the shape of ``function.apply``: f (the input
-        whole on every rank; its gradient summed in backward), then X·A_iᵀ + b_i."""
+        """The package's column-parallel linear, in the shape of ``column_parallel_linear.apply``:
+        f (the input whole on every rank; its gradient summed in backward), then X·A_iᵀ + b_i."""
         if self.sequence_parallel:
             x = gather_from_sequence_parallel(x, comm, self.tag)
         else:
@@ -284,19 +286,21 @@ class RowParallelLinear(nn.Module):
     reduce-scatter) sums the partial products.  The bias is replicated and added once, after the
     sum (added before, it would be counted N times).
 
-    ``function``: an autograd Function whose ``apply(x, weight, bias, comm)`` is this layer with
-    its g — X_r B_rᵀ all-reduced forward, plus the bias; identity on dL/dZ backward.  Default: the
-    package's, :meth:`linear`; a function of one's own not with sequence parallelism.
+    ``row_parallel_linear``: an autograd Function whose ``apply(x, weight, bias, comm)`` is this
+    layer with its g — X_r B_rᵀ all-reduced forward, plus the bias; identity on dL/dZ backward
+    (lesson 06's exercise).  None: the package's, :meth:`linear`; a function of one's own not with
+    sequence parallelism.
     """
 
     def __init__(self, in_features: int, out_features: int, comm: Comm, bias: bool = True, *,
-                 sequence_parallel: bool = False, function=None, device=None, dtype=None):
+                 sequence_parallel: bool = False, row_parallel_linear=None, device=None,
+                 dtype=None):
         super().__init__()
-        if function is not None and sequence_parallel:
-            raise ValueError("function= replaces the linear and g; sequence parallelism "
+        if row_parallel_linear is not None and sequence_parallel:
+            raise ValueError("row_parallel_linear= replaces the linear and g; sequence parallelism "
                              "reduce-scatters instead: use one or the other")
         self.comm, self.sequence_parallel, self.tag = comm, sequence_parallel, "row"
-        self.apply_function = function.apply if function is not None else self.linear
+        self.row_parallel_linear = row_parallel_linear  # None: self.linear
         self.in_features, self.out_features = in_features, out_features
         if in_features % comm.size:
             raise ParameterError(f"{{}} does not split over {comm.size} ranks",
@@ -319,11 +323,14 @@ class RowParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.apply_function(x, self.weight, self.bias, self.comm)
+        if self.row_parallel_linear is not None:
+            return self.row_parallel_linear.apply(x, self.weight, self.bias, self.comm)
+        return self.linear(x, self.weight, self.bias, self.comm)
 
     def linear(self, x, weight, bias, comm: Comm) -> torch.Tensor:
-        """The package's row-parallel linear, in the shape of ``function.apply``: X_r·B_rᵀ, g (or,
-        sequence parallel, the reduce-scatter) sums the ranks' partial products, then the bias."""
+        """The package's row-parallel linear, in the shape of ``row_parallel_linear.apply``:
+        X_r·B_rᵀ, g (or, sequence parallel, the reduce-scatter) sums the ranks' partial products,
+        then the bias."""
         partial = F.linear(x, weight)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel(partial, comm, self.tag)
@@ -416,11 +423,12 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, voc
 
 
 def vocab_parallel_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                        comm: Comm, function=None) -> torch.Tensor:
+                        comm: Comm, vocab_parallel_cross_entropy=None) -> torch.Tensor:
     """Mean cross-entropy of (t, b, V/N) logits, this rank's slice of the vocabulary, against
-    (b, t) targets.  ``function``: an autograd Function whose ``apply(logits, target,
-    vocab_start, vocab_size, comm)`` is the per-position loss (default: the package's)."""
-    start = logits.shape[-1] * comm.rank
-    if function is not None:
-        return function.apply(logits, targets.t(), start, vocab_size, comm).mean()
-    return vocab_parallel_cross_entropy(logits, targets.t(), start, vocab_size, comm).mean()
+    (b, t) targets.  ``vocab_parallel_cross_entropy``: an autograd Function whose
+    ``apply(logits, target, vocab_start, vocab_size, comm)`` is the per-position loss (lesson 06's
+    exercise; None: the package's, :func:`vocab_parallel_cross_entropy`)."""
+    start, targets = logits.shape[-1] * comm.rank, targets.t()
+    if vocab_parallel_cross_entropy is not None:
+        return vocab_parallel_cross_entropy.apply(logits, targets, start, vocab_size, comm).mean()
+    return _VocabParallelCrossEntropy.apply(logits, targets, start, vocab_size, comm, "loss").mean()

@@ -28,7 +28,8 @@ from .errors import ParameterError
 
 __all__ = ["Split", "padded_size", "shard_tensor", "merge_shards", "f", "g",
            "gather_from_sequence_parallel", "reduce_scatter_to_sequence_parallel", "sequence_shard",
-           "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+           "ColumnParallelLinear", "VocabParallelLinear", "RowParallelLinear",
+           "VocabParallelEmbedding",
            "vocab_parallel_cross_entropy", "vocab_parallel_loss"]
 
 
@@ -219,7 +220,6 @@ class ColumnParallelLinear(nn.Module):
     ``f`` (or, sequence parallel, an all-gather of the sequence) makes its input whole.
 
     ``parts``: the outputs are ``parts`` stacked blocks each split on its own (fused q;k;v: 3).
-    ``pad``: round ``out_features`` up to a multiple of N with zero rows (the vocabulary).
     The output stays split (Megatron's ``gather_output=False``): the next layer is row-parallel,
     or the vocabulary-parallel loss.  The weights start at zero; :meth:`from_linear` cuts them
     from a full layer.
@@ -230,9 +230,11 @@ class ColumnParallelLinear(nn.Module):
     sequence parallelism (its f is an all-gather).
     """
 
+    pad = False  # round out_features up to a multiple of N with zero rows: VocabParallelLinear
+
     def __init__(self, in_features: int, out_features: int, comm: Comm, bias: bool = True, *,
-                 parts: int = 1, pad: bool = False, sequence_parallel: bool = False,
-                 column_parallel_linear=None, device=None, dtype=None):
+                 parts: int = 1, sequence_parallel: bool = False, column_parallel_linear=None,
+                 device=None, dtype=None):
         super().__init__()
         if column_parallel_linear is not None and sequence_parallel:
             raise ValueError("column_parallel_linear= replaces f and the linear; sequence "
@@ -240,8 +242,8 @@ class ColumnParallelLinear(nn.Module):
         self.comm, self.sequence_parallel, self.tag = comm, sequence_parallel, "column"
         self.column_parallel_linear = column_parallel_linear  # None: self.linear
         self.in_features, self.out_features = in_features, out_features
-        self.split = Split(0, parts, out_features if pad else None)
-        padded = padded_size(out_features, comm.size) if pad else out_features
+        self.split = Split(0, parts, out_features if self.pad else None)
+        padded = padded_size(out_features, comm.size) if self.pad else out_features
         if padded % (parts * comm.size):
             raise ParameterError(f"{{}} does not split into {parts} part(s) over {comm.size} ranks",
                                  ("out_features", out_features))
@@ -278,6 +280,15 @@ class ColumnParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"per rank={self.output_size_per_partition}, tp={self.comm.size}")
+
+
+class VocabParallelLinear(ColumnParallelLinear):
+    """The output layer over the vocabulary: a :class:`ColumnParallelLinear` whose
+    ``out_features`` (the vocabulary) is rounded up to a multiple of N with zero rows, as
+    :class:`VocabParallelEmbedding`'s table is, so that the two can share a shard (tied weights).
+    The padding's logits are left out of the softmax (:func:`vocab_parallel_cross_entropy`)."""
+
+    pad = True
 
 
 class RowParallelLinear(nn.Module):

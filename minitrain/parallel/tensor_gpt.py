@@ -20,8 +20,8 @@ from ..comm import Comm, all_reduce_coalesced
 from ..model import GPT, Attention, Block, Embedding, GPTConfig, Head
 from .errors import ParameterError
 from .tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                     _replicated_param, padded_size, sequence_shard, vocab_parallel_cross_entropy,
-                     vocab_parallel_loss)
+                     VocabParallelLinear, _replicated_param, padded_size, sequence_shard,
+                     vocab_parallel_cross_entropy, vocab_parallel_loss)
 
 __all__ = ["causal_attention", "ParallelAttention", "ParallelMLP", "ParallelBlock",
            "ParallelEmbedding",
@@ -146,9 +146,9 @@ class ParallelHead(nn.Module):
         super().__init__()
         self.seq_len = seq_len
         self.ln = _layer_norm(head.ln, sequence_parallel)
-        self.out = ColumnParallelLinear.from_linear(head.out, comm, pad=True,
-                                                    column_parallel_linear=column_parallel_linear,
-                                                    sequence_parallel=sequence_parallel)
+        self.out = VocabParallelLinear.from_linear(head.out, comm,
+                                                   column_parallel_linear=column_parallel_linear,
+                                                   sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         return self.out(self.ln(x))[:seq_len or self.seq_len]

@@ -382,17 +382,20 @@ def backend_all_reduce(tensor: torch.Tensor, comm: Comm, tag: str = "") -> torch
 
 @torch.no_grad()
 def all_reduce_coalesced(tensors: list, comm: Comm, tag: str = "", divide_by: int = 1,
-                         all_reduce=None) -> None:
+                         ring_all_reduce=None) -> None:
     """Sum ``tensors`` over ``comm``'s ranks in place with one all-reduce of them flattened
     together (one message instead of one per tensor), then divide by ``divide_by``.
 
-    ``all_reduce(flat, comm) -> the sum`` does the summing: default :func:`backend_all_reduce`
-    (traced as ``tag``); :func:`ring_all_reduce`, or a learner's ring, has the same shape."""
+    ``ring_all_reduce(flat, comm) -> the sum`` does the summing: the package's
+    :func:`ring_all_reduce`, or a learner's ring (lesson 01's exercise); None:
+    :func:`backend_all_reduce` (traced as ``tag``)."""
     if not tensors or comm.size == 1:
         return
-    all_reduce = all_reduce or (lambda t, c: backend_all_reduce(t, c, tag))
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    summed = all_reduce(flat, comm)
+    if ring_all_reduce is None:
+        summed = backend_all_reduce(flat, comm, tag)
+    else:
+        summed = ring_all_reduce(flat, comm)
     if divide_by != 1:
         summed = summed.div(divide_by)
     for t, piece in zip(tensors, summed.split([t.numel() for t in tensors])):

@@ -206,23 +206,25 @@ class MoE(nn.Module):
     summed weighted by the gates; with a capacity factor an expert takes only so many assignments
     of each group of tokens — here a group is one sequence, so that a rank holding whole
     sequences decides alone, before any token moves (Lepikhin et al., 2020, "GShard": capacity
-    per group).  ``router``: the routing rule (:func:`moe_router`).  After each forward:
-    ``aux_loss`` (load balance), ``tokens_per_expert`` (assignments routed) and ``dropped``."""
+    per group).  ``moe_router``: the routing rule (None: the package's :func:`moe_router`).  After
+    each forward: ``aux_loss`` (load balance), ``tokens_per_expert`` (assignments routed) and
+    ``dropped``."""
 
-    def __init__(self, cfg: GPTConfig, router=None):
+    def __init__(self, cfg: GPTConfig, moe_router=None):
         super().__init__()
         self.cfg = cfg
         self.router = nn.Linear(cfg.d_model, cfg.n_expert, bias=False)
         self.experts = nn.ModuleList(MLP(cfg) for _ in range(cfg.n_expert))
-        self.route = router or moe_router
+        self.moe_router = moe_router  # None: the package's moe_router
         self.aux_loss = self.tokens_per_expert = None
         self.dropped = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg, d = self.cfg, x.shape[-1]
         groups = x.reshape(-1, x.shape[-2], d)  # (sequences, tokens, d): one group per sequence
-        experts, gates, keep, self.aux_loss = self.route(self.router(groups), cfg.top_k,
-                                                         expert_capacity(cfg, groups.shape[1]))
+        route = self.moe_router or moe_router
+        experts, gates, keep, self.aux_loss = route(self.router(groups), cfg.top_k,
+                                                    expert_capacity(cfg, groups.shape[1]))
         flat = groups.reshape(-1, d)
         tokens = torch.arange(flat.shape[0], device=x.device).repeat_interleave(cfg.top_k)
         experts, gates, keep = experts.reshape(-1), gates.reshape(-1), keep.reshape(-1)
@@ -292,16 +294,16 @@ class GPT(nn.Module):
     """The tiny GPT.  ``GPT(cfg, seed)`` gives the same weights on every rank and every run.
 
     ``checkpoint_activations=True`` (an attribute, can be switched at any time) runs each block
-    through ``recompute(block, x)`` (default :func:`recompute_block`) while gradients are being
-    recorded.
+    through ``recompute_block(block, x)`` (None: the package's :func:`recompute_block`; lesson 07's
+    exercise writes one) while gradients are being recorded.
     """
 
     def __init__(self, cfg: GPTConfig = GPTConfig(), seed: int = 0,
-                 checkpoint_activations: bool = False, recompute=None):
+                 checkpoint_activations: bool = False, recompute_block=None):
         super().__init__()
         self.cfg = cfg
         self.checkpoint_activations = checkpoint_activations
-        self.recompute = recompute or recompute_block
+        self.recompute_block = recompute_block  # None: the package's recompute_block
         self.embed = Embedding(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.head = Head(cfg)
@@ -330,8 +332,9 @@ class GPT(nn.Module):
         """Logits of shape (batch, seq, vocab), or the mean loss when ``targets`` are given."""
         x = self.embed(idx)
         again = self.checkpoint_activations and torch.is_grad_enabled()
+        recompute = self.recompute_block or recompute_block
         for block in self.blocks:
-            x = self.recompute(block, x) if again else block(x)
+            x = recompute(block, x) if again else block(x)
         logits = self.head(x)
         if targets is None:
             return logits

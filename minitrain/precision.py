@@ -64,20 +64,21 @@ class DynamicLossScaler:
     ``skipped_steps``, ``good_steps`` (since the last change), ``steps`` and ``history`` (the scale
     used at each step, and whether that step was skipped).
 
-    ``update=`` is a seam (lesson 07's exercise): ``fn(scale, good_steps, found_inf,
-    growth_interval) -> (new_scale, new_good_steps, take_step)``, by default
-    :func:`loss_scale_update` with this scaler's factors.
+    ``loss_scale_update=`` is a seam (lesson 07's exercise): ``fn(scale, good_steps, found_inf,
+    growth_interval) -> (new_scale, new_good_steps, take_step)``; None: :func:`loss_scale_update`
+    with this scaler's factors.
     """
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000, update=None):
+                 backoff_factor: float = 0.5, growth_interval: int = 2000,
+                 loss_scale_update=None):
         if init_scale <= 0 or growth_factor <= 1 or not 0 < backoff_factor < 1 or growth_interval < 1:
             raise ValueError("need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and "
                              "growth_interval >= 1")
         self.scale = float(init_scale)
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval = growth_interval
-        self.rule = update or self._package_rule
+        self.loss_scale_update = loss_scale_update  # None: the package's loss_scale_update
         self.steps = self.skipped_steps = self.good_steps = 0
         self.history: list[tuple[float, bool]] = []  # (scale used, skipped?) per step
 
@@ -103,8 +104,9 @@ class DynamicLossScaler:
         """After a step: on overflow skip it and back off; after enough good steps, grow."""
         self.history.append((self.scale, bool(found_inf)))
         self.steps += 1
-        self.scale, self.good_steps, take = self.rule(self.scale, self.good_steps,
-                                                      bool(found_inf), self.growth_interval)
+        rule = self.loss_scale_update or self._package_rule
+        self.scale, self.good_steps, take = rule(self.scale, self.good_steps, bool(found_inf),
+                                                 self.growth_interval)
         self.skipped_steps += not take
 
     def state_dict(self) -> dict:
@@ -156,8 +158,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         master_weights: ``{parameter: fp32 tensor}`` from :func:`cast_model_` (used as they are);
             a parameter missing from it gets ``p.float()`` — its 16-bit value, upcast.
         loss_scaler: a :class:`DynamicLossScaler` (fp16); None: no scaling (bf16).
-        step: ``step(params, masters, inner_optimizer, loss_scale) -> took_step``, the step itself
-            (lesson 07's exercise); None: :func:`mixed_precision_step`.
+        mixed_precision_step: ``mixed_precision_step(params, masters, inner_optimizer,
+            loss_scale) -> took_step``, the step itself (lesson 07's exercise); None: the
+            package's :func:`mixed_precision_step`.
         **defaults: the inner optimizer's hyperparameters (``lr``, ``betas``, ...).
 
     ``self.state[p]`` holds ``"master"`` and, after the first step, the inner optimizer's state
@@ -166,11 +169,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params, optimizer_class=torch.optim.Adam, master_weights: dict | None = None,
-                 loss_scaler: DynamicLossScaler | None = None, step=None, **defaults):
+                 loss_scaler: DynamicLossScaler | None = None, mixed_precision_step=None,
+                 **defaults):
         super().__init__(params, defaults)
         master_weights = master_weights or {}
         self.loss_scaler = loss_scaler
-        self.master_step = step or mixed_precision_step
+        self.mixed_precision_step = mixed_precision_step  # None: the package's
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (16-bit weight, fp32 master)
         groups = []
         for group in self.param_groups:
@@ -199,7 +203,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             inner.update({k: v for k, v in group.items() if k != "params"})  # e.g. an lr schedule
         params, masters = [p for p, _ in self.pairs], [m for _, m in self.pairs]
         scale = self.loss_scaler.scale if self.loss_scaler is not None else None
-        took = bool(self.master_step(params, masters, self.optimizer, scale))
+        master_step = self.mixed_precision_step or mixed_precision_step
+        took = bool(master_step(params, masters, self.optimizer, scale))
         if self.loss_scaler is not None:
             self.loss_scaler.update(not took)
         if took:

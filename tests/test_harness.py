@@ -84,7 +84,7 @@ def test_the_loss_scale_seam_runs_inside_the_real_strategy(clusters):
 
 
 def test_the_scaler_seam_alone():
-    rule = DynamicLossScaler(8.0, growth_interval=2, update=_reference_loss_scale_update)
+    rule = DynamicLossScaler(8.0, growth_interval=2, loss_scale_update=_reference_loss_scale_update)
     own = DynamicLossScaler(8.0, growth_interval=2)
     for found_inf in (True, False, False, False, True, False):
         rule.update(found_inf)

@@ -105,15 +105,15 @@ def test_bad_meshes_are_refused_before_spawning_with_the_fix(changes, message):
 
 
 def test_a_4d_mesh_refuses_a_3d_groups_function_naming_the_parameter():
-    """``groups(dp, pp, tp, axis)`` has one shape, the 3D mesh's; a mesh with cp > 1 numbers its
-    ranks over four axes and says so in the technique's words (no CLI flag)."""
+    """``mesh_groups(dp, pp, tp, axis)`` has one shape, the 3D mesh's; a mesh with cp > 1 numbers
+    its ranks over four axes and says so in the technique's words (no CLI flag)."""
     from types import SimpleNamespace
 
     from minitrain.parallel.mesh import Mesh
 
-    with pytest.raises(ValueError, match=r"cp=2: leave groups=None") as info:
+    with pytest.raises(ValueError, match=r"cp=2: leave mesh_groups=None") as info:
         Mesh(MeshShape(1, 1, 1, cp=2), SimpleNamespace(size=2, rank=0),
-             groups=lambda dp, pp, tp, axis: MeshShape(dp, pp, tp).groups(axis))
+             mesh_groups=lambda dp, pp, tp, axis: MeshShape(dp, pp, tp).groups(axis))
     assert "--" not in str(info.value)
 
 

@@ -163,15 +163,17 @@ def test_slow_worker_spec():
 def test_staleness_aware_learning_rate_scales_one_step_and_restores_the_rate():
     """Zhang et al., 2016: a gradient τ versions stale steps with lr/τ.  Adam's first step moves
     each weight by lr·sign(g), so the move is the scaled rate exactly; the rate is restored after."""
-    from minitrain.parallel.param_server import ParameterServer
+    from minitrain.parallel.param_server import Consistency, ParameterServer
 
-    server = ParameterServer(None, [torch.zeros(4)], [1], lr=0.1, mode="async", staleness_lr=True)
+    server = ParameterServer(None, [torch.zeros(4)], [1], lr=0.1,
+                             consistency=Consistency("async", staleness_lr=True))
     g = torch.tensor([1.0, -2.0, 0.5, 3.0])
     server.apply(g, lr_scale=1 / 4)
     torch.testing.assert_close(server.params[0].detach(), -0.025 * g.sign())
     assert server.optimizer.param_groups[0]["lr"] == 0.1 and server.version == 1
     with pytest.raises(ValueError, match="mode 'async' only"):
-        ParameterServer(None, [torch.zeros(4)], [1], lr=0.1, mode="sync", staleness_lr=True)
+        ParameterServer(None, [torch.zeros(4)], [1], lr=0.1,
+                        consistency=Consistency("sync", staleness_lr=True))
 
 
 def test_a_staleness_aware_async_run_trains(clusters):

@@ -232,7 +232,7 @@ def test_checkpointing_is_off_without_gradients():
         calls.append(block)
         return recompute_block(block, x)
 
-    model = GPT(PRESETS["nano"], seed=0, checkpoint_activations=True, recompute=spy)
+    model = GPT(PRESETS["nano"], seed=0, checkpoint_activations=True, recompute_block=spy)
     x, y = ArithmeticData(16, 0).batch(0, 2)
     with torch.no_grad():
         out = model(x)

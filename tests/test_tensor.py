@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from minitrain import GPTConfig, TrainConfig, train
 from minitrain.comm import Comm
 from minitrain.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, Split,
-                                       f, g, gather_from_sequence_parallel, merge_shards,
+                                       VocabParallelLinear, f, g, gather_from_sequence_parallel,
+                                       merge_shards,
                                        reduce_scatter_to_sequence_parallel, shard_tensor,
                                        vocab_parallel_cross_entropy)
 from minitrain.strategies import ConfigError
@@ -263,6 +264,19 @@ def test_shard_and_merge_put_the_fused_qkv_back():
                        vocab)
     with pytest.raises(ValueError, match="pad it to a multiple of 2"):
         shard_tensor(vocab, 0, 2)
+
+
+def test_the_vocabulary_layer_pads_its_outputs_and_a_column_parallel_one_refuses():
+    """13 outputs over 2 ranks: the output layer over the vocabulary keeps 7 rows a rank (one of
+    padding, 13 real); a column-parallel linear names the dimension that does not split."""
+    from types import SimpleNamespace
+
+    comm = SimpleNamespace(size=2, rank=1)
+    head = VocabParallelLinear(4, 13, comm, bias=False)
+    assert head.output_size_per_partition == 7 and head.split == Split(0, 1, 13)
+    assert head.weight.tp_split == Split(0, 1, 13)
+    with pytest.raises(ValueError, match="out_features=13.* does not split into 1 part"):
+        ColumnParallelLinear(4, 13, comm, bias=False)
 
 
 # -- refusals, before any process starts -----------------------------------------------------------

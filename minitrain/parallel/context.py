@@ -71,13 +71,15 @@ class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries over every rank's keys/values, by ring.
 
     ``positions`` is an (N, L) tensor: row j holds the global positions of rank j's tokens.
-    Saves only q, k, v, out and lse (O(L) per rank, never an L x T score matrix).
+    ``online_softmax_merge(out_a, lse_a, out_b, lse_b)`` merges two blocks' partial attention
+    (lesson 09's exercise; None: :func:`merge_attention`).  Saves only q, k, v, out and lse (O(L)
+    per rank, never an L x T score matrix).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, positions, comm, merge):
+    def forward(ctx, q, k, v, positions, comm, online_softmax_merge):
         n, r = comm.size, comm.rank
-        merge = merge or merge_attention
+        merge = online_softmax_merge or merge_attention
         kv = torch.stack([k, v]).contiguous()
         out = lse = None
         for s in range(n):
@@ -129,10 +131,10 @@ class RingAttention(torch.autograd.Function):
         return dq, dkv[0], dkv[1], None, None, None
 
 
-def ring_attention(q, k, v, positions, comm: Comm, merge=None):
+def ring_attention(q, k, v, positions, comm: Comm, online_softmax_merge=None):
     """Causal ring attention, differentiable (:class:`RingAttention`); returns the output only.
     With one rank it is plain causal attention over the rank's own tokens."""
-    return RingAttention.apply(q, k, v, positions, comm, merge)[0]
+    return RingAttention.apply(q, k, v, positions, comm, online_softmax_merge)[0]
 
 
 def balanced_layout(seq_len: int, n: int) -> tuple[int, torch.Tensor]:
@@ -163,10 +165,10 @@ class RingSelfAttention(nn.Module):
     """The model's :class:`~minitrain.model.Attention` with ring attention inside: the same ``qkv``
     and ``proj`` parameters (so the same state_dict names), this rank's tokens in and out."""
 
-    def __init__(self, attn: nn.Module, comm: Comm, merge=None):
+    def __init__(self, attn: nn.Module, comm: Comm, online_softmax_merge=None):
         super().__init__()
         self.n_head, self.qkv, self.proj = attn.n_head, attn.qkv, attn.proj
-        self.comm, self.merge = comm, merge
+        self.comm, self.online_softmax_merge = comm, online_softmax_merge
         self.positions: torch.Tensor | None = None  # set by local_forward for each batch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -174,15 +176,15 @@ class RingSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(d, dim=-1)
         q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2).contiguous()
                    for z in (q, k, v))
-        y = ring_attention(q, k, v, self.positions, self.comm, self.merge)
+        y = ring_attention(q, k, v, self.positions, self.comm, self.online_softmax_merge)
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
 
-def context_parallel_(model: nn.Module, comm: Comm, merge=None) -> nn.Module:
+def context_parallel_(model: nn.Module, comm: Comm, online_softmax_merge=None) -> nn.Module:
     """Swap every block's attention for :class:`RingSelfAttention` in place (state_dict names
     unchanged); returns the model."""
     for block in model.blocks:
-        block.attn = RingSelfAttention(block.attn, comm, merge)
+        block.attn = RingSelfAttention(block.attn, comm, online_softmax_merge)
     return model
 
 

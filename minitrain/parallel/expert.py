@@ -79,15 +79,17 @@ class ExpertParallelMoE(nn.Module):
     """A :class:`~minitrain.model.MoE` whose experts live on their owners: the same router and
     the local experts under the same names (``experts.<e>``), this rank's tokens in and out.
 
-    ``dispatch``: the all-to-all function (the seam; default :func:`all_to_all`).  ``route``: the
-    routing rule (the seam; default :func:`~minitrain.model.moe_router`).  ``groups``: the global
-    batch's number of groups (sequences), for this rank's share of the load-balancing loss."""
+    ``all_to_all_dispatch``: the all-to-all function (lesson 09's exercise; None:
+    :func:`all_to_all`).  ``moe_router``: the routing rule (lesson 09's exercise; None: the
+    package's :func:`~minitrain.model.moe_router`).  ``groups``: the global batch's number of
+    groups (sequences), for this rank's share of the load-balancing loss."""
 
-    def __init__(self, moe: MoE, comm: Comm, groups: int, dispatch=None, route=None):
+    def __init__(self, moe: MoE, comm: Comm, groups: int, all_to_all_dispatch=None,
+                 moe_router=None):
         super().__init__()
         self.cfg, self.comm, self.groups = moe.cfg, comm, groups
-        self.dispatch = dispatch or all_to_all
-        self.route = route or moe_router
+        self.all_to_all_dispatch = all_to_all_dispatch or all_to_all
+        self.moe_router = moe_router  # None: the package's moe_router
         self.owner = expert_owner(self.cfg.n_expert, comm.size)
         self.local = [e for e, o in enumerate(self.owner) if o == comm.rank]
         self.router = moe.router
@@ -99,8 +101,9 @@ class ExpertParallelMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg, comm, d = self.cfg, self.comm, x.shape[-1]
         groups = x.reshape(-1, x.shape[-2], d)  # this rank's sequences: its groups
-        experts, gates, keep, aux = self.route(self.router(groups), cfg.top_k,
-                                               expert_capacity(cfg, groups.shape[1]))
+        route = self.moe_router or moe_router
+        experts, gates, keep, aux = route(self.router(groups), cfg.top_k,
+                                          expert_capacity(cfg, groups.shape[1]))
         flat = groups.reshape(-1, d)
         tokens = torch.arange(flat.shape[0], device=x.device).repeat_interleave(cfg.top_k)
         experts, gates, keep = experts.reshape(-1), gates.reshape(-1), keep.reshape(-1)
@@ -115,8 +118,8 @@ class ExpertParallelMoE(nn.Module):
         kept_by = every[:, 0]
         to_rank = [int(counts[self.local_of(p)].sum()) for p in range(comm.size)]
         from_rank = [int(kept_by[p, self.local].sum()) for p in range(comm.size)]
-        got = AllToAll.apply(flat[tokens[order]], from_rank, to_rank, comm, self.dispatch,
-                             "moe dispatch")
+        got = AllToAll.apply(flat[tokens[order]], from_rank, to_rank, comm,
+                             self.all_to_all_dispatch, "moe dispatch")
         # got: by source rank, then by expert, token order within
         per_source = [seg.split(kept_by[p, self.local].tolist())
                       for p, seg in enumerate(got.split(from_rank))]
@@ -127,7 +130,8 @@ class ExpertParallelMoE(nn.Module):
             for p, part in enumerate(y.split(kept_by[:, e].tolist())):
                 outs[p][i] = part
         back_in = torch.cat([t for row in outs for t in row]) if got.shape[0] else got
-        back = AllToAll.apply(back_in, to_rank, from_rank, comm, self.dispatch, "moe combine")
+        back = AllToAll.apply(back_in, to_rank, from_rank, comm, self.all_to_all_dispatch,
+                              "moe combine")
         out = torch.zeros_like(flat).index_add_(
             0, tokens[order], back * gates[order].unsqueeze(-1).to(flat.dtype))
         # this rank's share of the mean over all groups, so that the ranks' shares add up to it
@@ -140,13 +144,13 @@ class ExpertParallelMoE(nn.Module):
         return [e for e, o in enumerate(self.owner) if o == rank]
 
 
-def expert_parallel_(model: nn.Module, comm: Comm, groups: int, dispatch=None,
-                     route=None) -> nn.Module:
+def expert_parallel_(model: nn.Module, comm: Comm, groups: int, all_to_all_dispatch=None,
+                     moe_router=None) -> nn.Module:
     """Swap every MoE block for :class:`ExpertParallelMoE` in place (the experts this rank does not
     own are dropped; state_dict names of the rest unchanged); ``groups``: the global batch's
     sequences; returns the model."""
     for block in model.blocks:
-        block.mlp = ExpertParallelMoE(block.mlp, comm, groups, dispatch, route)
+        block.mlp = ExpertParallelMoE(block.mlp, comm, groups, all_to_all_dispatch, moe_router)
     return model
 
 

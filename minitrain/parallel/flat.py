@@ -11,7 +11,8 @@ Memory Optimizations Toward Training Trillion Parameter Models" (the flat, padde
   hook: DDP's hooks (:mod:`.data_parallel`) fill and launch slots.
 * :class:`GradientReducer` — the "gradient ready → pre-divided copy into its unit's flat buffer
   → asynchronous launch once the unit is full → wait at the end of backward" machine that
-  ZeRO-2 and ZeRO-3 reduce-scatter with.
+  ZeRO-2 reduce-scatters with, full units launched in unit order; :class:`OneInFlightReducer`,
+  ZeRO-3's, launches each unit as it fills, one at a time.
 """
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from .errors import ParameterError
 
 __all__ = ["FlatUnit", "make_buckets", "bucket_caps", "MIB",
-           "DEFAULT_BUCKET_MB", "FIRST_BUCKET_BYTES", "GradientReducer", "Slot", "copy_into_bucket",
-           "Done"]
+           "DEFAULT_BUCKET_MB", "FIRST_BUCKET_BYTES", "GradientReducer", "OneInFlightReducer",
+           "SlotHooks", "Slot", "copy_into_bucket", "Done"]
 
 MIB = 1024 * 1024
 DEFAULT_BUCKET_MB = 25
@@ -191,14 +193,28 @@ class Done:
         return True
 
 
+@dataclass(frozen=True)
+class SlotHooks:
+    """Hooks that put the gradients into the units and launch their collectives themselves
+    (ZeRO-2's exercise, lesson 04): ``grad_ready(slot, i, grad, comm)`` for each gradient,
+    ``end_of_backward(slots)`` once.  ``comm(slot)`` is the communicator a slot's hooks get,
+    whose asynchronous calls give the work handle they leave in ``slot.work``."""
+
+    grad_ready: Callable
+    end_of_backward: Callable
+    comm: Callable
+
+
 class GradientReducer:
-    """Gradients reduced unit by unit while backward runs, from post-accumulate-grad hooks (ZeRO).
+    """Gradients reduced unit by unit while backward runs, from post-accumulate-grad hooks (ZeRO-2).
 
     For each unit (a :class:`FlatUnit`; one :class:`Slot` each, in ``units`` order): when a
     parameter's gradient is accumulated, :func:`copy_into_bucket` copies it, pre-divided by N, into
     the unit's flat buffer (zeros allocated at the unit's first gradient) and drops ``p.grad`` (the
-    full gradient is not kept); once the unit is full, ``launch(slot)`` starts its collective and
-    returns a work handle.  The end of backward (an autograd callback) launches what is left,
+    full gradient is not kept); full units are launched strictly in unit order — every rank must
+    issue the same collectives in the same order, whatever order its hooks fired in — by
+    ``launch(slot)``, which starts the unit's collective and returns a work handle.  The end of
+    backward (an autograd callback) launches what is left (zeros for a unit no gradient reached),
     waits, calls ``finish(slot)`` for each launched unit, in order, and frees its buffer.
 
     Arguments:
@@ -207,22 +223,11 @@ class GradientReducer:
         launch: ``launch(slot) -> work`` (a work handle: ``wait()``, ``end``, as :class:`Done`);
             may keep results in ``slot.out``.
         finish: ``finish(slot)`` once its work is done.
-        ordered: launch full units strictly in unit order (every rank must issue the same
-            collectives in the same order, whatever order its hooks fired in); False: each unit
-            as it fills (ZeRO-3, whose units fill in the model's own backward order).
-        max_in_flight: None, or 1: finish the unit in flight before launching the next (ZeRO-3:
-            at most one unit's gradient buffer waits on the network).
-        flush_untouched: ``flush_untouched(slot) -> bool``: at the end of backward, also launch this
-            unit, which no gradient reached (zeros)?  Default: every such unit (ZeRO-2); ZeRO-3
-            only the units still gathered for a backward.
-        after_flush: called (no argument) at the end of backward, after the last waits.
         dtype: the buffers' dtype (default: the unit's parameters').
-        hooks: ``(grad_ready(slot, i, grad, comm), end_of_backward(slots))`` (ZeRO-2's exercise,
-            lesson 04): they put the gradients in and launch the collectives instead of
-            ``launch`` (``comm``: ``hook_comm(slot)``, whose asynchronous calls give the work
-            handle they leave in ``slot.work``); each slot also gets ``grad_shard``, an
-            empty tensor of the unit's shard size.  A unit none of whose gradients came is fed
-            zeros through ``grad_ready`` at the end of backward.  ``finish`` then runs as usual.
+        hooks: :class:`SlotHooks` that put the gradients in and launch the collectives instead of
+            ``launch``; each slot also gets ``grad_shard``, an empty tensor of the unit's shard
+            size.  A unit none of whose gradients came is fed zeros through ``grad_ready`` at the
+            end of backward.  ``finish`` then runs as usual.
 
     ``begin()`` starts a backward early (ZeRO-3 calls it before a unit's first gradient).
     ``timeline``: None, or a list (set by whoever wants it) that gets, per backward, when it
@@ -230,16 +235,12 @@ class GradientReducer:
     """
 
     def __init__(self, units: list[FlatUnit], world_size: int, launch, finish, *,
-                 ordered: bool = True, max_in_flight: int | None = None,
-                 flush_untouched=lambda slot: True, after_flush=None,
-                 dtype: torch.dtype | None = None, hooks=None, hook_comm=None):
+                 dtype: torch.dtype | None = None, hooks: SlotHooks | None = None):
         self.slots = [Slot(k, u) for k, u in enumerate(units)]
         self.world_size = world_size
         self.launch, self.finish = launch, finish
-        self.ordered, self.max_in_flight = ordered, max_in_flight
-        self.flush_untouched, self.after_flush = flush_untouched, after_flush
         self.dtype = dtype
-        self.hooks, self.hook_comm = hooks, hook_comm
+        self.hooks = hooks
         self.timeline: list[dict] | None = None  # a list: kept, per backward
         self._step: dict = {}
         self._arrived: dict = {}  # slot index -> the gradients handed to the hooks this backward
@@ -276,16 +277,17 @@ class GradientReducer:
             self._allocate(s)
         if self.hooks is not None:
             self._arrived[s.index].add(i)
-            self.hooks[0](s, i, p.grad, self.hook_comm(s))
+            self.hooks.grad_ready(s, i, p.grad, self.hooks.comm(s))
             p.grad = None
             return
         full = copy_into_bucket(s, i, p.grad, self.world_size)
         p.grad = None
         if full:
-            if self.ordered:
-                self._launch_ready()
-            else:
-                self._launch(s)
+            self._full(s)
+
+    def _full(self, s: Slot) -> None:
+        """Slot ``s`` has all its gradients: launch, in unit order, what can go."""
+        self._launch_ready()
 
     def _launch_ready(self) -> None:
         """Launch every full unit, strictly in unit order."""
@@ -294,10 +296,6 @@ class GradientReducer:
             self._next += 1
 
     def _launch(self, s: Slot) -> None:
-        if self.max_in_flight is not None:
-            for other in self.slots:
-                if other.work is not None:
-                    self._finish(other)
         if s.buffer is None:  # no gradient reached this unit: it contributes zeros
             self._allocate(s)
         s.launched_at = time.perf_counter()
@@ -328,8 +326,6 @@ class GradientReducer:
             self._end_launching()
         if self.timeline is not None:
             self.timeline.append(self._step)
-        if self.after_flush is not None:
-            self.after_flush()
 
     def _end_with_hooks(self) -> None:
         """The hooks' end of backward: units left unfilled are fed zeros, ``end_of_backward`` waits,
@@ -340,9 +336,9 @@ class GradientReducer:
             for i, p in enumerate(s.unit.params):
                 if i not in self._arrived.setdefault(s.index, set()):
                     self._arrived[s.index].add(i)
-                    self.hooks[0](s, i, torch.zeros_like(p, dtype=s.buffer.dtype),
-                                  self.hook_comm(s))
-        self.hooks[1](self.slots)
+                    self.hooks.grad_ready(s, i, torch.zeros_like(p, dtype=s.buffer.dtype),
+                                          self.hooks.comm(s))
+        self.hooks.end_of_backward(self.slots)
         for s in self.slots:
             if s.work is None:
                 raise RuntimeError(f"bucket {s.index}'s collective was never launched (bucket.work "
@@ -350,11 +346,48 @@ class GradientReducer:
             self._finish(s)
 
     def _end_launching(self) -> None:
-        if self.ordered:
-            self._launch_ready()
-        for s in self.slots[self._next if self.ordered else 0:]:
-            if s.work is None and (s.ready or self.flush_untouched(s)):
+        self._launch_ready()
+        for s in self.slots[self._next:]:
+            if s.work is None:
                 self._launch(s)
+        self._finish_launched()
+
+    def _finish_launched(self) -> None:
         for s in self.slots:
             if s.work is not None:
                 self._finish(s)
+
+
+class OneInFlightReducer(GradientReducer):
+    """ZeRO-3's :class:`GradientReducer`: each unit launched as soon as it fills — its units fill
+    in the model's own backward order — once the unit in flight is finished, so that at most one
+    unit's gradient buffer waits on the network.
+
+    At the end of backward a unit no gradient reached is launched only when
+    ``flush_untouched(slot)`` says so (ZeRO-3: the units still gathered for a backward), and
+    ``after_flush()`` runs after the last wait.  The other arguments are
+    :class:`GradientReducer`'s.
+    """
+
+    def __init__(self, units: list[FlatUnit], world_size: int, launch, finish, *,
+                 flush_untouched, after_flush, dtype: torch.dtype | None = None):
+        super().__init__(units, world_size, launch, finish, dtype=dtype)
+        self.flush_untouched, self.after_flush = flush_untouched, after_flush
+
+    def _full(self, s: Slot) -> None:
+        self._launch(s)
+
+    def _launch(self, s: Slot) -> None:
+        self._finish_launched()
+        super()._launch(s)
+
+    def _end_launching(self) -> None:
+        for s in self.slots:
+            if s.work is None and (s.ready or self.flush_untouched(s)):
+                self._launch(s)
+        self._finish_launched()
+
+    @torch.no_grad()
+    def _end_backward(self) -> None:
+        super()._end_backward()
+        self.after_flush()

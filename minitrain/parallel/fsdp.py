@@ -5,7 +5,7 @@ Papers: Rajbhandari et al., 2020, "ZeRO: Memory Optimizations Toward Training Tr
 Models" (SC'20); Zhao et al., 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data
 Parallel" (VLDB).  Each unit (the embedding, each block, the head) all-gathers its parameters just
 before its forward and again before its backward, frees them after, and reduce-scatters its
-gradients once they are in (:class:`~minitrain.parallel.flat.GradientReducer`): 3Ψ per step, 1.5×
+gradients once they are in (:class:`~minitrain.parallel.flat.OneInFlightReducer`): 3Ψ per step, 1.5×
 DDP's traffic.  What happens around a unit's compute is one function, :func:`zero3_hook` (lesson
 04's exercise writes it); the wrapper calls it at the four moments, offering it the units that run
 next: the package's hook issues their gathers ahead (prefetch), so they run behind this unit's
@@ -23,7 +23,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..comm import Comm, all_reduce_coalesced
 from .data_parallel import broadcast_module, comm_for
-from .flat import Done, FlatUnit, GradientReducer
+from .flat import Done, FlatUnit, OneInFlightReducer
 from .fsdp_unit import MOMENTS, Unit, _Unit, all_gather_unit, zero3_hook
 from .zero import master_shard
 
@@ -168,9 +168,8 @@ class FullyShardedDataParallel(nn.Module):
             u.show(False)
         for p in self.replicated:
             p.register_hook(lambda g, p=p: self._replicated_grad(p, g))
-        self.reducer = GradientReducer(
+        self.reducer = OneInFlightReducer(
             [u.layout for u in self._sharded], self.comm.size, self._launch, self._finish,
-            ordered=False, max_in_flight=1,
             flush_untouched=lambda slot: self._sharded[slot.index].refs > 0,  # gathered, no grad
             after_flush=self._end_backward,
             dtype=self.policy.reduce_dtype or self.policy.param_dtype)

@@ -91,26 +91,29 @@ class Mesh:
     Every rank of ``comm`` must build it (``dist.new_group`` is collective: all ranks create every
     group, in the same order).  The communicators share ``comm``'s tracer, named "dp", "pp", "tp"
     (and "cp"; with ``cp = 1`` no context groups are built and ``self.cp`` is None).
-    ``groups(dp, pp, tp, axis) -> [[ranks], ...]`` replaces :meth:`MeshShape.groups` (lesson 08's
-    exercise) in a 3D mesh; a mesh with ``cp > 1`` numbers its ranks over four axes, so it builds
-    its own groups and refuses ``groups``.
+    ``mesh_groups(dp, pp, tp, axis) -> [[ranks], ...]`` replaces :meth:`MeshShape.groups`
+    (lesson 08's exercise) in a 3D mesh; a mesh with ``cp > 1`` numbers its ranks over four axes,
+    so it builds its own groups and refuses ``mesh_groups``.
     """
 
-    def __init__(self, shape: MeshShape, comm: Comm, groups=None):
+    def __init__(self, shape: MeshShape, comm: Comm, mesh_groups=None):
         if shape.size != comm.size:
             raise ValueError(f"a {_sizes(shape)} mesh needs {shape.size} ranks, "
                              f"the group has {comm.size}")
-        if groups is not None and shape.cp > 1:
-            raise ParameterError("groups(dp, pp, tp, axis) numbers the ranks of a 3D mesh and this "
-                                 "mesh has {}: leave {} (the mesh numbers its ranks "
+        if mesh_groups is not None and shape.cp > 1:
+            raise ParameterError("mesh_groups(dp, pp, tp, axis) numbers the ranks of a 3D mesh and "
+                                 "this mesh has {}: leave {} (the mesh numbers its ranks "
                                  "((p·dp + d)·cp + c)·tp + t), or use {}", ("cp", shape.cp),
-                                 ("groups", None), ("cp", 1), parameter="groups", value=groups)
+                                 ("mesh_groups", None), ("cp", 1), parameter="mesh_groups",
+                                 value=mesh_groups)
         self.shape, self.coords = shape, shape.coords(comm.rank)
         self.cp = None
-        groups = groups or (lambda dp, pp, tp, axis: shape.groups(axis))
         for axis in self.axes:
             mine = None
-            every = groups(shape.dp, shape.pp, shape.tp, axis)
+            if mesh_groups is None:
+                every = shape.groups(axis)
+            else:
+                every = mesh_groups(shape.dp, shape.pp, shape.tp, axis)
             for ranks in every:
                 group = dist.new_group([comm.global_rank(r) for r in ranks])
                 if comm.rank in ranks:

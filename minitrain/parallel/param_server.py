@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -27,8 +28,8 @@ from .compression import as_error_feedback
 from .errors import ParameterError
 from .flat import FlatUnit
 
-__all__ = ["partition", "ParameterServer", "Worker", "delay_compensated", "HEADER", "GRAD",
-           "PARAMS", "FINAL"]
+__all__ = ["partition", "Consistency", "ParameterServer", "Worker", "delay_compensated", "HEADER",
+           "GRAD", "PARAMS", "FINAL"]
 
 HEADER, GRAD, PARAMS, FINAL = 1, 2, 3, 4  # wire channels (torch.distributed's send/recv tags)
 
@@ -53,27 +54,46 @@ def delay_compensated(g: torch.Tensor, w_now: torch.Tensor, w_used: torch.Tensor
     return g + lam * g * g * (w_now - w_used)
 
 
+@dataclass(frozen=True)
+class Consistency:
+    """When a server applies the gradients it receives (the paper's consistency models).
+
+    ``mode``: ``"sync"`` (one averaged step per clock, from every worker), ``"ssp"`` (the same,
+    but a worker may run ahead until its clock minus the server's version exceeds ``staleness``)
+    or ``"async"`` (each gradient applied on arrival).  ``delay_comp``: λ of DC-ASGD
+    (:func:`delay_compensated`; 0: off), for ``ssp`` and ``async``.  ``staleness_lr``: ``async``
+    only, a gradient τ versions stale steps with the learning rate divided by τ.
+    """
+
+    mode: str = "sync"
+    staleness: int | None = None
+    delay_comp: float = 0.0
+    staleness_lr: bool = False
+
+    def __post_init__(self):
+        if self.mode not in ("sync", "ssp", "async"):
+            raise ParameterError("unknown {}; use 'sync', 'ssp' or 'async'", ("mode", self.mode))
+        if self.mode == "ssp" and (self.staleness is None or self.staleness < 0):
+            raise ParameterError("mode 'ssp' needs a staleness bound >= 0, got {}",
+                                 ("staleness", self.staleness))
+        if self.staleness_lr and self.mode != "async":
+            raise ValueError("staleness_lr divides each arriving gradient's step by its staleness: "
+                             "mode 'async' only")
+
+
 class ParameterServer:
-    """One server: owns some keys and their Adam state; answers pushes and pulls.
+    """One server: owns some keys and their Adam state; answers pushes and pulls, applying the
+    gradients as ``consistency`` (a :class:`Consistency`) says.  ``compressor``: how the workers'
+    gradients arrive (None: whole).
 
     ``serve(steps)`` runs until every worker has pushed ``steps`` gradients, and returns the log of
     applied gradients: ``{"version", "worker", "clock", "version_used", "staleness", "loss", "time"}``.
     """
 
     def __init__(self, comm: Comm, params: list[torch.Tensor], workers: list[int], lr: float,
-                 mode: str = "sync", staleness: int | None = None, delay_comp: float = 0.0,
-                 compressor=None, staleness_lr: bool = False):
-        if mode not in ("sync", "ssp", "async"):
-            raise ParameterError("unknown {}; use 'sync', 'ssp' or 'async'", ("mode", mode))
-        if mode == "ssp" and (staleness is None or staleness < 0):
-            raise ParameterError("mode 'ssp' needs a staleness bound >= 0, got {}",
-                                 ("staleness", staleness))
-        self.comm, self.workers, self.mode = comm, workers, mode
-        self.bound, self.delay_comp, self.compressor = staleness, delay_comp, compressor
-        if staleness_lr and mode != "async":
-            raise ValueError("staleness_lr divides each arriving gradient's step by its staleness: "
-                             "mode 'async' only")
-        self.staleness_lr = staleness_lr
+                 consistency: Consistency = Consistency(), compressor=None):
+        self.comm, self.workers, self.compressor = comm, workers, compressor
+        self.consistency = consistency
         self.params = [nn.Parameter(p.detach().clone()) for p in params]
         self.unit = FlatUnit(self.params)  # the keys laid end to end: what goes on the wire
         self.optimizer = torch.optim.Adam(self.params, lr=lr)
@@ -91,7 +111,7 @@ class ParameterServer:
         """Answer a pull without blocking (a server that waited on one slow receiver would stall
         every other worker — and, with several servers, could deadlock against them)."""
         weights = self.unit.flatten()
-        if self.delay_comp:
+        if self.consistency.delay_comp:
             self.sent_to[worker] = weights
         version = torch.tensor([float(self.version)], dtype=torch.float64)
         self.outbox = [(w, t) for w, t in self.outbox if not w.is_completed()]
@@ -117,9 +137,10 @@ class ParameterServer:
     # -- updates ------------------------------------------------------------------------------------
 
     def compensate(self, g: torch.Tensor, worker: int) -> torch.Tensor:
-        if not self.delay_comp or worker not in self.sent_to:
+        lam = self.consistency.delay_comp
+        if not lam or worker not in self.sent_to:
             return g
-        return delay_compensated(g, self.unit.flatten(), self.sent_to[worker], self.delay_comp)
+        return delay_compensated(g, self.unit.flatten(), self.sent_to[worker], lam)
 
     def apply(self, g: torch.Tensor, lr_scale: float = 1.0) -> None:
         """One Adam step on this server's keys with flat gradient ``g`` (its learning rate times
@@ -150,10 +171,10 @@ class ParameterServer:
     def serve(self, steps: int) -> list[dict]:
         for w in self.workers:  # the initial pull: every worker starts from the server's weights
             self.send_params(w)
-        if self.mode == "sync":
+        if self.consistency.mode == "sync":
             for clock in range(steps):
                 self.sync_clock(clock, last=clock == steps - 1)
-        elif self.mode == "ssp":
+        elif self.consistency.mode == "ssp":
             self.serve_ssp(steps)
         else:
             self.serve_async(steps)
@@ -178,7 +199,7 @@ class ParameterServer:
 
     def serve_ssp(self, steps: int) -> None:
         """Take pushes in arrival order; apply clock c once all W arrived (averaged in worker
-        order); answer a worker's pull for clock c only when c − version ≤ bound."""
+        order); answer a worker's pull for clock c only when c − version ≤ the staleness bound."""
         pending: dict[int, dict[int, tuple]] = {}  # clock -> worker -> (grad, used, loss)
         waiting: dict[int, int] = {}  # worker -> the clock it wants to compute next
         for _ in range(len(self.workers) * steps):
@@ -193,7 +214,7 @@ class ParameterServer:
             if clock + 1 < steps:
                 waiting[w] = clock + 1
             for v, want in sorted(waiting.items()):
-                if want - self.version <= self.bound:
+                if want - self.version <= self.consistency.staleness:
                     self.send_params(v)
                     del waiting[v]
 
@@ -205,7 +226,7 @@ class ParameterServer:
             w, clock, used, loss = self.recv_header(None)
             g = self.compensate(self.recv_grad(w), w)
             stale = self.version - used
-            self.apply(g, 1.0 / max(1, stale) if self.staleness_lr else 1.0)
+            self.apply(g, 1.0 / max(1, stale) if self.consistency.staleness_lr else 1.0)
             self.record(w, clock, used, loss)
             if clock + 1 < steps:
                 self.send_params(w)

@@ -117,7 +117,8 @@ def _one_f_one_b(P: int, M: int, r: int, backward: str = "B") -> list[Action]:
 
 def one_f_one_b(rank: int, P: int, M: int) -> list[str]:
     """1F1B's order on ``rank`` of ``P`` stages for ``M`` micro-batches, as strings ("F0", "B0"):
-    the shape of :func:`orders`'s ``order`` (the package's; lesson 05's exercise writes one)."""
+    what :func:`orders` runs when its ``one_f_one_b`` seam is None (lesson 05's exercise writes
+    one)."""
     return [f"{a.kind}{a.microbatch}" for a in _one_f_one_b(P, M, rank)]
 
 
@@ -179,19 +180,20 @@ def _zb_h1(P: int, M: int) -> list[list[Action]]:
 
 
 def orders(name: str, stages: int, microbatches: int, chunks: int = 1, *,
-           order=None) -> list[list[Action]]:
+           one_f_one_b=None) -> list[list[Action]]:
     """Each rank's actions in the order it runs them (no idles): the heart of each schedule.
 
-    ``order(rank, P, M) -> ["F0", "F1", "B0", ...]`` is 1F1B's order (default :func:`one_f_one_b`;
-    lesson 05's exercise writes one): each string is an action of micro-batch N on the rank's own
-    stage."""
+    ``one_f_one_b(rank, P, M) -> ["F0", "F1", "B0", ...]`` is 1F1B's order (None: the package's
+    :func:`one_f_one_b`; lesson 05's exercise writes one): each string is an action of micro-batch
+    N on the rank's own stage."""
     check_schedule(name, stages, microbatches, chunks)
     P, M = stages, microbatches
-    if order is not None and name != "1f1b":
-        raise ScheduleError("order= replaces the 1f1b order only, got {}", ("schedule", name))
+    if one_f_one_b is not None and name != "1f1b":
+        raise ScheduleError("one_f_one_b= replaces the 1f1b order only, got {}", ("schedule", name))
+    if name == "1f1b" and one_f_one_b is None:
+        return [_one_f_one_b(P, M, r) for r in range(P)]
     if name == "1f1b":
-        order = order or one_f_one_b
-        return [[as_action(a, r) for a in order(r, P, M)] for r in range(P)]
+        return [[as_action(a, r) for a in one_f_one_b(r, P, M)] for r in range(P)]
     if name in ("naive", "gpipe"):  # all forwards, then all backwards
         return [[Action("F", m, r) for m in range(M)] + [Action("B", m, r) for m in range(M)]
                 for r in range(P)]
@@ -201,10 +203,10 @@ def orders(name: str, stages: int, microbatches: int, chunks: int = 1, *,
 
 
 def make_schedule(name: str, stages: int, microbatches: int, chunks: int = 1, *,
-                  order=None) -> Table:
+                  one_f_one_b=None) -> Table:
     """The ideal table of schedule ``name``: each rank's order (:func:`orders`), with ``None`` for
     each idle unit (placed by :func:`simulate` with :data:`COSTS`)."""
-    table = orders(name, stages, microbatches, chunks, order=order)
+    table = orders(name, stages, microbatches, chunks, one_f_one_b=one_f_one_b)
     return with_idles(table, simulate(table))
 
 

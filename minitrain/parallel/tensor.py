@@ -28,7 +28,8 @@ from .errors import ParameterError
 
 __all__ = ["Split", "padded_size", "shard_tensor", "merge_shards", "f", "g",
            "gather_from_sequence_parallel", "reduce_scatter_to_sequence_parallel", "sequence_shard",
-           "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+           "ColumnParallelLinear", "VocabParallelLinear", "RowParallelLinear",
+           "VocabParallelEmbedding",
            "vocab_parallel_cross_entropy", "vocab_parallel_loss"]
 
 
@@ -219,29 +220,30 @@ class ColumnParallelLinear(nn.Module):
     ``f`` (or, sequence parallel, an all-gather of the sequence) makes its input whole.
 
     ``parts``: the outputs are ``parts`` stacked blocks each split on its own (fused q;k;v: 3).
-    ``pad``: round ``out_features`` up to a multiple of N with zero rows (the vocabulary).
     The output stays split (Megatron's ``gather_output=False``): the next layer is row-parallel,
     or the vocabulary-parallel loss.  The weights start at zero; :meth:`from_linear` cuts them
     from a full layer.
 
-    ``function``: an autograd Function whose ``apply(x, weight, bias, comm)`` is this layer with
-    its f (lesson 06's exercise).  Default: the package's, :meth:`linear` — ``f`` (or, sequence
-    parallel, the all-gather) then ``F.linear``; a function of one's own not with sequence
-    parallelism (its f is an all-gather).
+    ``column_parallel_linear``: an autograd Function whose ``apply(x, weight, bias, comm)`` is
+    this layer with its f (lesson 06's exercise).  None: the package's, :meth:`linear` — ``f``
+    (or, sequence parallel, the all-gather) then ``F.linear``; a function of one's own not with
+    sequence parallelism (its f is an all-gather).
     """
 
+    pad = False  # round out_features up to a multiple of N with zero rows: VocabParallelLinear
+
     def __init__(self, in_features: int, out_features: int, comm: Comm, bias: bool = True, *,
-                 parts: int = 1, pad: bool = False, sequence_parallel: bool = False,
-                 function=None, device=None, dtype=None):
+                 parts: int = 1, sequence_parallel: bool = False, column_parallel_linear=None,
+                 device=None, dtype=None):
         super().__init__()
-        if function is not None and sequence_parallel:
-            raise ValueError("function= replaces f and the linear; sequence parallelism gathers the "
-                             "sequence instead: use one or the other")
+        if column_parallel_linear is not None and sequence_parallel:
+            raise ValueError("column_parallel_linear= replaces f and the linear; sequence "
+                             "parallelism gathers the sequence instead: use one or the other")
         self.comm, self.sequence_parallel, self.tag = comm, sequence_parallel, "column"
-        self.apply_function = function.apply if function is not None else self.linear
+        self.column_parallel_linear = column_parallel_linear  # None: self.linear
         self.in_features, self.out_features = in_features, out_features
-        self.split = Split(0, parts, out_features if pad else None)
-        padded = padded_size(out_features, comm.size) if pad else out_features
+        self.split = Split(0, parts, out_features if self.pad else None)
+        padded = padded_size(out_features, comm.size) if self.pad else out_features
         if padded % (parts * comm.size):
             raise ParameterError(f"{{}} does not split into {parts} part(s) over {comm.size} ranks",
                                  ("out_features", out_features))
@@ -262,11 +264,13 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.apply_function(x, self.weight, self.bias, self.comm)
+        if self.column_parallel_linear is not None:
+            return self.column_parallel_linear.apply(x, self.weight, self.bias, self.comm)
+        return self.linear(x, self.weight, self.bias, self.comm)
 
     def linear(self, x, weight, bias, comm: Comm) -> torch.Tensor:
-        """The package's column-parallel linear, in the shape of ``function.apply``: f (the input
-        whole on every rank; its gradient summed in backward), then X·A_iᵀ + b_i."""
+        """The package's column-parallel linear, in the shape of ``column_parallel_linear.apply``:
+        f (the input whole on every rank; its gradient summed in backward), then X·A_iᵀ + b_i."""
         if self.sequence_parallel:
             x = gather_from_sequence_parallel(x, comm, self.tag)
         else:
@@ -278,25 +282,36 @@ class ColumnParallelLinear(nn.Module):
                 f"per rank={self.output_size_per_partition}, tp={self.comm.size}")
 
 
+class VocabParallelLinear(ColumnParallelLinear):
+    """The output layer over the vocabulary: a :class:`ColumnParallelLinear` whose
+    ``out_features`` (the vocabulary) is rounded up to a multiple of N with zero rows, as
+    :class:`VocabParallelEmbedding`'s table is, so that the two can share a shard (tied weights).
+    The padding's logits are left out of the softmax (:func:`vocab_parallel_cross_entropy`)."""
+
+    pad = True
+
+
 class RowParallelLinear(nn.Module):
     """Z = Σ_i X_i B_i: this rank keeps ``in_features / N`` inputs (columns of the torch weight) and
     takes its slice of X as it comes out of a column-parallel layer; ``g`` (or, sequence parallel, a
     reduce-scatter) sums the partial products.  The bias is replicated and added once, after the
     sum (added before, it would be counted N times).
 
-    ``function``: an autograd Function whose ``apply(x, weight, bias, comm)`` is this layer with
-    its g — X_r B_rᵀ all-reduced forward, plus the bias; identity on dL/dZ backward.  Default: the
-    package's, :meth:`linear`; a function of one's own not with sequence parallelism.
+    ``row_parallel_linear``: an autograd Function whose ``apply(x, weight, bias, comm)`` is this
+    layer with its g — X_r B_rᵀ all-reduced forward, plus the bias; identity on dL/dZ backward
+    (lesson 06's exercise).  None: the package's, :meth:`linear`; a function of one's own not with
+    sequence parallelism.
     """
 
     def __init__(self, in_features: int, out_features: int, comm: Comm, bias: bool = True, *,
-                 sequence_parallel: bool = False, function=None, device=None, dtype=None):
+                 sequence_parallel: bool = False, row_parallel_linear=None, device=None,
+                 dtype=None):
         super().__init__()
-        if function is not None and sequence_parallel:
-            raise ValueError("function= replaces the linear and g; sequence parallelism "
+        if row_parallel_linear is not None and sequence_parallel:
+            raise ValueError("row_parallel_linear= replaces the linear and g; sequence parallelism "
                              "reduce-scatters instead: use one or the other")
         self.comm, self.sequence_parallel, self.tag = comm, sequence_parallel, "row"
-        self.apply_function = function.apply if function is not None else self.linear
+        self.row_parallel_linear = row_parallel_linear  # None: self.linear
         self.in_features, self.out_features = in_features, out_features
         if in_features % comm.size:
             raise ParameterError(f"{{}} does not split over {comm.size} ranks",
@@ -319,11 +334,14 @@ class RowParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.apply_function(x, self.weight, self.bias, self.comm)
+        if self.row_parallel_linear is not None:
+            return self.row_parallel_linear.apply(x, self.weight, self.bias, self.comm)
+        return self.linear(x, self.weight, self.bias, self.comm)
 
     def linear(self, x, weight, bias, comm: Comm) -> torch.Tensor:
-        """The package's row-parallel linear, in the shape of ``function.apply``: X_r·B_rᵀ, g (or,
-        sequence parallel, the reduce-scatter) sums the ranks' partial products, then the bias."""
+        """The package's row-parallel linear, in the shape of ``row_parallel_linear.apply``:
+        X_r·B_rᵀ, g (or, sequence parallel, the reduce-scatter) sums the ranks' partial products,
+        then the bias."""
         partial = F.linear(x, weight)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel(partial, comm, self.tag)
@@ -416,11 +434,12 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, voc
 
 
 def vocab_parallel_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                        comm: Comm, function=None) -> torch.Tensor:
+                        comm: Comm, vocab_parallel_cross_entropy=None) -> torch.Tensor:
     """Mean cross-entropy of (t, b, V/N) logits, this rank's slice of the vocabulary, against
-    (b, t) targets.  ``function``: an autograd Function whose ``apply(logits, target,
-    vocab_start, vocab_size, comm)`` is the per-position loss (default: the package's)."""
-    start = logits.shape[-1] * comm.rank
-    if function is not None:
-        return function.apply(logits, targets.t(), start, vocab_size, comm).mean()
-    return vocab_parallel_cross_entropy(logits, targets.t(), start, vocab_size, comm).mean()
+    (b, t) targets.  ``vocab_parallel_cross_entropy``: an autograd Function whose
+    ``apply(logits, target, vocab_start, vocab_size, comm)`` is the per-position loss (lesson 06's
+    exercise; None: the package's, :func:`vocab_parallel_cross_entropy`)."""
+    start, targets = logits.shape[-1] * comm.rank, targets.t()
+    if vocab_parallel_cross_entropy is not None:
+        return vocab_parallel_cross_entropy.apply(logits, targets, start, vocab_size, comm).mean()
+    return _VocabParallelCrossEntropy.apply(logits, targets, start, vocab_size, comm, "loss").mean()

@@ -20,8 +20,8 @@ from ..comm import Comm, all_reduce_coalesced
 from ..model import GPT, Attention, Block, Embedding, GPTConfig, Head
 from .errors import ParameterError
 from .tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                     _replicated_param, padded_size, sequence_shard, vocab_parallel_cross_entropy,
-                     vocab_parallel_loss)
+                     VocabParallelLinear, _replicated_param, padded_size, sequence_shard,
+                     vocab_parallel_cross_entropy, vocab_parallel_loss)
 
 __all__ = ["causal_attention", "ParallelAttention", "ParallelMLP", "ParallelBlock",
            "ParallelEmbedding",
@@ -48,16 +48,18 @@ class ParallelAttention(nn.Module):
     ``attention(q, k, v)`` computes the heads' causal attention on (b, heads, t, head_dim)
     (default :func:`causal_attention`; the 4D mesh: ring attention over the context group)."""
 
-    def __init__(self, attn: Attention, comm: Comm, sequence_parallel: bool, *, column=None,
-                 row=None, attention=None):
+    def __init__(self, attn: Attention, comm: Comm, sequence_parallel: bool, *,
+                 column_parallel_linear=None, row_parallel_linear=None, attention=None):
         super().__init__()
         if attn.n_head % comm.size:
             raise ValueError(f"{attn.n_head} heads do not split over {comm.size} ranks")
         self.attention = attention or causal_attention
         self.heads = attn.n_head // comm.size
-        self.qkv = ColumnParallelLinear.from_linear(attn.qkv, comm, parts=3, function=column,
+        self.qkv = ColumnParallelLinear.from_linear(attn.qkv, comm, parts=3,
+                                                    column_parallel_linear=column_parallel_linear,
                                                     sequence_parallel=sequence_parallel)
-        self.proj = RowParallelLinear.from_linear(attn.proj, comm, function=row,
+        self.proj = RowParallelLinear.from_linear(attn.proj, comm,
+                                                  row_parallel_linear=row_parallel_linear,
                                                   sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,12 +74,14 @@ class ParallelAttention(nn.Module):
 class ParallelMLP(nn.Module):
     """GeLU(XA)B with A column-parallel and B row-parallel: one sum, at the end."""
 
-    def __init__(self, mlp: nn.Module, comm: Comm, sequence_parallel: bool, *, column=None,
-                 row=None):
+    def __init__(self, mlp: nn.Module, comm: Comm, sequence_parallel: bool, *,
+                 column_parallel_linear=None, row_parallel_linear=None):
         super().__init__()
-        self.fc = ColumnParallelLinear.from_linear(mlp.fc, comm, function=column,
+        self.fc = ColumnParallelLinear.from_linear(mlp.fc, comm,
+                                                   column_parallel_linear=column_parallel_linear,
                                                    sequence_parallel=sequence_parallel)
-        self.proj = RowParallelLinear.from_linear(mlp.proj, comm, function=row,
+        self.proj = RowParallelLinear.from_linear(mlp.proj, comm,
+                                                  row_parallel_linear=row_parallel_linear,
                                                   sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,17 +90,19 @@ class ParallelMLP(nn.Module):
 
 class ParallelBlock(nn.Module):
     """The pre-LayerNorm block; LayerNorms and residuals run on whole or sequence-sharded input.
-    ``column``/``row``: the linears' ``function`` (see :class:`ColumnParallelLinear`);
-    ``attention``: the heads' (see :class:`ParallelAttention`)."""
+    ``column_parallel_linear``/``row_parallel_linear``: the linears' own (see
+    :class:`ColumnParallelLinear`); ``attention``: the heads' (see :class:`ParallelAttention`)."""
 
-    def __init__(self, block: Block, comm: Comm, sequence_parallel: bool, *, column=None,
-                 row=None, attention=None):
+    def __init__(self, block: Block, comm: Comm, sequence_parallel: bool, *,
+                 column_parallel_linear=None, row_parallel_linear=None, attention=None):
         super().__init__()
+        linears = dict(column_parallel_linear=column_parallel_linear,
+                       row_parallel_linear=row_parallel_linear)
         self.ln1 = _layer_norm(block.ln1, sequence_parallel)
-        self.attn = ParallelAttention(block.attn, comm, sequence_parallel, column=column, row=row,
+        self.attn = ParallelAttention(block.attn, comm, sequence_parallel, **linears,
                                       attention=attention)
         self.ln2 = _layer_norm(block.ln2, sequence_parallel)
-        self.mlp = ParallelMLP(block.mlp, comm, sequence_parallel, column=column, row=row)
+        self.mlp = ParallelMLP(block.mlp, comm, sequence_parallel, **linears)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -136,12 +142,13 @@ class ParallelHead(nn.Module):
     padding dropped."""
 
     def __init__(self, head: Head, comm: Comm, sequence_parallel: bool, *, seq_len=None,
-                 column=None):
+                 column_parallel_linear=None):
         super().__init__()
         self.seq_len = seq_len
         self.ln = _layer_norm(head.ln, sequence_parallel)
-        self.out = ColumnParallelLinear.from_linear(head.out, comm, pad=True, function=column,
-                                                    sequence_parallel=sequence_parallel)
+        self.out = VocabParallelLinear.from_linear(head.out, comm,
+                                                   column_parallel_linear=column_parallel_linear,
+                                                   sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         return self.out(self.ln(x))[:seq_len or self.seq_len]
@@ -162,19 +169,23 @@ class TensorParallelGPT(nn.Module):
     Parameter names are the single-process ones (``blocks.0.attn.qkv.weight`` …), holding shards.
     ``forward(idx, targets)`` returns the mean loss — the same number on every rank; without
     targets, this rank's slice of the logits, (t, b, V/N).  Collectives are tagged by layer
-    (:func:`tag_collectives`).  ``column``/``row``: the linears' ``function``; ``loss``: the
-    vocabulary-parallel cross-entropy's (:func:`~minitrain.parallel.tensor.vocab_parallel_loss`).
+    (:func:`tag_collectives`).  ``column_parallel_linear``/``row_parallel_linear``: the linears'
+    own (see :class:`ColumnParallelLinear`); ``vocab_parallel_cross_entropy``: the loss's (see
+    :func:`~minitrain.parallel.tensor.vocab_parallel_loss`).
     """
 
-    def __init__(self, model: GPT, comm: Comm, sequence_parallel: bool = False, *, column=None,
-                 row=None, loss=None):
+    def __init__(self, model: GPT, comm: Comm, sequence_parallel: bool = False, *,
+                 column_parallel_linear=None, row_parallel_linear=None,
+                 vocab_parallel_cross_entropy=None):
         super().__init__()
         self.cfg, self.comm, self.sequence_parallel = model.cfg, comm, sequence_parallel
-        self.loss = loss
+        self.vocab_parallel_cross_entropy = vocab_parallel_cross_entropy
         self.embed = ParallelEmbedding(model.embed, comm, sequence_parallel)
-        self.blocks = nn.ModuleList(ParallelBlock(b, comm, sequence_parallel, column=column, row=row)
-                                    for b in model.blocks)
-        self.head = ParallelHead(model.head, comm, sequence_parallel, column=column)
+        self.blocks = nn.ModuleList(
+            ParallelBlock(b, comm, sequence_parallel, column_parallel_linear=column_parallel_linear,
+                          row_parallel_linear=row_parallel_linear) for b in model.blocks)
+        self.head = ParallelHead(model.head, comm, sequence_parallel,
+                                 column_parallel_linear=column_parallel_linear)
         if model.cfg.tie_weights:  # both split the vocabulary the same way: share the shard
             self.head.out.weight = self.embed.tok.weight
         tag_collectives(self)
@@ -186,7 +197,8 @@ class TensorParallelGPT(nn.Module):
         logits = self.head(x, idx.shape[1])
         if targets is None:
             return logits
-        return vocab_parallel_loss(logits, targets, self.cfg.vocab_size, self.comm, self.loss)
+        return vocab_parallel_loss(logits, targets, self.cfg.vocab_size, self.comm,
+                                   self.vocab_parallel_cross_entropy)
 
     def all_reduce_sequence_parallel_grads(self) -> None:
         all_reduce_sequence_parallel_grads(self, self.comm)
@@ -207,10 +219,11 @@ class TensorParallelParts:
     """
 
     def __init__(self, model: GPTConfig, comm: Comm, sequence_parallel: bool = False, *,
-                 column=None, row=None, attention=None, positions: torch.Tensor | None = None,
-                 sequence_tokens: int | None = None):
+                 column_parallel_linear=None, row_parallel_linear=None, attention=None,
+                 positions: torch.Tensor | None = None, sequence_tokens: int | None = None):
         self.cfg, self.comm, self.sequence_parallel = model, comm, sequence_parallel
-        self.column, self.row, self.attention = column, row, attention
+        self.column_parallel_linear = column_parallel_linear
+        self.row_parallel_linear, self.attention = row_parallel_linear, attention
         self.positions, self.sequence_tokens = positions, sequence_tokens
 
     def __call__(self, kind: str, module: nn.Module) -> nn.Module:
@@ -218,11 +231,14 @@ class TensorParallelParts:
         if kind == "embed":
             return ParallelEmbedding(module, self.comm, sp, positions=self.positions)
         if kind == "block":
-            return ParallelBlock(module, self.comm, sp, column=self.column, row=self.row,
+            return ParallelBlock(module, self.comm, sp,
+                                 column_parallel_linear=self.column_parallel_linear,
+                                 row_parallel_linear=self.row_parallel_linear,
                                  attention=self.attention)
         if kind == "head":
             tokens = self.cfg.seq_len if self.positions is None else len(self.positions)
-            return ParallelHead(module, self.comm, sp, seq_len=tokens, column=self.column)
+            return ParallelHead(module, self.comm, sp, seq_len=tokens,
+                                column_parallel_linear=self.column_parallel_linear)
         raise ParameterError("unknown {}: embed, block or head", ("kind", kind))
 
     def activation_shape(self, batch: int, seq: int) -> tuple:

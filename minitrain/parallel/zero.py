@@ -20,7 +20,7 @@ import torch
 from ..comm import Comm
 from ..precision import MixedPrecisionOptimizer
 from .data_parallel import comm_for
-from .flat import FlatUnit, GradientReducer, bucket_caps, make_buckets
+from .flat import FlatUnit, GradientReducer, SlotHooks, bucket_caps, make_buckets
 
 __all__ = ["zero1_step", "master_shard", "shard_optimizer", "HostOffload", "ZeroRedundancyOptimizer",
            "Zero2Optimizer", "reduce_scatter_when_full", "wait_for_shards", "ShardComm"]
@@ -374,9 +374,8 @@ class Zero2Optimizer(ZeroRedundancyOptimizer):
             if slot.index not in comms:
                 comms[slot.index] = ShardComm(self.comm, slot)
             return comms[slot.index]
-        self.reducer = GradientReducer(layouts, n, self._launch, self._finish,
-                                       hooks=tuple(zero2_hooks) if zero2_hooks else None,
-                                       hook_comm=hook_comm)
+        hooks = SlotHooks(*zero2_hooks, comm=hook_comm) if zero2_hooks else None
+        self.reducer = GradientReducer(layouts, n, self._launch, self._finish, hooks=hooks)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -325,7 +325,7 @@ class Strategy(abc.ABC):
         weights from before the cast kept in ``self.master_weights`` for :meth:`make_optimizer`."""
         model = GPT(self.cfg.model, seed=self.cfg.seed,
                     checkpoint_activations=self.cfg.checkpoint_activations,
-                    recompute=self.seams.recompute_block).to(self.device)
+                    recompute_block=self.seams.recompute_block).to(self.device)
         if self.cfg.precision != "fp32":
             self.master_weights.update(cast_model_(model, PRECISIONS[self.cfg.precision]))
         return model
@@ -338,13 +338,13 @@ class Strategy(abc.ABC):
         if scale is None and self.cfg.precision == "fp16-mixed":
             scale = 2.0 ** 16
         self.loss_scaler = DynamicLossScaler(scale, growth_interval=self.cfg.loss_scale_growth,
-                                             update=self.seams.loss_scale_update) \
+                                             loss_scale_update=self.seams.loss_scale_update) \
             if scale else None
         params = list(params)
         masters = {p: self.master_weights.pop(p) for p in params if p in self.master_weights}
         return MixedPrecisionOptimizer(params, torch.optim.Adam, master_weights=masters,
-                                       loss_scaler=self.loss_scaler,
-                                       step=self.seams.mixed_precision_step, lr=self.cfg.lr)
+                                       loss_scaler=self.loss_scaler, lr=self.cfg.lr,
+                                       mixed_precision_step=self.seams.mixed_precision_step)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, with the loss multiplied by the loss scale when there is one."""

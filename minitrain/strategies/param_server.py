@@ -15,7 +15,7 @@ import torch.nn as nn
 from ..data import shard
 from ..parallel.compression import as_error_feedback, parse_compressor
 from ..parallel.flat import FlatUnit
-from ..parallel.param_server import FINAL, ParameterServer, Worker, partition
+from ..parallel.param_server import FINAL, Consistency, ParameterServer, Worker, partition
 from .base import FreeRunning, TrainConfig, register
 from .options import ConfigError, at_least, option
 from .data_parallel import Compression, check_batch_split, check_compression
@@ -123,8 +123,9 @@ class _ParameterServerStrategy(FreeRunning):
         if self.is_server:
             mode = self.mode if o.staleness is None else "ssp"
             self.role = ParameterServer(comm, [params[k] for k in self.keys[comm.rank]],
-                                        self.worker_ranks, cfg.lr, mode, o.staleness,
-                                        o.delay_comp, compressor, o.staleness_lr)
+                                        self.worker_ranks, cfg.lr,
+                                        Consistency(mode, o.staleness, o.delay_comp,
+                                                    o.staleness_lr), compressor)
             self.model, self.optimizer = nn.ParameterList(self.role.params), self.role.optimizer
         else:
             self.index = comm.rank - self.n_servers
@@ -191,7 +192,9 @@ class _ParameterServerStrategy(FreeRunning):
                 sent[e.peer] = sent.get(e.peer, 0) + e.bytes
         out = {"rank": self.comm.rank, "sent_to": sent}
         if self.is_server:
-            return {**out, "role": "server", "mode": self.role.mode, "bound": self.role.bound,
+            consistency = self.role.consistency
+            return {**out, "role": "server", "mode": consistency.mode,
+                    "bound": consistency.staleness,
                     "keys": len(self.keys[self.comm.rank]), "numel": self.role.numel,
                     "log": self.role.log}
         return {**out, "role": "worker", "worker": self.index, "wait_s": self.role.wait_s}

@@ -128,7 +128,7 @@ class Pipeline(Lockstep):
         super().__init__(cfg, comm, seams)
         self.schedule, self.P, self.M, self.V = schedule_shape(cfg.options, cfg.world_size)
         self.table = make_schedule(self.schedule, self.P, self.M, self.V,
-                                   order=self.seams.one_f_one_b)
+                                   one_f_one_b=self.seams.one_f_one_b)
         validate(self.table, self.P, self.M, self.V)
         model, n_stages = self.build_model(), self.P * self.V
         self.stages = {s: PipelineStage(model, s, n_stages)

@@ -155,10 +155,11 @@ class TensorParallel(Lockstep):
     def __init__(self, cfg: TrainConfig, comm: Comm, seams=None):
         super().__init__(cfg, comm, seams)
         self.sequence_parallel = cfg.options.sequence_parallel
-        self.model = TensorParallelGPT(self.build_model(), comm, self.sequence_parallel,
-                                       column=self.seams.column_parallel_linear,
-                                       row=self.seams.row_parallel_linear,
-                                       loss=self.seams.vocab_parallel_cross_entropy)
+        self.model = TensorParallelGPT(
+            self.build_model(), comm, self.sequence_parallel,
+            column_parallel_linear=self.seams.column_parallel_linear,
+            row_parallel_linear=self.seams.row_parallel_linear,
+            vocab_parallel_cross_entropy=self.seams.vocab_parallel_cross_entropy)
         self.optimizer = self.make_optimizer(self.model.parameters())
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:

@@ -212,7 +212,7 @@ class ThreeD(Lockstep):
         super().__init__(cfg, comm, seams)
         o, seams = cfg.options, self.seams
         self.shape = mesh_shape(cfg)
-        self.mesh = Mesh(self.shape, comm, groups=seams.mesh_groups)
+        self.mesh = Mesh(self.shape, comm, mesh_groups=seams.mesh_groups)
         self.schedule, self.P, self.M, self.V = schedule_shape(o, self.shape.pp)
         self.sequence_parallel, self.zero_stage = o.sequence_parallel, o.zero_stage
         model, n_stages, pp = self.build_model(), self.P * self.V, self.mesh.pp
@@ -221,16 +221,17 @@ class ThreeD(Lockstep):
             self.padded, self.positions = sequence_layout(cfg.model.seq_len, self.shape,
                                                           self.sequence_parallel)
             ring = partial(ring_attention, positions=self.positions.to(self.device),
-                           comm=self.mesh.cp, merge=seams.online_softmax_merge)
+                           comm=self.mesh.cp, online_softmax_merge=seams.online_softmax_merge)
             context = dict(attention=ring, positions=self.positions[self.mesh.coords.cp],
                            sequence_tokens=cfg.model.seq_len)
         parts = TensorParallelParts(cfg.model, self.mesh.tp, self.sequence_parallel,
-                                    column=seams.column_parallel_linear,
-                                    row=seams.row_parallel_linear, **context)
+                                    column_parallel_linear=seams.column_parallel_linear,
+                                    row_parallel_linear=seams.row_parallel_linear, **context)
         self.stages = {s: tag_collectives(PipelineStage(model, s, n_stages, parts=parts))
                        for s in range(pp.rank, n_stages, self.P)}
         self.model = nn.ModuleList(self.stages.values())  # this rank's shards of its stages
-        self.table = make_schedule(self.schedule, self.P, self.M, self.V, order=seams.one_f_one_b)
+        self.table = make_schedule(self.schedule, self.P, self.M, self.V,
+                                   one_f_one_b=seams.one_f_one_b)
         validate(self.table, self.P, self.M, self.V)
         self.executor = PipelineExecutor(self.stages, self.table, pp, self.M, cfg.model.d_model,
                                          activation_shape=parts.activation_shape, loss=parts.loss,
@@ -263,7 +264,7 @@ class ThreeD(Lockstep):
         if self.zero_stage == 0:  # average over the replicas; ZeRO-1's step does it itself
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             all_reduce_coalesced(grads, self.mesh.dp, tag="grad", divide_by=dp,
-                                 all_reduce=self.seams.ring_all_reduce)
+                                 ring_all_reduce=self.seams.ring_all_reduce)
         self.optimizer.step()  # ZeRO-1: reduce-scatter over dp, step the shard, all-gather
         return mean_over_ranks(loss, self.mesh.dp)
 

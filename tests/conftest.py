@@ -45,8 +45,56 @@ SLOW_FILES = {"test_lessons.py", "test_nbval_plugin.py", "test_grade.py", "test_
               "test_torchrun.py", "test_safety.py", "test_checks_never_raise.py"}
 
 
+#: and the tests that take seconds each (measured: 2 s or more on the course machine): a command in a
+#: subprocess (the CLI, torchrun, a fresh interpreter), a deadlock or a timeout waited for, a
+#: bubble timed, a resumed run.  The equivalence tests stay in the quick tier.
+SLOW_TESTS = {
+    "test_checkpoint.py::test_resume_gives_the_uninterrupted_run",
+    "test_cli.py::test_json_contract",
+    "test_cli.py::test_loss_falls_far_in_a_few_hundred_steps",
+    "test_cli.py::test_readable_output_without_json",
+    "test_cli.py::test_the_pipeline_summary_reports_its_bubble",
+    "test_cli.py::test_the_readable_summary_says_what_offload_put_on_the_host",
+    "test_cli.py::test_the_train_command_runs_under_torchrun",
+    "test_config_files.py::test_a_test_session_removes_its_scratch_folder_for_kept_functions",
+    "test_diagnostics.py::test_a_cell_defined_after_the_ranks_started_still_shows_its_line",
+    "test_diagnostics.py::test_a_killed_rank_is_said_to_be_likely_out_of_memory",
+    "test_diagnostics.py::test_a_rank_that_is_only_slow_is_not_a_deadlock",
+    "test_diagnostics.py::test_a_skipped_collective_is_named_within_seconds",
+    "test_diagnostics.py::test_a_wrong_ring_peer_is_named_within_seconds",
+    "test_diagnostics.py::test_when_every_rank_waits_their_lines_are_shown_and_kept",
+    "test_harness.py::test_the_loss_scale_seam_runs_inside_the_real_strategy",
+    "test_launch.py::test_a_call_that_runs_too_long_is_stopped",
+    "test_launch.py::test_a_cluster_left_open_at_exit_leaves_nothing_in_the_temporary_folder",
+    "test_launch.py::test_a_collective_that_never_completes_times_out_clearly",
+    "test_launch.py::test_a_killed_parents_rank_files_are_reaped_at_the_next_start",
+    "test_launch.py::test_forked_ranks_do_not_hang_after_the_parent_used_its_thread_pool",
+    "test_launch.py::test_functions_defined_in_a_notebook_run_on_the_ranks",
+    "test_launch.py::test_importing_the_launcher_and_exiting_costs_what_importing_torch_does",
+    "test_launch.py::test_ranks_that_do_not_start_are_forked_again",
+    "test_launch.py::test_the_same_code_runs_under_torchrun",
+    "test_mesh.py::test_3d_with_sequence_parallel_interleaving_or_without_zero",
+    "test_param_server.py::test_sync_equals_a_single_process",
+    "test_pipeline.py::test_measured_bubble_of_the_real_model_is_near_the_formula",
+    "test_pipeline.py::test_measured_bubble_of_timed_stages_is_the_formula_within_ten_percent",
+    "test_precision.py::test_data_parallel_bf16_equals_single_bf16",
+    "test_precision.py::test_ddp_fp16_with_loss_scaling_equals_single_fp16",
+    "test_precision.py::test_fp16_training_with_a_huge_initial_scale_skips_then_trains",
+    "test_precision.py::test_the_cli_reports_precision_and_checkpointing",
+    "test_precision.py::test_the_ledger_shows_the_bytes_per_parameter_of_each_precision",
+    "test_projection.py::test_the_cli_prints_the_projection_in_its_json",
+    "test_reshard.py::test_resume_on_another_layout_gives_the_uninterrupted_run",
+    "test_seams_dp.py::test_a_seam_filled_from_outside_trains_like_the_package",
+    "test_seams_mp.py::test_a_seam_filled_from_outside_gives_the_packages_losses",
+    "test_tensor.py::test_the_cli_keeps_the_json_contract",
+    "test_tensor.py::test_three_ranks_six_heads_with_padded_vocabulary_and_sequence",
+    "test_threed_cp.py::test_4d_equals_a_single_process",
+    "test_threed_cp.py::test_the_cli_trains_the_4d_mesh",
+}
+
+
 def pytest_itemcollected(item):
-    if item.path.name in SLOW_FILES:
+    if item.path.name in SLOW_FILES or f"{item.path.name}::{item.originalname}" in SLOW_TESTS:
         item.add_marker(pytest.mark.slow)
 
 

@@ -261,6 +261,27 @@ def test_degrees_that_are_not_a_mesh_are_refused_saying_what_they_take(ddp_run):
     assert project(ddp_run, "dgx-h100", "1.3b", degrees={"dp": 8, "tp": None}).degrees == {"dp": 8}
 
 
+def test_degrees_re_size_only_an_axis_the_run_has(ddp_run):
+    """A DDP run has one axis, dp: ``degrees`` may make it 8 replicas, or give tp its own size of
+    1, but not split every replica over 8 tensor-parallel ranks, which no strategy of that run did
+    and whose traffic it never recorded.  The message names the run's axes."""
+    with pytest.raises(ValueError, match=r"no tp axis \(its axes: dp 2\)"):
+        project(ddp_run, "ib-h100x8", "1.3b", degrees={"dp": 8, "tp": 8})
+    assert project(ddp_run, "dgx-h100", "1.3b", degrees={"dp": 8, "tp": 1}).degrees == {
+        "dp": 8, "tp": 1}
+
+
+def test_project_refuses_a_layout_the_target_model_cannot_take(clusters):
+    """What the CLI refuses before a run starts, ``project()`` refuses too: 12 heads do not split
+    over 8 tensor-parallel ranks, and the message says so."""
+    run = train(strategy="tensor", world_size=2, steps=2, batch_size=4, cluster=clusters(2),
+                record_events=True)
+    twelve = GPTConfig(n_layer=2, n_head=12, d_model=768, d_ff=3072, seq_len=64, vocab_size=64)
+    with pytest.raises(ValueError, match="12 heads .* do not split over tensor parallelism 8"):
+        project(run, "dgx-h100", twelve, degrees={"tp": 8})
+    assert project(run, "dgx-h100", twelve, degrees={"tp": 4}).degrees == {"tp": 4}
+
+
 def test_a_free_running_run_is_refused_by_its_record_not_its_name(ddp_run):
     """project() reads the run's layout: a record whose ranks share no step is refused with the
     reason it gives, whatever the strategy is called; a lockstep record named like a parameter

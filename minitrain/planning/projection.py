@@ -43,7 +43,7 @@ import math
 import numbers
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .clusters import ClusterSpec, get_cluster, parse
 from ..memory import GB
@@ -57,7 +57,8 @@ from .scaling import MODEL_SIZES, RankWork, Scaler, itemsize, rank_memory, rank_
 __all__ = ["MODEL_SIZES", "target_model", "check_projection", "project", "Projection", "replay",
            "Op", "Instance", "ReplayError", "rank_work", "RankWork", "Scaler", "format_projection",
            "breakdown", "warp", "ddp_timeline", "pipeline_timeline", "fsdp_timeline",
-           "fit_run", "message_times", "even_work", "checked_degrees", "mesh_sizes"]
+           "fit_run", "message_times", "even_work", "checked_degrees", "check_axes", "check_layout",
+           "mesh_sizes"]
 
 #: Adam's update reads the weight, the gradient and two moments and writes three: 7 fp32 words
 ADAM_BYTES = 28
@@ -90,17 +91,37 @@ def check_projection(project: str | None, as_model=None, layout: Layout | None =
         raise ValueError(f"{world_size} ranks do not fit {cluster.title}: it has {cluster.devices} "
                          f"devices; use {name}xN with N >= {math.ceil(world_size / 8)} nodes or "
                          "fewer ranks")
-    cfg = target_model(as_model, model or GPTConfig())
+    check_layout(target_model(as_model, model or GPTConfig()), lay, f"--as-model {as_model}")
+
+
+def check_layout(cfg: GPTConfig, lay: Layout, what: str) -> None:
+    """Raise ValueError when model ``cfg`` cannot be laid out as ``lay`` (``what`` names the
+    model in the message): heads or the MLP's width that do not split over tensor parallelism,
+    fewer layers than pipeline stages × chunks, positions that do not split into 2·cp chunks.
+    The CLI's check before any process starts and :func:`project` both use it."""
     if cfg.n_head % lay.tp or cfg.ff % lay.tp:
-        raise ValueError(f"--as-model {as_model}: its {cfg.n_head} heads (d_ff {cfg.ff}) do not "
-                         f"split over tensor parallelism {lay.tp}")
+        raise ValueError(f"{what}: its {cfg.n_head} heads (d_ff {cfg.ff}) do not split over "
+                         f"tensor parallelism {lay.tp}")
     if lay.pp * lay.virtual_stages > cfg.n_layer:
-        raise ValueError(f"--as-model {as_model}: {cfg.n_layer} layers cannot fill {lay.pp} stages "
+        raise ValueError(f"{what}: {cfg.n_layer} layers cannot fill {lay.pp} stages "
                          f"x {lay.virtual_stages} chunks")
     cp = lay.cp
     if cfg.seq_len % (2 * cp if cp > 1 else 1):
-        raise ValueError(f"--as-model {as_model}: its {cfg.seq_len} positions do not split over "
+        raise ValueError(f"{what}: its {cfg.seq_len} positions do not split over "
                          f"context parallelism {cp} (2·cp chunks)")
+
+
+def check_axes(lay: Layout, degrees: dict) -> None:
+    """Raise ValueError when ``degrees`` re-size an axis the run does not have: its ranks can
+    stand for more replicas or wider tensor-parallel groups, not for an axis it never split
+    over (no strategy runs that layout, and none of its traffic was recorded)."""
+    has = {a: getattr(lay, a) for a in ("dp", "tp", "pp", "cp", "ep") if getattr(lay, a) > 1}
+    extra = sorted(a for a, size in degrees.items() if a not in has and size != getattr(lay, a))
+    if extra:
+        axes = " x ".join(f"{a} {n}" for a, n in has.items()) or "none (one rank)"
+        raise ValueError(f"degrees re-size only an axis the run has; it has no {', '.join(extra)} "
+                         f"axis (its axes: {axes}); record a run that splits over "
+                         f"{' and '.join(extra)} to project that layout")
 
 
 def even_work(summary) -> bool:
@@ -245,6 +266,8 @@ def project(result, cluster="dgx-h100", model=None, *, precision: str | None = N
     same = target == summary.model and items[0] == items[1]
     mode = compute or ("measured" if (same and spec.key in ("local", "binder")) else "model")
     degrees = checked_degrees(degrees)
+    check_axes(summary.layout, degrees)
+    check_layout(target, replace(summary.layout, **degrees), _model_name(model, target))
     sizes = mesh_sizes(summary.layout, degrees)
     if degrees and math.prod(sizes.values()) > spec.devices:
         raise ValueError(f"the mesh {sizes} needs {math.prod(sizes.values())} devices; "

@@ -68,6 +68,13 @@ def check_compression(cfg: TrainConfig) -> None:
                           "--compress SPEC (e.g. --compress topk:0.01) or leave it out")
 
 
+def local_batch(x, y, comm, device):
+    """This rank's slice of the global batch (inputs and targets), on its device: every
+    data-parallel strategy's replicas each take 1/N of it."""
+    r, n = comm.rank, comm.size
+    return shard(x, r, n).to(device), shard(y, r, n).to(device)
+
+
 class DataParallel(Lockstep):
     """A replica per rank, each on its slice of the global batch; the mean loss over the ranks."""
 
@@ -79,8 +86,7 @@ class DataParallel(Lockstep):
         check_batch_split(cfg, cfg.world_size)
 
     def local(self, x, y):
-        r, n = self.comm.rank, self.comm.size
-        return shard(x, r, n).to(self.device), shard(y, r, n).to(self.device)
+        return local_batch(x, y, self.comm, self.device)
 
     def wrap(self, model):
         """The data-parallel wrapper around the replica (ddp-naive and ddp wrap it; ZeRO's stages

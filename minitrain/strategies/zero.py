@@ -8,13 +8,13 @@ Memory per rank (measured by :func:`minitrain.memory.ledger`, compared with
 
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
 
-from ..data import shard
 from ..planning.analysis import hidden_fraction, overlap_fraction
 from ..memory import ActivationMeter, ledger, model_state_bytes
 from ..parallel.data_parallel import mean_over_ranks
@@ -24,7 +24,7 @@ from ..parallel.zero import Zero2Optimizer, ZeroRedundancyOptimizer, shard_optim
 from ..record import Layout
 from .base import Checkpointer, Lockstep, TrainConfig, register
 from .options import ConfigError, Options, option
-from .data_parallel import Buckets, Timeline, check_batch_split
+from .data_parallel import Buckets, Timeline, check_batch_split, local_batch
 from .portable import shard_optimizer_state, unshard_optimizer
 
 __all__ = ["Offload", "ZeroOptions", "Zero2Options", "Zero3Options", "Zero1", "Zero2", "Zero3", "ZeroShards",
@@ -240,9 +240,9 @@ class _Zero(Lockstep):
         self.master_weights.clear()  # each rank keeps only its shard of them
         self.meter = ActivationMeter(self.model, ignore=self.not_activations())
 
+    @abc.abstractmethod
     def shard(self, model) -> tuple:
         """(what to call forward on, the optimizer, the shards: a part as above)."""
-        raise NotImplementedError
 
     def not_activations(self):
         """The activation meter's rule for saved tensors that are not activations beyond the
@@ -251,9 +251,7 @@ class _Zero(Lockstep):
         return None
 
     def train_step(self, x, y) -> float:
-        r, n = self.comm.rank, self.comm.size
-        local = shard(x, r, n).to(self.device), shard(y, r, n).to(self.device)
-        loss = self.optimizer_step(self.wrapper, *local)
+        loss = self.optimizer_step(self.wrapper, *local_batch(x, y, self.comm, self.device))
         return mean_over_ranks(loss, self.comm)
 
     def memory(self) -> dict:

@@ -154,7 +154,7 @@ def bytes_per_step(bucket_mb, steps=3):
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_traced_bytes_match_the_ring_and_the_wire(clusters, n):
+def test_traced_bytes_match_the_ring_and_the_wire(clusters, quiet_loopback, n):
     results = clusters(n).run(bytes_per_step, 0.2)
     for r in results:
         assert r["bytes"] == r["grad_bytes"]

@@ -276,3 +276,20 @@ def test_shipping_keeps_a_cells_file_name_and_source(tmp_path):
     exec(compile(src, str(real), "exec"), namespace)
     sources, _ = pickle.loads(shipping.dumps(namespace["cell_fn"]))
     assert sources == {}  # a function from a file on disk ships no source: the rank reads it
+
+
+def test_a_rank_whose_peer_vanished_while_it_waited_is_shown_waiting():
+    from minitrain.runtime.diagnostics import Frame
+    from minitrain.runtime.watch import Watch, raised
+
+    frames = (Frame(__file__, 39, "both_receive_first", "dist.recv(t, 1 - dist.get_rank())"),
+              Frame("/x/torch/distributed/distributed_c10d.py", 1, "recv", ""))
+    timeout = raised(1, "RuntimeError", "Timed out waiting 11000ms for recv operation to complete",
+                     "", frames, 11)
+    peer_lost = raised(0, "RuntimeError", "Connection closed by peer [127.0.0.1]:1", "", frames)
+    user = raised(0, "ValueError", "bad input", "", frames[:1])
+    replies = [("error",), ("error",)]
+    where = Watch(2, []).states(replies, [timeout, peer_lost])
+    assert [(where[r].state, where[r].op) for r in (0, 1)] == [("waiting", "recv")] * 2
+    where = Watch(2, []).states(replies, [timeout, user])  # an ordinary exception stays a failure
+    assert where[0].state == "failed"

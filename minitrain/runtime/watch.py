@@ -142,13 +142,15 @@ class Watch:
     def states(self, replies: list, errors=()) -> dict[int, RankState]:
         """Every rank's state: from its final reply (``ok``, ``error``, ``dead``), else from its
         last heartbeat (``waiting`` in a call, or ``running``).  A rank whose error is a timeout
-        (in ``errors``) is shown ``waiting`` where its traceback says it waited."""
-        timed_out = {e.rank: e for e in errors if e.timeout_s is not None}
+        (in ``errors``), or whose peer vanished while it waited in a call, is shown ``waiting``
+        where its traceback says it waited."""
+        waited = {e.rank: e for e in errors
+                  if e.timeout_s is not None or (getattr(e, "priority", 0) == 2 and op_of(e.frames))}
         out = {}
         for rank, reply in enumerate(replies):
-            if rank in timed_out:
-                err = timed_out[rank]
-                out[rank] = RankState(rank, "waiting", err.op, err.frames)
+            if rank in waited:
+                err = waited[rank]
+                out[rank] = RankState(rank, "waiting", err.op or op_of(err.frames), err.frames)
             elif reply is not None:
                 state = {"ok": "returned", "dead": "dead"}.get(reply[0], "failed")
                 out[rank] = RankState(rank, state)

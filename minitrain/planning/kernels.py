@@ -612,7 +612,10 @@ def cpu_kernels(calibration: dict, name: str = "this machine's CPU") -> DeviceKe
     FLOP/s), ...) at a few product sizes, interpolated by a GEMM's size; ``bandwidth`` (bytes/s
     of a large copy); ``op_overhead_s`` (PyTorch's dispatch time of one op, paid by every
     kernel on top of its work: on a CPU the dispatch and the work run on the same cores)."""
-    curve = tuple(sorted((float(f), float(r)) for f, r in calibration["gemm"]))
+    rates: dict = {}
+    for f, r in calibration["gemm"]:  # one rate per size: the best measured at it
+        rates[float(f)] = max(float(r), rates.get(float(f), 0.0))
+    curve = tuple(sorted(rates.items()))
     rate = max(r for _, r in curve)
     bw = float(calibration["bandwidth"])
     return DeviceKernels(name, 0, rate, rate, rate, bw, bw, float(calibration["op_overhead_s"]),
@@ -621,13 +624,18 @@ def cpu_kernels(calibration: dict, name: str = "this machine's CPU") -> DeviceKe
                                 "8 MB copy, a trivial op's forward + backward")
 
 
-def _best_time(fn, repeats: int) -> float:
-    fn()  # warm-up
+def _best_time(fn, repeats: int, budget_s: float = 2e-3) -> float:
+    """The best of ``repeats`` timings of ``fn``, each the mean over as many calls as fill about
+    ``budget_s`` (a single short call is mostly the clock's and the scheduler's noise)."""
+    t0 = time.perf_counter()
+    fn()  # warm-up, and the size of one call
+    calls = max(1, min(1000, int(budget_s / max(time.perf_counter() - t0, 1e-7))))
     best = math.inf
     for _ in range(repeats):
         t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
     return best
 
 
@@ -649,5 +657,5 @@ def calibrate_kernels(repeats: int = 3) -> dict:
     def tiny():
         (x * 2).backward()
 
-    overhead = _best_time(tiny, 10 * repeats) / 2
+    overhead = _best_time(tiny, repeats) / 2
     return {"gemm": [list(p) for p in gemm], "bandwidth": bandwidth, "op_overhead_s": overhead}

@@ -9,6 +9,11 @@ and every strategy builds bit-equal weights without a broadcast; no dropout, so 
 differ by RNG draws.  ``GPT(..., checkpoint_activations=True)`` recomputes each block during backward
 (activation checkpointing, lesson 07; Chen et al., 2016, "Training Deep Nets with Sublinear Memory
 Cost").
+
+:class:`GPTConfig` also describes Llama-shaped models (grouped-query attention, SwiGLU MLPs, RMSNorm,
+rotary positions, no biases: Touvron et al., 2023, "LLaMA"; Grattafiori et al., 2024, "The Llama 3
+Herd of Models") so that the planning package can count their parameters and FLOPs; the ``GPT``
+module trained here stays GPT-2 shaped and refuses them.
 """
 
 from __future__ import annotations
@@ -41,6 +46,12 @@ class GPTConfig:
     capacity_factor: float | None = None  # None: no token dropped; else, per sequence (a group),
     #                                       cap = ceil(cf·seq_len·k/E) assignments per expert
     aux_loss_coef: float = 0.01  # weight of the load-balancing loss added to the loss
+    # Llama shapes (projection targets only; the defaults are GPT-2's):
+    n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: n_head
+    mlp: str = "gelu"  # "gelu": GeLU(xA)B | "swiglu": (SiLU(xG) * xU)D, three d×ff matrices
+    norm: str = "layernorm"  # "layernorm": weight and bias | "rmsnorm": weight only
+    positions: str = "learned"  # "learned": a seq_len×d table | "rope": rotary, no parameters
+    bias: bool = True  # biases in the output projection and the MLP (Llama: none)
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
@@ -51,6 +62,38 @@ class GPTConfig:
                              f"pick d_model as a multiple of n_head (e.g. {self.n_head * 16})")
         if self.n_expert and not 1 <= self.top_k <= self.n_expert:
             raise ValueError(f"top_k={self.top_k} must be between 1 and n_expert={self.n_expert}")
+        if self.n_kv_head is not None and (self.n_kv_head < 1 or self.n_head % self.n_kv_head):
+            raise ValueError(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}: "
+                             f"each key/value head serves a whole group of query heads; pick "
+                             f"n_kv_head among the divisors of n_head (or None for n_head)")
+        for name, known in (("mlp", ("gelu", "swiglu")), ("norm", ("layernorm", "rmsnorm")),
+                            ("positions", ("learned", "rope"))):
+            if getattr(self, name) not in known:
+                raise ValueError(f"GPTConfig.{name}={getattr(self, name)!r} is not known: "
+                                 f"choose one of {', '.join(map(repr, known))}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the K (and of the V) projection: n_kv_head · head_dim."""
+        return self.kv_heads * self.head_dim
+
+    def llama_fields(self) -> list[str]:
+        """The Llama-shape fields set away from GPT-2's (empty for a GPT-2 shaped config)."""
+        gpt2 = {"mlp": "gelu", "norm": "layernorm", "positions": "learned", "bias": True}
+        changed = [name for name, value in gpt2.items() if getattr(self, name) != value]
+        return (["n_kv_head"] if self.kv_heads != self.n_head else []) + changed
+
+    def norm_params(self) -> int:
+        """Parameters of one normalization layer: LayerNorm's weight and bias, RMSNorm's weight."""
+        return (2 if self.norm == "layernorm" else 1) * self.d_model
 
     @property
     def ff(self) -> int:
@@ -64,22 +107,35 @@ class GPTConfig:
         return asdict(self)
 
     def mlp_params(self) -> int:
-        """Parameters of one d→ff→d MLP with biases (with ``n_expert``: one expert's)."""
+        """Parameters of one MLP (with ``n_expert``: one expert's): d→ff→d with biases (GeLU), or
+        SwiGLU's gate, up and down matrices (3·d·ff; biases on gate and up and down if ``bias``)."""
         d, ff = self.d_model, self.ff
-        return (d * ff + ff) + (ff * d + d)
+        if self.mlp == "swiglu":
+            return 3 * d * ff + ((2 * ff + d) if self.bias else 0)
+        return 2 * d * ff + ((ff + d) if self.bias else 0)
+
+    def attention_params(self) -> int:
+        """Q and output projections d×d, K and V d×kv_dim (no bias on Q/K/V; the output
+        projection's bias if ``bias``)."""
+        d = self.d_model
+        return 2 * d * d + 2 * d * self.kv_dim + (d if self.bias else 0)
 
     def block_params(self) -> int:
-        """Parameters of one transformer block (its share of :meth:`num_params`)."""
+        """Parameters of one transformer block (its share of :meth:`num_params`): two norms,
+        attention, the MLP (or the experts and the router)."""
         d, mlp = self.d_model, self.mlp_params()
         if self.n_expert:
             mlp = self.n_expert * mlp + d * self.n_expert  # the experts and the router
-        return 2 * d + 3 * d * d + (d * d + d) + 2 * d + mlp
+        return 2 * self.norm_params() + self.attention_params() + mlp
 
     def embed_params(self) -> int:
-        return self.vocab_size * self.d_model + self.seq_len * self.d_model
+        """The token table, and the position table when positions are learned (RoPE has none)."""
+        positions = self.seq_len * self.d_model if self.positions == "learned" else 0
+        return self.vocab_size * self.d_model + positions
 
     def head_params(self) -> int:
-        return 2 * self.d_model + (0 if self.tie_weights else self.vocab_size * self.d_model)
+        """The final norm and the output matrix (none of its own when tied to the embedding)."""
+        return self.norm_params() + (0 if self.tie_weights else self.vocab_size * self.d_model)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -89,17 +145,18 @@ class GPTConfig:
 
 def block_flops(cfg: GPTConfig, keys: int | None = None, tp: int = 1) -> float:
     """Forward FLOPs of one block for one token: its matrix products (2 FLOPs per multiply-add)
-    — Q/K/V and output projections 2·4d², the MLP 2·2·d·ff (a mixture of experts: the router
+    — Q and output projections 2·2d², K and V 2·2·d·kv_dim (2·2d² without grouped-query
+    attention), the MLP 2·2·d·ff (SwiGLU: 2·3·d·ff; a mixture of experts: the router
     2·d·E and top_k experts) — and attention's QKᵀ and AV, 2·2·keys·d (keys: the positions a token
     attends to, the sequence length; counted in full, not halved for the causal mask, as
     Narayanan et al., 2021, and PaLM's MFU do).  ``tp``: the share of one tensor-parallel rank
     (heads and MLP columns split; the router is not)."""
     d, keys = cfg.d_model, cfg.seq_len if keys is None else keys
-    attention = 2 * 4 * d * d + 2 * 2 * keys * d
+    attention = 2 * (2 * d * d + 2 * d * cfg.kv_dim) + 2 * 2 * keys * d
+    mlp = 2 * (3 if cfg.mlp == "swiglu" else 2) * d * cfg.ff
     if cfg.n_expert:
-        mlp = cfg.top_k * 2 * 2 * d * cfg.ff
-        return (attention + mlp) / tp + 2 * d * cfg.n_expert
-    return (attention + 2 * 2 * d * cfg.ff) / tp
+        return (attention + cfg.top_k * mlp) / tp + 2 * d * cfg.n_expert
+    return (attention + mlp) / tp
 
 
 def head_flops(cfg: GPTConfig, tp: int = 1) -> float:
@@ -301,6 +358,10 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig = GPTConfig(), seed: int = 0,
                  checkpoint_activations: bool = False, recompute_block=None):
         super().__init__()
+        if cfg.llama_fields():
+            raise ValueError(f"GPT(cfg) builds the course's GPT-2 shaped model; {', '.join(cfg.llama_fields())} "
+                             f"describe Llama shapes, which are projection targets only (count and price "
+                             f"them with minitrain.planning); train with GPT-2 defaults for those fields")
         self.cfg = cfg
         self.checkpoint_activations = checkpoint_activations
         self.recompute_block = recompute_block  # None: the package's recompute_block

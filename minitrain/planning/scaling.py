@@ -28,7 +28,7 @@ from ..parallel.schedules import split_layers
 __all__ = ["MODEL_SIZES", "target_model", "RankWork", "rank_work", "Scaler", "itemsize",
            "rank_memory"]
 
-#: Bigger models of the same family (GPT-2 shaped: 4h-wide GeLU MLPs, learned positions), by the
+#: Bigger models: GPT-2 shaped ones (4h-wide GeLU MLPs, learned positions), by the
 #: shapes of Brown et al., 2020, "Language Models are Few-Shot Learners", Table 2.1 (GPT-3 XL 1.3B,
 #: 2.7B, 6.7B, 13B — its 13B's d_model 5140 is 5120 here, 40 heads of 128) and Radford et al., 2019
 #: (GPT-2 124M); vocabulary 50,257, 2,048 positions.
@@ -38,6 +38,16 @@ MODEL_SIZES = {
     "2.7b": GPTConfig(vocab_size=50257, seq_len=2048, n_layer=32, n_head=32, d_model=2560),
     "7b": GPTConfig(vocab_size=50257, seq_len=2048, n_layer=32, n_head=32, d_model=4096),
     "13b": GPTConfig(vocab_size=50257, seq_len=2048, n_layer=40, n_head=40, d_model=5120),
+    # Llama 3 (Grattafiori et al., 2024, "The Llama 3 Herd of Models", Table 3, and Meta's
+    # published config.json): vocabulary 128,256, 8 key/value heads, SwiGLU, RMSNorm, RoPE, no
+    # biases, an untied output layer, 8,192 positions in pre-training.  8,030,261,248 and
+    # 70,553,706,496 parameters.
+    "llama3-8b": GPTConfig(vocab_size=128256, seq_len=8192, n_layer=32, n_head=32, d_model=4096,
+                           d_ff=14336, n_kv_head=8, mlp="swiglu", norm="rmsnorm", positions="rope",
+                           bias=False),
+    "llama3-70b": GPTConfig(vocab_size=128256, seq_len=8192, n_layer=80, n_head=64, d_model=8192,
+                            d_ff=28672, n_kv_head=8, mlp="swiglu", norm="rmsnorm", positions="rope",
+                            bias=False),
 }
 
 def target_model(as_model, run: GPTConfig) -> GPTConfig:

@@ -1,0 +1,661 @@
+"""What a training step's kernels cost on a device (lessons 07 and 08: MFU, where the time goes).
+
+A step is a list of kernels — the matrix products of each linear layer (one forward, two backward),
+the attention core, the memory-bound passes (norms, activations, residual adds, softmax, the loss)
+and the optimizer — and each is priced on its own: a GEMM by the roofline with tile and wave
+quantization over the SMs (NVIDIA, "Matrix Multiplication Background User's Guide"), at the
+measured maximum achievable matmul FLOP/s (Bekman, "Machine Learning Engineering Open Book",
+MAMF); FlashAttention at its published throughput (Dao, 2023, "FlashAttention-2"; Shah et al.,
+2024, "FlashAttention-3"); a memory-bound pass at a measured memory bandwidth; and every kernel at
+least the time the CPU takes to issue it (NVIDIA, 2019, "Getting Started with CUDA Graphs").  A
+:class:`Stack` says which kernels a software stack runs: PyTorch eager, Megatron-LM's fused kernels
+(Narayanan et al., 2021), or a current FlashAttention stack.  No number here is fitted to a
+published training throughput: each comes from a datasheet or a microbenchmark, cited where it is
+defined.  The CPU is priced by the same rules from a calibration measured on the spot.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from ..model import GPTConfig, training_flops
+
+__all__ = ["DeviceKernels", "DEVICES", "GEMM_TILES", "Stack", "STACKS", "default_stack", "Kernel",
+           "Compute", "ADAM_BYTES", "gemm_seconds", "gemm_quantization", "kernel_seconds",
+           "block_kernels", "head_kernels", "embed_kernels", "rank_compute", "format_kernels",
+           "cpu_kernels", "calibrate_kernels"]
+
+#: Adam's update reads the fp32 weight, gradient and two moments and writes the weight and the two
+#: moments: 7 fp32 words per parameter (the same count as the projection's ``ADAM_BYTES``).
+ADAM_BYTES = 28
+
+#: The output tiles cuBLAS chooses among for a GEMM (NVIDIA, "Matrix Multiplication Background
+#: User's Guide", section "Dimension Quantization Effects": 256×128, 128×256, 128×128, 256×64,
+#: 64×256, 128×64, 64×128, 64×64).
+GEMM_TILES = ((256, 128), (128, 256), (128, 128), (256, 64), (64, 256), (128, 64), (64, 128),
+              (64, 64))
+
+
+# --------------------------------------------------------------------------------------------------
+# Devices
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceKernels:
+    """What a device's kernels run at.  GPU: ``sms`` streaming multiprocessors, the datasheet
+    peaks, the measured matmul rate ``mamf`` (bf16), the measured memory bandwidth, the launch
+    floor (no kernel takes less: the CPU issues one at a time) and FlashAttention's throughput by
+    sequence length (``flash``: phase → ((seq, FLOP/s), ...), head dimension 128, BF16).  CPU
+    (``per_op``): GEMM rates measured at a few sizes (``gemm_curve``: ((FLOPs, FLOP/s), ...)) and
+    a per-op dispatch overhead that every kernel pays on top of its work."""
+
+    name: str
+    sms: int
+    peak_bf16: float
+    peak_tf32: float
+    mamf: float
+    bandwidth: float          # the datasheet's
+    achievable_bandwidth: float
+    launch_s: float
+    flash: dict = field(default_factory=dict)
+    tiles: tuple = GEMM_TILES
+    per_op: bool = False
+    gemm_curve: tuple = ()
+    source: str = ""
+
+    def peak(self, precision: str = "bf16-mixed") -> float:
+        return self.peak_tf32 if precision == "fp32" else self.peak_bf16
+
+    def matmul_rate(self, precision: str = "bf16-mixed") -> float:
+        """MAMF; fp32 runs on TF32 tensor cores at MAMF × the TF32/BF16 peak ratio (assumed: the
+        same achievable fraction of a peak half as high)."""
+        return self.mamf * (self.peak_tf32 / self.peak_bf16 if precision == "fp32" else 1.0)
+
+
+_DATASHEETS = ("NVIDIA A100 Tensor Core GPU datasheet (2021): 108 SMs, BF16 dense 312 TFLOP/s, TF32 "
+               "156 TFLOP/s, HBM2e 2,039 GB/s (80GB SXM), 1,935 GB/s (80GB PCIe); NVIDIA H100 "
+               "Tensor Core GPU datasheet (2023): H100 SXM 132 SMs, BF16 dense 989 TFLOP/s, TF32 "
+               "494.7 TFLOP/s, HBM3 3.35 TB/s")
+_MAMF = ("MAMF, bf16, measured by Bekman, 'Machine Learning Engineering Open Book' (2024), "
+         "chapter 'Maximum Achievable Matmul FLOPS': A100 SXM 271.2, H100 SXM 794.5, A100 PCIe "
+         "252.9 TFLOP/s")
+# A read kernel reached 1.80 TB/s on an A100 80GB SXM, 88 % of the datasheet's 2,039 GB/s (NVIDIA
+# Developer Forums, 2025, "Trouble to Reach Peak Bandwidth of A100", measured with Nsight Compute;
+# the thread cites a GTC 2025 talk in which no kernel exceeded about 90 %).  The other devices get
+# the same measured fraction of their datasheet bandwidth.
+_BW_FRACTION = 1.80e12 / 2.039e12
+_BANDWIDTH = ("achievable bandwidth: 1.80 TB/s measured on an A100 80GB SXM (88 % of the datasheet; "
+              "NVIDIA Developer Forums, 2025, 'Trouble to Reach Peak Bandwidth of A100'), the same "
+              "fraction of the datasheet on the other devices")
+#: A kernel issued by the CPU after another completes no sooner than 3.8 µs after it: the time
+#: per kernel of a stream of short kernels launched back to back (NVIDIA Technical Blog, Gray,
+#: 2019, "Getting Started with CUDA Graphs": 3.8 µs per 2.9 µs kernel without CUDA Graphs).
+LAUNCH_S = 3.8e-6
+_LAUNCH = "launch floor 3.8 µs per kernel (Gray, 2019, NVIDIA blog 'Getting Started with CUDA Graphs')"
+
+# FlashAttention throughput (FLOP/s) by sequence length, BF16, head dimension 128.
+# H100 SXM: FlashAttention-3 (Shah et al., 2024, "FlashAttention-3", Figure 5: forward with the
+# causal mask, its FLOPs halved; Figure 6: backward, shown without the mask, used for the causal
+# backward too).
+_FA3_H100 = {"forward": ((512, 292e12), (1024, 423e12), (2048, 521e12), (4096, 579e12),
+                         (8192, 602e12), (16384, 616e12)),
+             "backward": ((512, 316e12), (1024, 424e12), (2048, 501e12), (4096, 542e12),
+                          (8192, 559e12), (16384, 561e12))}
+# A100: FlashAttention-2 reaches 50-73 % of the A100's 312 TFLOP/s (Dao, 2023, "FlashAttention-2",
+# abstract); the table puts the low end at 512 positions and the high end at 16k, forward and
+# backward alike (the paper's per-length figures are not transcribed here).
+_FA2_A100 = {phase: ((512, 0.50 * 312e12), (16384, 0.73 * 312e12))
+             for phase in ("forward", "backward")}
+
+DEVICES = {
+    "A100 SXM": DeviceKernels("NVIDIA A100 SXM 80GB", 108, 312e12, 156e12, 271.2e12, 2.039e12,
+                              1.80e12, LAUNCH_S, _FA2_A100,
+                              source="; ".join((_DATASHEETS, _MAMF, _BANDWIDTH, _LAUNCH,
+                                                "FlashAttention-2: Dao, 2023"))),
+    "H100 SXM": DeviceKernels("NVIDIA H100 SXM 80GB", 132, 989e12, 494.7e12, 794.5e12, 3.35e12,
+                              3.35e12 * _BW_FRACTION, LAUNCH_S, _FA3_H100,
+                              source="; ".join((_DATASHEETS, _MAMF, _BANDWIDTH, _LAUNCH,
+                                                "FlashAttention-3: Shah et al., 2024, Figs. 5-6"))),
+    "A100 PCIe": DeviceKernels("NVIDIA A100 PCIe 80GB", 108, 312e12, 156e12, 252.9e12, 1.935e12,
+                               1.935e12 * _BW_FRACTION, LAUNCH_S, _FA2_A100,
+                               source="; ".join((_DATASHEETS, _MAMF, _BANDWIDTH, _LAUNCH,
+                                                 "FlashAttention-2: Dao, 2023"))),
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Software stacks
+# --------------------------------------------------------------------------------------------------
+
+#: The elementwise groups a stack may run as one kernel each: norms, GeLU (with its bias),
+#: SwiGLU's SiLU-and-multiply, dropout with the residual add, scale-mask-softmax, the rotary
+#: embedding, the loss (cross-entropy over the vocabulary).
+FUSIONS = ("norm", "gelu", "swiglu", "dropout-add", "softmax", "rope", "loss")
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A software stack: ``attention`` "materialized" (the s×s scores go through memory) or
+    "flash" (one fused kernel), the elementwise groups it ``fuses`` (of :data:`FUSIONS`), whether
+    it trains with ``dropout``, its activation ``recompute`` ("none" | "selective": the attention
+    core again in backward, Korthikanti et al., 2022 | "full": each block's forward again),
+    ``tp_overlap`` (tensor-parallel communication hidden under GEMMs) and the SMs an overlapped
+    NCCL kernel takes from the compute it overlaps (``comm_sms``)."""
+
+    name: str
+    attention: str
+    fuses: frozenset
+    dropout: bool
+    recompute: str
+    tp_overlap: bool
+    comm_sms: int
+    source: str
+
+    def overlap_slowdown(self, device: DeviceKernels) -> float:
+        """How much slower compute runs while a collective overlaps it: its kernels hold
+        ``comm_sms`` of the SMs (1 on a CPU, whose collectives this model does not price)."""
+        if device.per_op or not device.sms:
+            return 1.0
+        return device.sms / (device.sms - self.comm_sms)
+
+
+#: 20 SMs of an H800's 132 suffice to drive its NVLink and InfiniBand all-to-all (DeepSeek-AI,
+#: 2024, "DeepSeek-V3 Technical Report", section 3.2.2); the same count is taken on every GPU.
+COMM_SMS = 20
+
+STACKS = {
+    "eager": Stack("eager", "materialized", frozenset(), True, "none", False, COMM_SMS,
+                   "plain PyTorch eager: attention as QKᵀ, scale, mask, softmax, dropout and AV, "
+                   "each its own kernel (the GPT-2 recipe trains with dropout: Radford et al., "
+                   "2019); every elementwise op its own kernel (GeLU as GPT-2's tanh formula); "
+                   "no communication overlap"),
+    "megatron-2021": Stack("megatron-2021", "materialized",
+                           frozenset({"norm", "gelu", "dropout-add", "softmax"}), True, "full",
+                           False, COMM_SMS,
+                           "Narayanan et al., 2021, 'Efficient Large-Scale Language Model "
+                           "Training on GPU Clusters Using Megatron-LM', section 4.2: fused "
+                           "bias+GeLU, bias+dropout+add and scale-mask-softmax kernels, apex's "
+                           "fused LayerNorm, full activation recomputation; attention scores still "
+                           "materialized; tensor-parallel all-reduces not overlapped"),
+    "flash": Stack("flash", "flash", frozenset(FUSIONS), False, "selective", True, COMM_SMS,
+                   "a current stack: FlashAttention-2/3 (Dao, 2023; Shah et al., 2024), fused "
+                   "RMSNorm/LayerNorm, SwiGLU, rotary and cross-entropy kernels, selective "
+                   "recomputation and sequence parallelism (Korthikanti et al., 2022, 'Reducing "
+                   "Activation Recomputation in Large Transformer Models'), tensor-parallel "
+                   "communication overlapped with GEMMs (NVIDIA Transformer Engine, "
+                   "'tp_comm_overlap'); no dropout (Llama 3's recipe: Grattafiori et al., 2024)"),
+}
+
+
+def default_stack(device: DeviceKernels) -> Stack:
+    """"flash" on a GPU; on a CPU, "eager" (PyTorch's kernels, op by op)."""
+    return STACKS["eager" if device.per_op else "flash"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel (or a few of one kind, ``launches``): ``kind`` "gemm" | "attention" (a fused
+    attention kernel) | "memory" | "optimizer", ``phase`` "forward" | "backward" | "step", its
+    FLOPs and bytes read + written; a GEMM's ``shape`` (m, n, k) times ``batch``; a fused
+    attention kernel's ``seq`` (the key length of one launch, its throughput table's x)."""
+
+    name: str
+    kind: str
+    phase: str
+    flops: float = 0.0
+    bytes: float = 0.0
+    shape: tuple | None = None
+    batch: int = 1
+    launches: int = 1
+    seq: int = 0
+
+
+def _gemm(name: str, phase: str, m: int, n: int, k: int, item: int, batch: int = 1) -> Kernel:
+    """C (m×n) = A (m×k) · B (k×n): 2mnk FLOPs, reading A and B and writing C once."""
+    return Kernel(name, "gemm", phase, 2.0 * m * n * k * batch, item * batch * (m * k + k * n + m * n),
+                  (m, n, k), batch)
+
+
+def _linear(name: str, tokens: int, n_in: int, n_out: int, item: int) -> list[Kernel]:
+    """A linear layer on ``tokens`` rows: forward Y = XW; backward dX = dY·Wᵀ and dW = Xᵀ·dY."""
+    return [_gemm(name, "forward", tokens, n_out, n_in, item),
+            _gemm(name + " dX", "backward", tokens, n_in, n_out, item),
+            _gemm(name + " dW", "backward", n_in, n_out, tokens, item)]
+
+
+def _memory(name: str, nbytes: float, launches: int = 1) -> list[Kernel]:
+    """A memory-bound op, forward and backward; its backward reads the output gradient and the
+    saved input(s) and writes the input gradient(s): taken as twice the forward's traffic."""
+    return [Kernel(name, "memory", "forward", bytes=nbytes, launches=launches),
+            Kernel(name, "memory", "backward", bytes=2 * nbytes, launches=launches)]
+
+
+def _norm(cfg: GPTConfig, stack: Stack, name: str, elems: float, item: int) -> list[Kernel]:
+    """LayerNorm is one PyTorch kernel (read x, write y) even in eager; RMSNorm unfused is its
+    ops: square, mean, multiply by the reciprocal root, multiply by the weight (7 passes' worth
+    of traffic over 4 kernels); fused, one pass."""
+    if cfg.norm == "layernorm" or "norm" in stack.fuses:
+        return _memory(name, 2 * elems * item)
+    return _memory(name + " (4 ops)", 7 * elems * item, launches=4)
+
+
+def _residual(stack: Stack, name: str, elems: float, item: int) -> list[Kernel]:
+    """Dropout (when the stack trains with it: a 1-byte mask written) and the residual add
+    (read two, write one); fused into one pass or two kernels."""
+    mask = elems if stack.dropout else 0
+    if "dropout-add" in stack.fuses or not stack.dropout:
+        return _memory(name, 3 * elems * item + mask)
+    return _memory("dropout + " + name, (2 + 3) * elems * item + mask, launches=2)
+
+
+def _activation(cfg: GPTConfig, stack: Stack, elems: float, item: int) -> list[Kernel]:
+    """GeLU over the MLP's hidden activations: fused, one pass; unfused, GPT-2's tanh formula
+    op by op (x³, ·0.044715, +x, ·√(2/π), tanh, +1, ·x, ·0.5: 8 kernels reading and writing
+    each).  SwiGLU: SiLU(gate)·up, fused one pass (read two, write one), unfused two kernels."""
+    if cfg.mlp == "swiglu":
+        if "swiglu" in stack.fuses:
+            return _memory("silu * up", 3 * elems * item)
+        return _memory("silu, * up", (2 + 3) * elems * item, launches=2)
+    if "gelu" in stack.fuses:
+        return _memory("gelu", 2 * elems * item)
+    return _memory("gelu (8 ops)", 8 * 2 * elems * item, launches=8)
+
+
+def _rope(stack: Stack, elems: float, item: int) -> list[Kernel]:
+    """Rotary embedding of Q and K: x·cos + rotate_half(x)·sin — unfused four kernels (rotate,
+    two multiplies, add), fused one pass."""
+    if "rope" in stack.fuses:
+        return _memory("rope", 2 * elems * item)
+    return _memory("rope (4 ops)", 4 * 2 * elems * item, launches=4)
+
+
+def _attention_core(cfg: GPTConfig, stack: Stack, b: int, heads: int, kv_heads: int, s_q: int,
+                    s_k: int, item: int, cp: int) -> list[Kernel]:
+    """softmax(QKᵀ/√h)V for ``heads`` heads of ``s_q`` queries against ``s_k`` keys (causal).
+
+    flash: one kernel forward, one backward at 2.5× its FLOPs (it recomputes the scores), the
+    causal mask halving the work; ``cp`` ring steps of ``s_q`` keys each.  Materialized: the
+    scores QKᵀ and AV as batched GEMMs over all s_q×s_k positions (the mask applied after), and
+    passes over the b·heads·s_q·s_k scores: scale, mask, softmax, dropout (megatron fuses the
+    first three); backward: four GEMMs (dV, dP, dQ, dK) and the passes' gradients."""
+    hd = cfg.head_dim
+    if stack.attention == "flash":
+        flops = 4.0 * b * heads * s_q * s_k * hd / 2
+        io = item * b * (2 * s_q * heads * hd + 2 * s_k * kv_heads * hd)
+        return [Kernel("attention (flash)", "attention", "forward", flops, io, launches=cp, seq=s_q),
+                Kernel("attention (flash) bwd", "attention", "backward", 2.5 * flops, 2 * io,
+                       launches=cp, seq=s_q)]
+    scores, bh = b * heads * s_q * s_k, b * heads
+    out: list[Kernel] = []
+    if kv_heads < heads:  # grouped-query attention: K and V repeated to every query head
+        out += _memory("attention repeat_kv", item * 2 * b * s_k * hd * (kv_heads + heads))
+    out += [_gemm("attention QKᵀ", "forward", s_q, s_k, hd, item, bh)]
+    if "softmax" in stack.fuses:
+        out += _memory("attention scale-mask-softmax", 2 * scores * item)
+    else:
+        out += _memory("attention scale, mask, softmax", 3 * 2 * scores * item, launches=3)
+    if stack.dropout:
+        out += _memory("attention dropout", 2 * scores * item + scores)
+    out += [_gemm("attention AV", "forward", s_q, hd, s_k, item, bh),
+            _gemm("attention dP = dO·Vᵀ", "backward", s_q, s_k, hd, item, bh),
+            _gemm("attention dV = Pᵀ·dO", "backward", s_k, hd, s_q, item, bh),
+            _gemm("attention dQ = dS·K", "backward", s_q, hd, s_k, item, bh),
+            _gemm("attention dK = dSᵀ·Q", "backward", s_k, hd, s_q, item, bh)]
+    return out
+
+
+def block_kernels(cfg: GPTConfig, stack: Stack, *, micro_batch: int = 1, seq: int | None = None,
+                  tp: int = 1, cp: int = 1, sp: bool = False, ep: int = 1,
+                  precision: str = "bf16-mixed") -> list[Kernel]:
+    """The kernels of one micro-batch (``micro_batch`` sequences of ``seq`` positions) through
+    one transformer block, forward and backward, on one rank: tensor parallelism splits the
+    heads and the MLP's columns by ``tp`` (the norms and residuals too with sequence parallelism,
+    ``sp``), context parallelism the sequence by ``cp`` (each rank's queries attend to all the
+    keys, in a ring), expert parallelism the experts by ``ep``."""
+    item = 4 if precision == "fp32" else 2
+    seq = cfg.seq_len if seq is None else seq
+    d, hd, s_q = cfg.d_model, cfg.head_dim, seq // cp
+    tokens = micro_batch * s_q                      # rows through the rank's GEMMs
+    row_tokens = tokens // tp if sp else tokens     # rows through its norms and residuals
+    heads, kv_heads = cfg.n_head // tp, max(1, cfg.kv_heads // tp)
+    q_w, kv_w, ff = heads * hd, kv_heads * hd, cfg.ff // tp
+    out = _norm(cfg, stack, "norm 1", row_tokens * d, item)
+    out += _linear("QKV", tokens, d, q_w + 2 * kv_w, item)
+    if cfg.positions == "rope":
+        out += _rope(stack, tokens * (q_w + kv_w), item)
+    out += _attention_core(cfg, stack, micro_batch, heads, kv_heads, s_q, seq, item, cp)
+    out += _linear("attention out", tokens, q_w, d, item)
+    out += _residual(stack, "residual add 1", row_tokens * d, item)
+    out += _norm(cfg, stack, "norm 2", row_tokens * d, item)
+    out += _mlp(cfg, stack, tokens, ff, ep, item)
+    out += _residual(stack, "residual add 2", row_tokens * d, item)
+    return out
+
+
+def _mlp(cfg: GPTConfig, stack: Stack, tokens: int, ff: int, ep: int, item: int) -> list[Kernel]:
+    """The MLP's GEMMs and activation; a mixture of experts adds the router and moves each token
+    to its experts and back (a copy each way), its experts' GEMMs batched over the rank's
+    n_expert/ep experts, each taking tokens·top_k·ep/n_expert rows on average."""
+    d, out = cfg.d_model, []
+    rows, experts = tokens, 1
+    if cfg.n_expert:
+        experts = cfg.n_expert // ep
+        rows = max(1, tokens * cfg.top_k * ep // cfg.n_expert)
+        out += _linear("router", tokens, d, cfg.n_expert, item)
+        out += _memory("dispatch + combine", 2 * 2 * tokens * cfg.top_k * d * item, launches=2)
+    ups = ("gate", "up") if cfg.mlp == "swiglu" else ("up",)
+    for name in ups:
+        out += [_batched(k, experts) for k in _linear("MLP " + name, rows, d, ff, item)]
+    out += _activation(cfg, stack, experts * rows * ff, item)
+    out += [_batched(k, experts) for k in _linear("MLP down", rows, ff, d, item)]
+    return out
+
+
+def _batched(k: Kernel, batch: int) -> Kernel:
+    """The same GEMM run for ``batch`` experts in one grouped launch."""
+    if batch == 1:
+        return k
+    return Kernel(k.name, k.kind, k.phase, k.flops * batch, k.bytes * batch, k.shape, batch)
+
+
+def head_kernels(cfg: GPTConfig, stack: Stack, *, micro_batch: int = 1, seq: int | None = None,
+                 tp: int = 1, cp: int = 1, sp: bool = False,
+                 precision: str = "bf16-mixed") -> list[Kernel]:
+    """The final norm, the output layer (vocabulary-parallel: V/tp columns) and the loss over the
+    logits: unfused, a cast to fp32, log-softmax and the pick of the target (forward), their
+    gradients and a cast back (backward); fused, one read of the logits forward, one read and one
+    write backward."""
+    item = 4 if precision == "fp32" else 2
+    seq = cfg.seq_len if seq is None else seq
+    tokens = micro_batch * seq // cp
+    logits = tokens * cfg.vocab_size / tp
+    out = _norm(cfg, stack, "final norm", (tokens // tp if sp else tokens) * cfg.d_model, item)
+    out += _linear("output layer", tokens, cfg.d_model, cfg.vocab_size // tp, item)
+    if "loss" in stack.fuses:
+        out += [Kernel("cross-entropy", "memory", "forward", bytes=logits * item),
+                Kernel("cross-entropy", "memory", "backward", bytes=2 * logits * item)]
+    else:
+        out += [Kernel("cast, log-softmax, nll", "memory", "forward",
+                       bytes=logits * (item + 4 + 8), launches=3),
+                Kernel("cast, log-softmax, nll", "memory", "backward",
+                       bytes=logits * (4 + 12 + 4 + item), launches=3)]
+    return out
+
+
+def embed_kernels(cfg: GPTConfig, stack: Stack, *, micro_batch: int = 1, seq: int | None = None,
+                  tp: int = 1, cp: int = 1, precision: str = "bf16-mixed") -> list[Kernel]:
+    """The token lookup (read the rows, write the activations), the learned positions' add, and
+    backward: zeroing the rank's V/tp × d gradient table and adding each row's gradient into it."""
+    item = 4 if precision == "fp32" else 2
+    seq = cfg.seq_len if seq is None else seq
+    act = micro_batch * seq // cp * cfg.d_model
+    out = [Kernel("embedding lookup", "memory", "forward", bytes=2 * act * item),
+           Kernel("embedding grad", "memory", "backward",
+                  bytes=(cfg.vocab_size // tp * cfg.d_model + 2 * act) * item, launches=2)]
+    if cfg.positions == "learned":
+        out += _memory("+ positions", 3 * act * item)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Pricing
+# --------------------------------------------------------------------------------------------------
+
+
+def _reuse(tile: tuple) -> float:
+    """FLOPs per operand element a tile loads: tm·tn/(tm + tn)."""
+    tm, tn = tile
+    return tm * tn / (tm + tn)
+
+
+def gemm_quantization(device: DeviceKernels, m: int, n: int, batch: int = 1,
+                      tiles: tuple | None = None) -> tuple[tuple, float]:
+    """The tile cuBLAS would pick for an m×n output (×batch) and the fraction of the SMs' work
+    that is useful with it.  Tile quantization: ceil(m/tm)·ceil(n/tn) tiles, the edge ones
+    partly empty; wave quantization: the tiles run in ceil(tiles/SMs) waves, the last one partly
+    idle (NVIDIA, "Matrix Multiplication Background User's Guide").  A smaller tile wastes less
+    but reuses each operand less; the model assumes the largest tile's reuse is what MAMF was
+    measured with and a smaller one runs at its reuse relative to it (no constant is fitted).
+    The pick is the fastest tile: the least (waves · tile work) / reuse."""
+    tiles = tiles or device.tiles
+    best_reuse = max(_reuse(t) for t in device.tiles)
+    choice, cost, useful = None, math.inf, 1.0
+    for tm, tn in tiles:
+        count = batch * math.ceil(m / tm) * math.ceil(n / tn)
+        waves = math.ceil(count / device.sms)
+        work = waves * device.sms * tm * tn                     # output elements the SMs could do
+        c = work / (_reuse((tm, tn)) / best_reuse)
+        if c < cost:
+            choice, cost, useful = (tm, tn), c, batch * m * n / work
+    return choice, useful * _reuse(choice) / best_reuse
+
+
+def gemm_seconds(device: DeviceKernels, m: int, n: int, k: int, batch: int = 1,
+                 precision: str = "bf16-mixed", tiles: tuple | None = None) -> float:
+    """Time of one GEMM (×batch): the roofline, max(FLOPs / (MAMF × quantization efficiency),
+    bytes / achievable bandwidth).  On a CPU: FLOPs at the calibrated rate for a product of this
+    size, or bytes at the calibrated bandwidth, whichever is longer."""
+    item = 4 if precision == "fp32" else 2
+    flops, nbytes = 2.0 * m * n * k * batch, item * batch * (m * k + k * n + m * n)
+    if device.per_op:
+        return max(flops / _cpu_rate(device, flops / batch), nbytes / device.achievable_bandwidth)
+    _, efficiency = gemm_quantization(device, m, n, batch, tiles)
+    compute = flops / (device.matmul_rate(precision) * efficiency)
+    return max(compute, nbytes / device.achievable_bandwidth)
+
+
+def _cpu_rate(device: DeviceKernels, flops: float) -> float:
+    """The measured GEMM rate interpolated in log(FLOPs) (held flat outside the measured sizes)."""
+    curve = sorted(device.gemm_curve)
+    return _interpolate(curve, flops)
+
+
+def _interpolate(table, x: float) -> float:
+    """y at x from (x, y) points, linear in log(x), flat beyond the ends."""
+    if x <= table[0][0]:
+        return table[0][1]
+    for (x0, y0), (x1, y1) in zip(table, table[1:]):
+        if x <= x1:
+            w = math.log(x / x0) / math.log(x1 / x0)
+            return y0 + w * (y1 - y0)
+    return table[-1][1]
+
+
+def _flash_rate(device: DeviceKernels, phase: str, seq: int, precision: str) -> float:
+    """FlashAttention's published throughput at this sequence length (a fp32 run: scaled by the
+    TF32/BF16 peak ratio, as GEMMs are)."""
+    rate = _interpolate(device.flash[phase], seq)
+    return rate * (device.peak_tf32 / device.peak_bf16 if precision == "fp32" else 1.0)
+
+
+def kernel_seconds(k: Kernel, device: DeviceKernels, precision: str = "bf16-mixed") -> tuple[float, float]:
+    """(seconds of work, seconds of launch) for one kernel.  GPU: the work, but no less than the
+    launch floor per launch — the shortfall is "launch" (the GPU waits for the CPU).  CPU: the
+    work plus PyTorch's per-op dispatch overhead for every launch (the CPU that dispatches is the
+    one that computes, so the two do not overlap)."""
+    if k.kind == "gemm":
+        m, n, kk = k.shape
+        work = gemm_seconds(device, m, n, kk, k.batch, precision)
+    elif k.kind == "attention" and device.flash:
+        work = max(k.flops / _flash_rate(device, k.phase, k.seq, precision),
+                   k.bytes / device.achievable_bandwidth)
+    elif k.kind == "attention":  # a CPU: the fused kernel at the GEMM rate of its size
+        work = k.flops / _cpu_rate(device, k.flops / k.launches)
+    else:
+        work = k.bytes / device.achievable_bandwidth
+    floor = k.launches * device.launch_s
+    if device.per_op:
+        return work, floor
+    return work, max(0.0, floor - work)
+
+
+@dataclass
+class Compute:
+    """One rank's compute for one step, in seconds: ``forward_s``, ``backward_s``,
+    ``recompute_s`` (forwards run again in backward), ``optimizer_s``; ``by_kind`` the same total
+    split into "gemm", "attention", "memory", "optimizer" and "launch"; ``kernels`` one block's
+    kernels and the head's, embedding's and optimizer's (a lesson prints them);
+    ``model_flops`` the step's FLOPs without recomputation (MFU's numerator)."""
+
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    optimizer_s: float
+    by_kind: dict
+    kernels: list
+    model_flops: float
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.backward_s + self.recompute_s + self.optimizer_s
+
+    def mfu(self, peak: float) -> float:
+        """Model FLOPs utilization: model FLOPs / (time × peak FLOP/s)."""
+        return self.model_flops / (self.total_s * peak)
+
+
+def _recomputed(kernels: list[Kernel], stack: Stack, recompute: str) -> list[Kernel]:
+    """The forward kernels backward runs again: all of a block's ("full"), its attention core's
+    ("selective"; nothing with FlashAttention, whose backward recomputes the scores already)."""
+    forward = [k for k in kernels if k.phase == "forward"]
+    if recompute == "full":
+        return forward
+    if recompute == "selective" and stack.attention != "flash":
+        return [k for k in forward if k.name.startswith("attention") and k.name != "attention out"]
+    return []
+
+
+def rank_compute(cfg: GPTConfig, device: DeviceKernels, stack: Stack | None = None, *,
+                 tokens_per_microbatch: int | None = None, micro_batch: int = 1,
+                 microbatches: int = 1, blocks: int | None = None, head: bool = True,
+                 embed: bool = True, tp: int = 1, cp: int = 1, sp: bool = False, ep: int = 1,
+                 opt_params: float | None = None, precision: str = "bf16-mixed",
+                 recompute: str | None = None) -> Compute:
+    """One rank's compute for a step: ``microbatches`` micro-batches of ``micro_batch``
+    sequences (``tokens_per_microbatch`` / ``micro_batch`` positions each; default the model's
+    ``seq_len``) through its ``blocks`` blocks (default all), the head and embedding if it holds
+    them, and the optimizer step over ``opt_params`` parameters (default: the rank's share of
+    what it holds).  ``recompute`` (default the stack's): "none" | "selective" | "full"."""
+    stack = stack or default_stack(device)
+    recompute = stack.recompute if recompute is None else recompute
+    blocks = cfg.n_layer if blocks is None else blocks
+    seq = tokens_per_microbatch // micro_batch if tokens_per_microbatch else cfg.seq_len
+    shape = dict(micro_batch=micro_batch, seq=seq, tp=tp, cp=cp, precision=precision)
+    block = block_kernels(cfg, stack, sp=sp, ep=ep, **shape)
+    counted = [(k, blocks * microbatches) for k in block]
+    counted += [(_as_recompute(k), blocks * microbatches)
+                for k in _recomputed(block, stack, recompute)]
+    extra = (head_kernels(cfg, stack, sp=sp, **shape) if head else []) + \
+            (embed_kernels(cfg, stack, **shape) if embed else [])
+    counted += [(k, microbatches) for k in extra]
+    if opt_params is None:
+        opt_params = _held_params(cfg, blocks, head, embed, tp, ep)
+    step = Kernel("Adam", "optimizer", "step", bytes=ADAM_BYTES * opt_params)
+    counted.append((step, 1))
+    phases = {"forward": 0.0, "backward": 0.0, "recompute": 0.0, "step": 0.0}
+    by_kind = dict.fromkeys(("gemm", "attention", "memory", "optimizer", "launch"), 0.0)
+    for k, times in counted:
+        work, launch = kernel_seconds(k, device, precision)
+        phases[k.phase] += times * (work + launch)
+        by_kind[k.kind] += times * work
+        by_kind["launch"] += times * launch
+    tokens = microbatches * micro_batch * seq // cp
+    flops = training_flops(cfg, tokens, blocks, head, keys=seq, tp=tp)
+    return Compute(phases["forward"], phases["backward"], phases["recompute"], phases["step"],
+                   by_kind, block + extra + [step], flops)
+
+
+def _as_recompute(k: Kernel) -> Kernel:
+    return Kernel(k.name, k.kind, "recompute", k.flops, k.bytes, k.shape, k.batch, k.launches, k.seq)
+
+
+def _held_params(cfg: GPTConfig, blocks: int, head: bool, embed: bool, tp: int, ep: int) -> float:
+    """Parameters a rank holds: its blocks' share under tensor parallelism (its n_expert/ep
+    experts), the head and embedding when it has them."""
+    block = cfg.block_params()
+    if cfg.n_expert:
+        block -= cfg.n_expert * cfg.mlp_params() * (1 - 1 / ep)
+    return (blocks * block + (cfg.head_params() if head else 0)
+            + (cfg.embed_params() if embed else 0)) / tp
+
+
+def format_kernels(kernels: list[Kernel], device: DeviceKernels,
+                   precision: str = "bf16-mixed") -> str:
+    """A table of kernels, one a line: phase, name, kind, GEMM shape, GFLOPs, MB moved, µs of work
+    and of launch, and the rate it runs at."""
+    lines = [f"{'phase':<9} {'kernel':<30} {'kind':<9} {'m×n×k (×batch)':<22} {'GFLOP':>8} "
+             f"{'MB':>9} {'µs':>9} {'launch':>7} {'TFLOP/s':>8}"]
+    for k in kernels:
+        work, launch = kernel_seconds(k, device, precision)
+        shape = "×".join(map(str, k.shape)) + (f" ×{k.batch}" if k.batch > 1 else "") if k.shape else ""
+        rate = f"{k.flops / work / 1e12:8.1f}" if k.flops and work else f"{'':>8}"
+        lines.append(f"{k.phase:<9} {k.name[:30]:<30} {k.kind:<9} {shape:<22} {k.flops / 1e9:8.2f} "
+                     f"{k.bytes / 1e6:9.2f} {work * 1e6:9.1f} {launch * 1e6:7.1f} {rate}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# The CPU: the same model from a calibration measured here
+# --------------------------------------------------------------------------------------------------
+
+
+def cpu_kernels(calibration: dict, name: str = "this machine's CPU") -> DeviceKernels:
+    """A CPU priced from measured numbers (:func:`calibrate_kernels`): ``gemm`` ((FLOPs,
+    FLOP/s), ...) at a few product sizes, interpolated by a GEMM's size; ``bandwidth`` (bytes/s
+    of a large copy); ``op_overhead_s`` (PyTorch's dispatch time of one op, paid by every
+    kernel on top of its work: on a CPU the dispatch and the work run on the same cores)."""
+    rates: dict = {}
+    for f, r in calibration["gemm"]:  # one rate per size: the best measured at it
+        rates[float(f)] = max(float(r), rates.get(float(f), 0.0))
+    curve = tuple(sorted(rates.items()))
+    rate = max(r for _, r in curve)
+    bw = float(calibration["bandwidth"])
+    return DeviceKernels(name, 0, rate, rate, rate, bw, bw, float(calibration["op_overhead_s"]),
+                         per_op=True, gemm_curve=curve, tiles=(),
+                         source="measured here by calibrate_kernels(): GEMM rates by size, an "
+                                "8 MB copy, a trivial op's forward + backward")
+
+
+def _best_time(fn, repeats: int, budget_s: float = 2e-3) -> float:
+    """The best of ``repeats`` timings of ``fn``, each the mean over as many calls as fill about
+    ``budget_s`` (a single short call is mostly the clock's and the scheduler's noise)."""
+    t0 = time.perf_counter()
+    fn()  # warm-up, and the size of one call
+    calls = max(1, min(1000, int(budget_s / max(time.perf_counter() - t0, 1e-7))))
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best
+
+
+def calibrate_kernels(repeats: int = 3) -> dict:
+    """Measure this CPU in a fraction of a second: fp32 matrix products (square 32…512 and two
+    skinny shapes), an 8 MB copy, and a trivial op with autograd (its forward + backward: two
+    dispatched ops, so half is one op's overhead)."""
+    import torch
+
+    gemm = []
+    for m, n, k in [(s, s, s) for s in (32, 64, 128, 256, 512)] + [(1, 512, 512), (2048, 64, 64)]:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        gemm.append((2.0 * m * n * k, 2.0 * m * n * k / _best_time(lambda: a @ b, repeats)))
+    src = torch.randn(2 << 20)  # 8 MB of fp32
+    dst = torch.empty_like(src)
+    bandwidth = 2 * src.numel() * 4 / _best_time(lambda: dst.copy_(src), repeats)
+    x = torch.ones(1, requires_grad=True)
+
+    def tiny():
+        (x * 2).backward()
+
+    overhead = _best_time(tiny, repeats) / 2
+    return {"gemm": [list(p) for p in gemm], "bandwidth": bandwidth, "op_overhead_s": overhead}

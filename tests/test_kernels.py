@@ -1,0 +1,179 @@
+"""The kernel model of a training step (minitrain/planning/kernels.py) and the Llama shapes of
+GPTConfig: the GEMM rule (wave and tile quantization, the roofline's two sides), fused and unfused
+traffic, materialized and flash attention, the stacks, the Llama counts against Meta's published
+ones, and a sanity range for a large model's MFU."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from minitrain.model import GPT, GPTConfig, block_flops, training_flops
+from minitrain.planning.kernels import (DEVICES, STACKS, Kernel, block_kernels, calibrate_kernels,
+                                        cpu_kernels, default_stack, format_kernels,
+                                        gemm_quantization, gemm_seconds, kernel_seconds,
+                                        rank_compute)
+from minitrain.planning.scaling import MODEL_SIZES
+
+H100, A100 = DEVICES["H100 SXM"], DEVICES["A100 SXM"]
+SMALL = GPTConfig(vocab_size=13, seq_len=32, n_layer=1, n_head=4, d_model=64)
+
+
+# --- the GEMM rule -------------------------------------------------------------------------------
+
+
+def test_a_gemm_one_tile_past_a_full_wave_takes_a_second_wave():
+    """1536×2816 with 256×128 tiles is 6×22 = 132 tiles, one wave on the H100's 132 SMs; one
+    more column makes 6×23 = 138: no tile shape does that in one wave, and the time doubles."""
+    one = gemm_seconds(H100, 1536, 2816, 16384)
+    two = gemm_seconds(H100, 1536, 2817, 16384)
+    assert two / one == pytest.approx(2.0, rel=0.02)
+
+
+def test_tile_quantization_pads_the_edge_tiles():
+    """With 128×128 tiles and 132 column tiles, m = 513 runs 5 row tiles (5 waves), as m = 640
+    does: the same time, 5/4 of m = 512's 4 waves."""
+    tiles = ((128, 128),)
+    t513 = gemm_seconds(H100, 513, 16896, 4096, tiles=tiles)
+    t640 = gemm_seconds(H100, 640, 16896, 4096, tiles=tiles)
+    t512 = gemm_seconds(H100, 512, 16896, 4096, tiles=tiles)
+    assert t513 == pytest.approx(t640)
+    assert t513 == pytest.approx(5 / 4 * t512)
+    _, useful = gemm_quantization(H100, 129, 8448, tiles=tiles)
+    _, full = gemm_quantization(H100, 256, 8448, tiles=tiles)
+    assert useful == pytest.approx(full * 129 / 256)
+
+
+def test_a_skinny_gemm_is_priced_by_its_bytes():
+    m, n, k = 1, 8192, 8192
+    nbytes = 2 * (m * k + k * n + m * n)
+    assert gemm_seconds(H100, m, n, k) == pytest.approx(nbytes / H100.achievable_bandwidth)
+
+
+def test_a_large_square_gemm_runs_near_mamf():
+    n = 16384
+    rate = 2 * n ** 3 / gemm_seconds(H100, n, n, n)
+    assert 0.95 * H100.mamf < rate <= H100.mamf
+    fp32 = 2 * n ** 3 / gemm_seconds(H100, n, n, n, precision="fp32")
+    assert fp32 == pytest.approx(rate * 494.7 / 989)
+
+
+def test_a_short_kernel_takes_the_launch_floor_on_a_gpu_and_pays_dispatch_on_a_cpu():
+    tiny = Kernel("add", "memory", "forward", bytes=1e3)
+    work, launch = kernel_seconds(tiny, H100)
+    assert work + launch == pytest.approx(H100.launch_s)
+    cpu = cpu_kernels({"gemm": [[1e6, 1e10], [1e8, 5e10]], "bandwidth": 1e10,
+                       "op_overhead_s": 5e-6})
+    work, launch = kernel_seconds(tiny, cpu)
+    assert (work, launch) == pytest.approx((1e3 / 1e10, 5e-6))
+
+
+# --- what a stack runs ---------------------------------------------------------------------------
+
+
+def _bytes(kernels, prefix=""):
+    return sum(k.bytes for k in kernels if k.kind == "memory" and k.name.startswith(prefix))
+
+
+def test_fused_kernels_move_fewer_bytes_than_unfused_exact_counts():
+    eager = block_kernels(SMALL, STACKS["eager"], micro_batch=2)
+    flash = block_kernels(SMALL, STACKS["flash"], micro_batch=2)
+    rows, ff = 2 * 32, 4 * 64
+    gelu = [k for k in eager if k.name.startswith("gelu") and k.phase == "forward"]
+    assert [(k.bytes, k.launches) for k in gelu] == [(8 * 2 * rows * ff * 2, 8)]
+    fused = [k for k in flash if k.name == "gelu" and k.phase == "forward"]
+    assert [k.bytes for k in fused] == [2 * rows * ff * 2]
+    add = [k for k in flash if k.name == "residual add 1" and k.phase == "forward"]
+    assert [k.bytes for k in add] == [3 * rows * 64 * 2]  # read two, write one; no dropout
+    assert _bytes(flash) < _bytes(eager)
+
+
+def test_flash_reads_no_score_matrix_and_eager_grows_with_its_square():
+    cfg = MODEL_SIZES["7b"]
+
+    def attention_bytes(stack, seq):
+        return sum(k.bytes for k in block_kernels(cfg, STACKS[stack], seq=seq)
+                   if k.name.startswith("attention") and k.kind != "gemm")
+
+    assert attention_bytes("flash", 4096) == pytest.approx(2 * attention_bytes("flash", 2048))
+    assert attention_bytes("eager", 4096) == pytest.approx(4 * attention_bytes("eager", 2048))
+    assert attention_bytes("flash", 2048) < attention_bytes("eager", 2048) / 20
+
+
+def test_the_stacks_presets():
+    assert set(STACKS) == {"eager", "megatron-2021", "flash"}
+    for name, stack in STACKS.items():
+        assert stack.name == name and len(stack.source) > 40
+        assert stack.attention in ("materialized", "flash")
+        assert stack.recompute in ("none", "selective", "full")
+    assert STACKS["eager"].fuses == frozenset() and not STACKS["eager"].tp_overlap
+    assert "softmax" in STACKS["megatron-2021"].fuses and STACKS["megatron-2021"].attention == "materialized"
+    assert STACKS["flash"].attention == "flash" and STACKS["flash"].tp_overlap
+    for device in DEVICES.values():
+        assert default_stack(device) is STACKS["flash"]
+        assert device.source and device.sms in (108, 132)
+        assert STACKS["flash"].overlap_slowdown(device) > 1
+    assert H100.sms / (H100.sms - 20) == STACKS["flash"].overlap_slowdown(H100)
+
+
+# --- Llama shapes --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, published", [("llama3-8b", 8_030_261_248),
+                                              ("llama3-70b", 70_553_706_496)])
+def test_llama_counts_equal_the_published_ones(name, published):
+    """Meta's safetensors hold 8,030,261,248 and 70,553,706,496 parameters (Llama 3 8B, 70B)."""
+    cfg = MODEL_SIZES[name]
+    assert cfg.num_params() == published
+    d, kv, ff, s, V, L = cfg.d_model, cfg.kv_dim, cfg.ff, cfg.seq_len, cfg.vocab_size, cfg.n_layer
+    assert kv == 8 * 128
+    per_token = 2 * (2 * d * d + 2 * d * kv) + 2 * 2 * s * d + 2 * 3 * d * ff
+    assert block_flops(cfg) == per_token
+    assert training_flops(cfg, 1) == 3 * (L * per_token + 2 * d * V)
+
+
+def test_gpt_refuses_llama_shapes_and_the_config_refuses_bad_fields():
+    with pytest.raises(ValueError, match="projection targets only"):
+        GPT(MODEL_SIZES["llama3-8b"])
+    with pytest.raises(ValueError, match="projection targets only"):
+        GPT(GPTConfig(norm="rmsnorm"))
+    GPT(GPTConfig(n_kv_head=4))  # as many K/V heads as heads: GPT-2's attention
+    with pytest.raises(ValueError, match="n_kv_head"):
+        GPTConfig(n_head=4, n_kv_head=3)
+    with pytest.raises(ValueError, match="'gelu', 'swiglu'"):
+        GPTConfig(mlp="relu")
+    with pytest.raises(ValueError, match="positions"):
+        GPTConfig(positions="alibi")
+
+
+# --- a whole step --------------------------------------------------------------------------------
+
+
+def test_a_large_models_mfu_is_plausible_and_eager_is_below_flash():
+    """Llama 3 70B, tensor parallel 8 with sequence parallelism, 8 micro-batches of one 8k
+    sequence: the compute alone lands between a third of peak and the matmul ceiling
+    (MAMF / peak); eager PyTorch, with its materialized scores and op-by-op elementwise
+    kernels, lower; the parts add up."""
+    cfg = MODEL_SIZES["llama3-70b"]
+    shape = dict(micro_batch=1, microbatches=8, blocks=cfg.n_layer // 4, tp=8, sp=True)
+    flash = rank_compute(cfg, H100, STACKS["flash"], **shape)
+    eager = rank_compute(cfg, H100, STACKS["eager"], **shape)
+    assert 0.35 < flash.mfu(H100.peak_bf16) < H100.mamf / H100.peak_bf16
+    assert eager.mfu(H100.peak_bf16) < flash.mfu(H100.peak_bf16)
+    for c in (flash, eager):
+        assert sum(c.by_kind.values()) == pytest.approx(c.total_s)
+    gpt = rank_compute(MODEL_SIZES["7b"], A100, STACKS["megatron-2021"], microbatches=4)
+    assert gpt.recompute_s > 0.2 * gpt.forward_s  # full recomputation runs the blocks again
+    assert "QKV" in format_kernels(flash.kernels, H100)
+
+
+def test_the_cpu_calibrates_in_well_under_a_second_and_prices_a_step():
+    t0 = time.perf_counter()
+    cal = calibrate_kernels()
+    assert time.perf_counter() - t0 < 2.0  # well under a second on an idle machine
+    cpu = cpu_kernels(cal)
+    assert cal["bandwidth"] > 1e8 and 0 < cal["op_overhead_s"] < 1e-3
+    step = rank_compute(SMALL, cpu, micro_batch=8, precision="fp32")
+    assert step.by_kind["launch"] > 0 and step.total_s > 0
+    assert default_stack(cpu) is STACKS["eager"]

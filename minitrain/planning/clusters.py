@@ -1,22 +1,21 @@
 """The clusters a run is re-timed on: named presets, every number with its source.
 
-A :class:`ClusterSpec` is devices (:class:`Device`: peak FLOP/s, the fraction of it a GPT training
-step sustains, memory) in nodes, and two links (:class:`Link`: the bus bandwidth a collective
-achieves, the latency α per ring step and per launch) — inside a node and between nodes.
-:func:`minitrain.planning.projection.project` replays a run's recorded events on one; ``minitrain clusters``
-lists them.
+A :class:`ClusterSpec` is devices (:class:`Device`: peak FLOP/s, memory, and what its kernels run at —
+:class:`minitrain.planning.kernels.DeviceKernels`) in nodes, and two links (:class:`Link`: the bus
+bandwidth a collective achieves, the latency α per ring step and per launch) — inside a node and
+between nodes.  :func:`minitrain.planning.projection.project` replays a run's recorded events on one;
+``minitrain clusters`` lists them.
 
-Where the numbers come from (never tuned to make a lesson look good):
+Where the numbers come from (never tuned to make a lesson look good, never fitted to a published
+training throughput):
 
-* peak bf16 dense FLOP/s, memory and link speeds: the vendors' datasheets (NVIDIA A100 Tensor Core
-  GPU datasheet, 2021; NVIDIA H100 Tensor Core GPU datasheet, 2023; NVIDIA DGX A100 and DGX H100
-  user guides: eight 200 Gb/s HDR / 400 Gb/s NDR InfiniBand ports, one per GPU);
-* the fraction of peak a training step sustains: one published anchor, Narayanan et al., 2021,
-  "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", Table 1, first
-  row — a 1.7B GPT, data parallel only on 32 A100s, 137 TFLOP/s per GPU = 44 % of 312 (its FLOPs
-  count recomputation, as ours do) — carried to other GPUs by their measured Maximum Achievable
-  Matmul FLOPS (S. Bekman, "Machine Learning Engineering Open Book", compute/accelerator: bf16
-  MAMF A100 SXM 86.9 %, H100 SXM 80.3 %, A100 PCIe 81.1 % of peak);
+* peak bf16 dense FLOP/s, SMs, memory and link speeds: the vendors' datasheets (NVIDIA A100 Tensor
+  Core GPU datasheet, 2021; NVIDIA H100 Tensor Core GPU datasheet, 2023; NVIDIA DGX A100 and DGX
+  H100 user guides: eight 200 Gb/s HDR / 400 Gb/s NDR InfiniBand ports, one per GPU);
+* what a step's kernels take: :mod:`minitrain.planning.kernels` — matrix products at the measured
+  Maximum Achievable Matmul FLOPS (S. Bekman, "Machine Learning Engineering Open Book") with tile
+  and wave quantization, FlashAttention at its published throughput, memory-bound passes at a
+  measured bandwidth, a launch floor per kernel;
 * bus bandwidths: nccl-tests measurements — ring all-reduce busbw on 8 GPUs of one node 234.89 GB/s
   on A100 (78 % of NVLink 3's 300 GB/s) and 367.61 GB/s on H200 (NVLink 4, NVLS off; 82 % of 450),
   all-gather 361.4 and reduce-scatter 362.9 GB/s (Bekman, network chapter, "Inter-node speed
@@ -28,7 +27,8 @@ Where the numbers come from (never tuned to make a lesson look good):
   Ring, LL protocol): 6.6 µs per collective, 0.6 µs per ring step on NVLink, 1.0 on PCIe, 2.7 over
   the network;
 * this machine: calibrated on the spot (:func:`calibrate_rank`): the α-β fit of lesson 01
-  (:func:`minitrain.planning.costmodel.fit_alpha_beta`) and each rank's FLOP rate on a matrix product —
+  (:func:`minitrain.planning.costmodel.fit_alpha_beta`), each rank's FLOP rate on a matrix product
+  and its kernels' rates (:func:`minitrain.planning.kernels.calibrate_kernels`) —
   after a run projected on "local" or "binder", or by ``minitrain clusters --calibrate``
   (:func:`calibrate_here`); Binder's numbers are derived from it (its one core, its 2 GB).
 """
@@ -43,42 +43,42 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 from .costmodel import collective_seconds, ring_steps, ring_volume
+from .kernels import DEVICES, DeviceKernels, cpu_kernels
 
 __all__ = ["Device", "Link", "Host", "ClusterSpec", "PRESETS", "cluster_names", "get_cluster",
-           "local_cluster", "calibrate_rank", "calibrate_here", "describe", "A100_ANCHOR"]
+           "local_cluster", "calibrate_rank", "calibrate_here", "describe"]
 
 GB = 1e9
-
-#: Narayanan et al., 2021, Table 1, row 1: 1.7B GPT, 32 A100 (data parallel), 137 TFLOP/s per GPU
-A100_ANCHOR = 137e12 / 312e12
-#: Bekman, "Machine Learning Engineering Open Book", Maximum Achievable Matmul FLOPS (bf16)
-MAMF = {"A100 SXM": 271.2 / 312, "H100 SXM": 794.5 / 989, "A100 PCIe": 252.9 / 312}
-
-
-def _fraction(device: str) -> float:
-    """The sustained fraction of peak: the A100 anchor, scaled by the device's matmul efficiency."""
-    return A100_ANCHOR * MAMF[device] / MAMF["A100 SXM"]
 
 
 @dataclass(frozen=True)
 class Device:
-    """One device.  ``peak_flops``: bf16 dense (TF32 in ``peak_flops_fp32``); ``fraction``: what a
-    GPT training step sustains of it; ``memory_bw``: bytes/s; ``cores``: for a CPU, the cores its
-    ranks share (each rank gets ``peak_flops · min(1, cores / ranks on the node)``)."""
+    """One device.  ``peak_flops``: bf16 dense (TF32 in ``peak_flops_fp32``), what MFU is taken
+    against; ``kernels``: what its kernels run at (:mod:`minitrain.planning.kernels`);
+    ``memory_bw``: bytes/s; ``cores``: for a CPU, the cores its ranks share (each rank gets
+    ``min(1, cores / ranks on the node)`` of one)."""
 
     name: str
     peak_flops: float
     peak_flops_fp32: float
-    fraction: float
     memory_bw: float
     memory_gb: float
     source: str
     cores: int | None = None
+    kernels: DeviceKernels | None = None
+
+    def peak(self, precision: str = "bf16-mixed") -> float:
+        """Peak FLOP/s at ``precision`` (fp32 on tensor cores: TF32)."""
+        return self.peak_flops_fp32 if precision == "fp32" else self.peak_flops
 
     def flop_rate(self, precision: str = "bf16-mixed", ranks_on_node: int = 1) -> float:
-        peak = self.peak_flops_fp32 if precision == "fp32" else self.peak_flops
+        """The fastest a matrix product runs here, per rank: the device's measured maximum
+        achievable matmul FLOP/s (a CPU: its calibrated rate, shared by the ranks on its cores).
+        Not a training step's rate: :mod:`minitrain.planning.kernels` prices a step."""
+        rate = self.kernels.matmul_rate(precision) if self.kernels and not self.cores \
+            else self.peak(precision)
         share = 1.0 if self.cores is None else min(1.0, self.cores / max(1, ranks_on_node))
-        return peak * self.fraction * share
+        return rate * share
 
 
 @dataclass(frozen=True)
@@ -178,10 +178,14 @@ class ClusterSpec:
         out = {"cluster": self.key, "title": self.title, "devices": self.devices,
                "devices_per_node": self.devices_per_node, "nodes": self.nodes,
                "device": d.name, "peak_tflops": d.peak_flops / 1e12,
-               "sustained_fraction": d.fraction,
                "memory_gb": d.memory_gb, "memory_bw_gbps": d.memory_bw / GB,
                "intra_busbw_gbps": self.intra.busbw / GB, "intra_alpha_us": self.intra.alpha * 1e6,
                "sources": [d.source, self.intra.source] + ([self.inter.source] if self.inter else [])}
+        k = d.kernels
+        if k is not None and not k.per_op:
+            out.update(sms=k.sms, mamf_tflops=k.mamf / 1e12,
+                       achievable_bw_gbps=k.achievable_bandwidth / GB, launch_us=k.launch_s * 1e6)
+            out["sources"][0] = k.source
         if self.inter is not None:
             out.update(inter_busbw_gbps=self.inter.busbw / GB, inter_alpha_us=self.inter.alpha * 1e6)
         if self.host is not None:
@@ -197,15 +201,15 @@ class ClusterSpec:
 # --------------------------------------------------------------------------------------------------
 
 _NCCL_LAT = "NCCL src/graph/tuning.cc latency model (Ring, LL): 6.6 µs launch"
-A100 = Device("NVIDIA A100 SXM 80GB", 312e12, 156e12, _fraction("A100 SXM"), 2.039e12, 80,
-              "NVIDIA A100 datasheet (312 TFLOP/s bf16 dense, 156 TF32, 2,039 GB/s HBM2e, 80 GB); "
-              "sustained 44 % of peak: Narayanan et al. 2021 Table 1 (1.7B, 32 GPUs, 137 TFLOP/s)")
-H100 = Device("NVIDIA H100 SXM 80GB", 989e12, 494.7e12, _fraction("H100 SXM"), 3.35e12, 80,
-              "NVIDIA H100 datasheet (989 TFLOP/s bf16 dense, 495 TF32, 3.35 TB/s HBM3, 80 GB); "
-              "sustained: the A100 anchor x MAMF 80.3 % / 86.9 % (Bekman, ML Engineering Open Book)")
-A100_PCIE = Device("NVIDIA A100 PCIe 80GB", 312e12, 156e12, _fraction("A100 PCIe"), 1.935e12, 80,
-                   "NVIDIA A100 datasheet (PCIe: 312 TFLOP/s bf16, 1,935 GB/s); sustained: the "
-                   "A100 anchor x MAMF 81.1 % / 86.9 %")
+A100 = Device("NVIDIA A100 SXM 80GB", 312e12, 156e12, 2.039e12, 80,
+              "NVIDIA A100 datasheet (312 TFLOP/s bf16 dense, 156 TF32, 2,039 GB/s HBM2e, 80 GB)",
+              kernels=DEVICES["A100 SXM"])
+H100 = Device("NVIDIA H100 SXM 80GB", 989e12, 494.7e12, 3.35e12, 80,
+              "NVIDIA H100 datasheet (989 TFLOP/s bf16 dense, 495 TF32, 3.35 TB/s HBM3, 80 GB)",
+              kernels=DEVICES["H100 SXM"])
+A100_PCIE = Device("NVIDIA A100 PCIe 80GB", 312e12, 156e12, 1.935e12, 80,
+                   "NVIDIA A100 datasheet (PCIe: 312 TFLOP/s bf16, 1,935 GB/s)",
+                   kernels=DEVICES["A100 PCIe"])
 
 NVLINK3 = Link("NVLink 3 / NVSwitch", 234.89 * GB, 0.6e-6, 6.6e-6,
                "nccl-tests all-reduce busbw 234.89 GB/s on 8 A100 (Bekman, network chapter); "
@@ -303,11 +307,12 @@ def local_cluster(cal: dict, binder: bool = False) -> ClusterSpec:
     ranks, cores = cal["ranks"], cal["cores"]
     per_core = cal["flop_rate"] * ranks / min(ranks, cores)  # all ranks computed at once
     device = Device("a CPU rank (this machine)" if not binder else "Binder's one CPU", per_core,
-                    per_core, 1.0, cal["memory_rate"] * ranks / min(ranks, cores),
+                    per_core, cal["memory_rate"] * ranks / min(ranks, cores),
                     2.0 if binder else cal.get("memory_gb", 0.0),
                     "calibrated on the spot: matrix products on every rank at once"
                     + ("; Binder: 1 CPU, 2 GB (mybinder.org user guide)" if binder else ""),
-                    cores=1 if binder else cores)
+                    cores=1 if binder else cores,
+                    kernels=cpu_kernels(cal["kernels"]) if cal.get("kernels") else None)
     link = Link("loopback (gloo)", 1 / max(cal["beta"], 1e-15), cal["alpha"], 0.0,
                 f"α-β fit here ({cal.get('fit', 'an all-reduce sweep, lesson 01')})",
                 cal.get("p2p_alpha"),
@@ -381,6 +386,7 @@ def calibrate_rank(sizes=(4096, 65536, 1 << 20, 4 << 20), repeats: int = 3) -> d
     import torch.distributed as dist
 
     from .costmodel import fit_alpha_beta, time_all_reduce
+    from .kernels import calibrate_kernels
 
     n = dist.get_world_size()
     mine = time_all_reduce(list(sizes), repeats) if n > 1 else [0.0] * len(sizes)
@@ -406,13 +412,32 @@ def calibrate_rank(sizes=(4096, 65536, 1 << 20, 4 << 20), repeats: int = 3) -> d
         k += 1
     memory_rate = 2 * x.numel() * 4 * k / (time.perf_counter() - start)
     p2p = _ping_pong(n) if n > 1 else 0.0
+    kernels = calibrate_kernels(repeats=2)  # every rank at once, as they computed in the run
     rates = torch.tensor([flop_rate, memory_rate], dtype=torch.float64)
     if n > 1:
         dist.all_reduce(rates)
     return {"ranks": n, "cores": os.cpu_count() or 1, "alpha": alpha, "beta": beta,
             "p2p_alpha": p2p,
             "flop_rate": rates[0].item() / n, "memory_rate": rates[1].item() / n,
-            "memory_gb": _memory_gb(), "sizes": list(sizes), "seconds": t.tolist()}
+            "memory_gb": _memory_gb(), "sizes": list(sizes), "seconds": t.tolist(),
+            "kernels": _slowest(kernels, n)}
+
+
+def _slowest(kernels: dict, n: int) -> dict:
+    """Every rank's kernel calibration reduced to the slowest rank's (the step waits for it):
+    the least GEMM rate at each size and bandwidth, the greatest per-op overhead."""
+    import torch
+    import torch.distributed as dist
+
+    if n == 1:
+        return kernels
+    rates = torch.tensor([-r for _, r in kernels["gemm"]] + [-kernels["bandwidth"],
+                                                              kernels["op_overhead_s"]],
+                         dtype=torch.float64)
+    dist.all_reduce(rates, op=dist.ReduceOp.MAX)
+    values = (-rates).tolist()
+    gemm = [[f, r] for (f, _), r in zip(kernels["gemm"], values)]
+    return {"gemm": gemm, "bandwidth": values[-2], "op_overhead_s": -values[-1]}
 
 
 def _ping_pong(n: int, rounds: int = 20) -> float:

@@ -8,10 +8,10 @@ rank issued it and waited for it (:mod:`minitrain.comm`), each step's optimizer 
 * each rank has one compute stream and, per process group, one communication stream (NCCL gives
   every process group its own stream);
 * a compute span (the time between two calls into the communicator) takes its share of the rank's
-  FLOPs for the step — computed from the model's shapes and the layout (forward, backward,
-  recomputation: :func:`minitrain.model.training_flops`) and split over the spans by their measured
-  durations — at the device's sustained FLOP rate; the optimizer's spans, memory-bound, move 28
-  bytes per parameter of the rank's shard at the memory bandwidth;
+  compute for the step — its kernels priced on the device under a software stack
+  (:mod:`minitrain.planning.kernels`: the GEMMs of its shapes and layout, the attention core, the
+  memory-bound passes, launches; forward, backward, recomputation; the optimizer's bytes) and split
+  over the spans of each phase by their measured durations;
 * a collective starts when every member of its group has issued it (and its stream is free), and
   takes its α-β time on the link its group spans — inside a node or across nodes, from the rank
   placement (:meth:`~minitrain.planning.clusters.ClusterSpec.seconds`);
@@ -26,8 +26,9 @@ measured compute on this machine's α-β: it must give the measured step time ba
 self-consistency of ``benchmarks/projection_bench.py``).
 
 Output: each rank's projected timeline (tracer-style events), the step time and its parts
-(compute, exposed communication, bubble, idle), the share of communication hidden, MFU, and the
-memory per device from the ledger, scaled.
+(compute, exposed communication, bubble, idle), the same time by kind (GEMM, attention,
+memory-bound, optimizer, launch, exposed communication, bubble, idle), the share of communication
+hidden, MFU, and the memory per device from the ledger, scaled.
 
 The pieces, one module each: :mod:`minitrain.planning.replay` (the discrete-event engine and the step's
 parts), :mod:`minitrain.planning.recorded` (a run's recorded events read back as per-rank programs; this
@@ -46,6 +47,7 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 
 from .clusters import ClusterSpec, get_cluster, parse
+from .kernels import STACKS, Stack, default_stack, rank_compute
 from ..memory import GB
 from ..model import GPTConfig
 from ..record import Layout
@@ -58,10 +60,10 @@ __all__ = ["MODEL_SIZES", "target_model", "check_projection", "project", "Projec
            "Op", "Instance", "ReplayError", "rank_work", "RankWork", "Scaler", "format_projection",
            "breakdown", "warp", "ddp_timeline", "pipeline_timeline", "fsdp_timeline",
            "fit_run", "message_times", "even_work", "checked_degrees", "check_axes", "check_layout",
-           "mesh_sizes"]
+           "mesh_sizes", "KINDS"]
 
-#: Adam's update reads the weight, the gradient and two moments and writes three: 7 fp32 words
-ADAM_BYTES = 28
+#: The kinds a projected step's time is told in (they add up to the step time)
+KINDS = ("gemm", "attention", "memory", "optimizer", "launch", "exposed_comm", "bubble", "idle")
 
 
 def _refuse_free_running(layout: Layout, strategy: str, fix: str = "") -> None:
@@ -159,7 +161,7 @@ class Projection:
     model: str
     params: int
     precision: str
-    compute_mode: str  # "measured" (each compute span as measured) or "model" (from its FLOPs)
+    compute_mode: str  # "measured" (each compute span as measured) or "model" (from its kernels)
     degrees: dict | None
     step_time_s: float
     step_times_s: list[float]
@@ -184,6 +186,10 @@ class Projection:
     windows: dict
     replay: dict
     even: bool = False  # each micro-batch given equal work (project's ``even``)
+    stack: str = ""  # the software stack the kernels were priced under
+    time_by_kind: dict = None  # seconds of the step by kind (KINDS): they add up to the step time
+    devices: int = 0  # the devices the projection stands for (the mesh's)
+    global_batch: int = 0  # sequences per step over all replicas
 
     @property
     def memory_per_device_gb(self) -> list[float]:
@@ -195,6 +201,8 @@ class Projection:
         out = {k: getattr(self, k) for k in _SUMMARY_FIELDS}
         out["even"] = self.even
         out["memory_per_device_gb"] = self.memory_per_device_gb
+        out.update(stack=self.stack, time_by_kind=self.time_by_kind, devices=self.devices,
+                   global_batch=self.global_batch)
         return out
 
 
@@ -232,7 +240,8 @@ def mesh_sizes(lay: Layout, degrees: dict) -> dict:
 
 def project(result, cluster="dgx-h100", model=None, *, precision: str | None = None,
             compute: str | None = None, degrees: dict | None = None, steps=None,
-            recompute: bool | None = None, even: bool = False) -> Projection:
+            recompute: bool | None = None, even: bool = False,
+            stack: str | Stack | None = None) -> Projection:
     """Re-time ``result`` (a :class:`~minitrain.record.RunResult` from
     ``train(..., record_events=True)`` or ``project=``) on ``cluster`` (a preset name, a
     :class:`~minitrain.planning.clusters.ClusterSpec`; "local"/"binder" need the run's
@@ -251,7 +260,9 @@ def project(result, cluster="dgx-h100", model=None, *, precision: str | None = N
     ``even``: every forward (and every backward) a rank ran in the step does the same work — a
     pipeline's equal micro-batches — so each gets the same share of its phase's FLOPs, not a share
     in proportion to how long it happened to take here (:func:`minitrain.planning.recorded.even`;
-    for GPipe and 1F1B only).  Returns a :class:`Projection`."""
+    for GPipe and 1F1B only).  ``stack``: the software stack the kernels are priced under (a name
+    of :data:`minitrain.planning.kernels.STACKS` or a Stack; default: "flash" on GPUs, "eager" on
+    a CPU).  Returns a :class:`Projection`."""
     summary = result.summary
     if result.events is None:
         raise ValueError("this result has no recorded events: train with record_events=True (or "
@@ -279,6 +290,9 @@ def project(result, cluster="dgx-h100", model=None, *, precision: str | None = N
         raise ValueError("no step was recorded")
     chosen = list(steps) if steps is not None else (list(range(1, recorded)) or [0])
     pricing = _Pricing(summary, spec, precision, mode, degrees, sizes, work)
+    pricing.stack = checked_stack(stack, spec)
+    pricing.kernels = _kernel_compute(summary, spec, target, work, precision, pricing.stack,
+                                      recompute, pricing)
     scale = Scaler(summary, summary.model, target, items, degrees)
     built = [step_programs(result, i) for i in chosen]
     smooth([b[0] for b in built])
@@ -309,6 +323,18 @@ class _Pricing:
         # Binder: the same spans on one core where this machine gave them min(ranks, cores)
         self.stretch = (min(summary.world_size, spec.calibration.get("cores", 1))
                         if spec.key == "binder" and mode == "measured" else 1.0)
+        self.kernels = None  # {rank: Compute}, set by project()
+
+    def cpu_stretch(self, rank: int) -> float:
+        """How much longer a CPU rank's kernels take here than where they were calibrated: the
+        calibration ran R ranks at once on C cores (each a share min(1, C/R) of one); here the
+        ranks on this rank's node share the device's cores."""
+        cal, device = self.spec.calibration, self.spec.device
+        if self.spec.accelerator or not cal:
+            return 1.0
+        measured = min(1.0, cal.get("cores", 1) / max(1, cal.get("ranks", 1)))
+        here = min(1.0, (device.cores or 1) / self.ranks_on_node[self.nodes[rank]])
+        return measured / here
 
     def cost(self, inst: Instance) -> float:
         n = len(inst.members) if inst.op in ("send", "recv") else self.degrees.get(
@@ -321,8 +347,10 @@ class _Pricing:
         """compute(rank, op) for :func:`replay`: as measured (stretched on Binder), or None (each
         span's own seconds), or from its FLOPs (:func:`_model_compute`)."""
         if self.mode == "model":
-            return _model_compute(programs, self.work, self.spec, self.precision,
-                                  self.ranks_on_node, self.nodes)
+            if self.kernels is None:
+                raise ValueError(f"cluster {self.spec.key!r} has no kernel model to price compute "
+                                 "with: train with project='local' (or 'binder') to calibrate it")
+            return _model_compute(programs, self.kernels)
         return (lambda rank, op, k=self.stretch: op.seconds * k) if self.stretch != 1.0 else None
 
 
@@ -354,10 +382,11 @@ def _projection(summary, pricing: _Pricing, model, target: GPTConfig, replays: l
     MFU, and the memory per device."""
     T, world, lay = median["step_time"], summary.world_size, summary.layout
     spec, precision, work, sizes = pricing.spec, pricing.precision, pricing.work, pricing.sizes
-    peak = spec.device.flop_rate(precision) / spec.device.fraction
+    peak = spec.device.peak(precision)
     if not spec.accelerator:
         peak = spec.device.flop_rate(precision, max(pricing.ranks_on_node.values()))
     memory = rank_memory(summary, summary.model, target, precision, work, sizes["dp"])
+    parts = breakdown(median, lay.pp > 1)
     return Projection(
         cluster=spec.key, cluster_title=spec.title, model=_model_name(model, target),
         params=target.num_params(), precision=precision, compute_mode=pricing.mode,
@@ -367,7 +396,7 @@ def _projection(summary, pricing: _Pricing, model, target: GPTConfig, replays: l
         measured_step_times_s=[r["measured"] for r in replays],
         mean_step_time_s=statistics.fmean(r["step_time"] for r in replays),
         measured_mean_step_s=statistics.fmean(r["measured"] for r in replays),
-        **breakdown(median, lay.pp > 1),
+        **parts,
         mfu=sum(w.model_flops for w in work.values()) / (T * world * peak) if T > 0 else None,
         hfu=sum(w.flops for w in work.values()) / (T * world * peak) if T > 0 else None,
         tokens_per_s=(summary.batch_size * target.seq_len * sizes["dp"] / lay.dp / T
@@ -377,7 +406,27 @@ def _projection(summary, pricing: _Pricing, model, target: GPTConfig, replays: l
               else None),
         timeline=timelines(median), sources=spec.row()["sources"], step=step,
         windows={r: w[0] for r, w in median["window"].items()},  # each rank's step start
-        replay=median, even=even)
+        replay=median, even=even, stack=pricing.stack.name if pricing.kernels else "",
+        time_by_kind=_time_by_kind(parts, pricing.kernels),
+        devices=math.prod(sizes.values()),
+        global_batch=round(summary.batch_size * sizes["dp"] / lay.dp))
+
+
+def _time_by_kind(parts: dict, kernels: dict | None) -> dict:
+    """The step's time by kind (:data:`KINDS`): its compute split as the kernel model splits the
+    ranks' compute (their mean), then exposed communication, bubble and idle — they add up to
+    the step time.  Without a kernel model, compute is one part."""
+    out = {}
+    compute = parts["compute_s"]
+    if kernels:
+        mean = {k: statistics.fmean(c.by_kind[k] for c in kernels.values())
+                for k in KINDS[:5]}
+        total = sum(mean.values())
+        out = {k: compute * t / total if total > 0 else 0.0 for k, t in mean.items()}
+    else:
+        out["compute"] = compute
+    out.update(exposed_comm=parts["exposed_comm_s"], bubble=parts["bubble_s"], idle=parts["idle_s"])
+    return out
 
 
 def ddp_timeline(result, projection: Projection) -> list[dict]:
@@ -465,16 +514,34 @@ def warp(projection: Projection, rank: int, t: float) -> float:
 
 
 def format_projection(p: Projection) -> str:
-    """One line for the readable summary."""
+    """The readable summary's lines: the step and its parts, where the time goes by kind, and what
+    a reader needs to check it — the devices, the global batch, the precision and stack, and the
+    memory's make-up."""
     hidden = p.hidden_comm_share
-    mem = max(m["total"] for m in p.memory) / GB if p.memory else 0.0
-    return (f"projected on {p.cluster} as {p.model}: {p.step_time_s * 1e3:,.2f} ms per step "
-            f"(compute {p.compute_s * 1e3:,.2f}, exposed comm {p.exposed_comm_s * 1e3:,.2f}, "
-            f"bubble {p.bubble_s * 1e3:,.2f}, idle {p.idle_s * 1e3:,.2f} ms; "
-            f"{'n/a' if hidden is None else f'{hidden:.0%}'} of comm hidden), MFU "
-            f"{p.mfu:.1%}, {mem:,.1f} GB per device"
-            + ("" if p.fits in (None, True) else " — does not fit") +
-            f"; measured here {p.measured_step_s * 1e3:,.2f} ms")
+    worst = max(p.memory, key=lambda m: m["total"]) if p.memory else None
+    mem = worst["total"] / GB if worst else 0.0
+    lines = [f"projected on {p.cluster} as {p.model}: {p.step_time_s * 1e3:,.2f} ms per step "
+             f"(compute {p.compute_s * 1e3:,.2f}, exposed comm {p.exposed_comm_s * 1e3:,.2f}, "
+             f"bubble {p.bubble_s * 1e3:,.2f}, idle {p.idle_s * 1e3:,.2f} ms; "
+             f"{'n/a' if hidden is None else f'{hidden:.0%}'} of comm hidden), MFU "
+             f"{p.mfu:.1%}, {mem:,.1f} GB per device"
+             + ("" if p.fits in (None, True) else " — does not fit") +
+             f"; measured here {p.measured_step_s * 1e3:,.2f} ms"]
+    if p.time_by_kind:
+        kinds = ", ".join(f"{k.replace('_', ' ')} {t * 1e3:,.2f}" for k, t in p.time_by_kind.items())
+        lines.append(f"  where the step's time goes (ms): {kinds}")
+    if worst:
+        states = worst["parameters"] + worst["gradients"] + worst["optimizer_states"]
+        host = f", {worst['host'] / GB:,.1f} GB of optimizer states on the host" \
+            if worst.get("host") else ""
+        lines.append(f"  {p.devices} devices of {p.cluster} ({p.cluster_title}), {p.global_batch} "
+                     f"sequences per step, {p.precision}" + (f", stack {p.stack!r}" if p.stack
+                                                              else "")
+                     + f"; per device {states / GB:,.1f} GB model states + "
+                     f"{worst['activations'] / GB:,.1f} GB activations"
+                     + (f" + {worst['zero3_gathered'] / GB:,.1f} GB gathered layer"
+                        if worst.get("zero3_gathered") else "") + host)
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -521,9 +588,63 @@ def _model_name(model, target: GPTConfig) -> str:
     return f"{model} ({target.num_params() / 1e9:,.2f}B parameters)"
 
 
-def _model_compute(programs, work, spec: ClusterSpec, precision, ranks_on_node, nodes):
-    """compute(rank, op) pricing each span from the rank's FLOPs — its forwards' FLOPs over its
-    forward spans, the rest (backward, recomputation) over the others — and its optimizer bytes
+def checked_stack(stack, spec: ClusterSpec) -> Stack:
+    """The :class:`~minitrain.planning.kernels.Stack` ``stack`` names (None: the device's
+    default, "flash" on a GPU and "eager" on a CPU), or a ValueError naming the choices."""
+    if isinstance(stack, Stack):
+        return stack
+    if stack is None:
+        kernels = spec.device.kernels
+        return default_stack(kernels) if kernels is not None else STACKS["eager"]
+    key = str(stack).lower()
+    if key not in STACKS:
+        raise ValueError(f"unknown stack {stack!r}; choose one of: {', '.join(STACKS)}")
+    return STACKS[key]
+
+
+def _recompute_policy(summary, recompute: bool | None, stack: Stack) -> str:
+    """What backward runs again: the whole block's forward where the run (or ``recompute``)
+    checkpoints activations, nothing where ``recompute`` is False, else the stack's policy."""
+    if recompute is None:
+        return "full" if summary.checkpoint_activations else stack.recompute
+    return "full" if recompute else "none"
+
+
+def _kernel_compute(summary, spec: ClusterSpec, target: GPTConfig, work: dict, precision: str,
+                    stack: Stack, recompute: bool | None, pricing) -> dict | None:
+    """{rank: :class:`~minitrain.planning.kernels.Compute`}: each rank's step as kernels on the
+    device (None where the device has no kernel model: an uncalibrated CPU).  Each rank runs the
+    run's micro-batches of batch / (dp · micro-batches) sequences through its blocks."""
+    device = spec.device.kernels
+    if device is None:
+        return None
+    lay = summary.layout
+    per_mb = summary.batch_size / (lay.dp * lay.microbatches)
+    micro_batch = max(1, int(per_mb))
+    microbatches = lay.microbatches * per_mb / micro_batch
+    policy = _recompute_policy(summary, recompute, stack)
+    sp = bool((summary.options or {}).get("sequence_parallel"))
+    out = {}
+    for r, w in work.items():
+        c = rank_compute(target, device, stack, tokens_per_microbatch=micro_batch * target.seq_len,
+                         micro_batch=micro_batch, microbatches=microbatches, blocks=w.blocks,
+                         head=w.head, embed=w.embed, tp=w.tp, cp=lay.cp, sp=sp, ep=lay.ep,
+                         opt_params=w.opt_params, precision=precision, recompute=policy)
+        out[r] = _stretched(c, pricing.cpu_stretch(r))
+    return out
+
+
+def _stretched(c, k: float):
+    if k == 1.0:
+        return c
+    return replace(c, forward_s=c.forward_s * k, backward_s=c.backward_s * k,
+                   recompute_s=c.recompute_s * k, optimizer_s=c.optimizer_s * k,
+                   by_kind={kind: t * k for kind, t in c.by_kind.items()})
+
+
+def _model_compute(programs, kernels: dict):
+    """compute(rank, op) pricing each span from the rank's kernels — its forward kernels over its
+    forward spans, the rest (backward, recomputation) over the others — and its optimizer step
     over its optimizer spans, each shared out by measured durations."""
     measured = {r: defaultdict(float) for r in programs}
     for r, prog in programs.items():
@@ -532,12 +653,8 @@ def _model_compute(programs, work, spec: ClusterSpec, precision, ranks_on_node, 
                 measured[r][op.phase] += op.share
     totals = {}
     for r in programs:
-        rate = spec.device.flop_rate(precision, ranks_on_node[nodes[r]])
-        mem = spec.device.memory_bw * (1.0 if spec.accelerator else
-                                       min(1.0, (spec.device.cores or 1) / ranks_on_node[nodes[r]]))
-        opt = work[r].opt_params * ADAM_BYTES / mem
-        forward = work[r].model_flops / 3 / rate  # backward is twice the forward
-        rest = work[r].flops / rate - forward       # backward, recomputation, weight gradients
+        c = kernels[r]
+        forward, rest, opt = c.forward_s, c.backward_s + c.recompute_s, c.optimizer_s
         if not measured[r]["forward"]:
             forward, rest = 0.0, rest + forward
         if not measured[r]["optimizer"]:

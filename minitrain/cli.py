@@ -143,7 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default: none)")
     proj.add_argument("--as-model", metavar="SIZE", default=None, dest="as_model",
                       help="with --project: the same layout for a bigger model of the family "
-                           "(gpt2, 1.3b, 2.7b, 7b, 13b) (default: the run's own)")
+                           "(gpt2, 1.3b, 2.7b, 7b, 13b, llama3-8b, llama3-70b) (default: the "
+                           "run's own)")
+    proj.add_argument("--stack", default=None,
+                      help="with --project: the software stack the projected kernels are priced "
+                           "under (eager, megatron-2021, flash) (default: flash on GPUs, eager "
+                           "on a CPU)")
     opts = t.add_argument_group("strategy options (each refused by the strategies that do not "
                                 "take it)")
     for name, (f, hint, users) in _strategy_options().items():
@@ -178,7 +183,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     fields = {f.name for f in dataclasses.fields(TrainConfig)} - _SPECIAL
-    base = fields | set(_SHAPE) | {"json", "command", "model", "project", "as_model"}
+    base = fields | set(_SHAPE) | {"json", "command", "model", "project", "as_model", "stack"}
     values = {k: v for k, v in vars(args).items() if k not in base}  # the options given
     world = args.world_size
     if launched_by_torchrun():
@@ -330,8 +335,10 @@ def format_clusters(rows: list[dict]) -> str:
                  f"{r['inter_alpha_us']:.1f} µs" if "inter_busbw_gbps" in r else "")
         out.append(f"{r['cluster']:10s} {r['title']}\n"
                    f"{'':10s} {r['device']}: {r['peak_tflops']:,.0f} TFLOP/s peak (bf16), "
-                   f"{r['sustained_fraction']:.1%} sustained, {r['memory_gb']:g} GB at "
-                   f"{r['memory_bw_gbps']:,.0f} GB/s; in a node {r['intra_busbw_gbps']:,.1f} GB/s "
+                   f"{r['sms']} SMs, matmul at most {r['mamf_tflops']:,.1f} TFLOP/s (measured), "
+                   f"{r['memory_gb']:g} GB at {r['memory_bw_gbps']:,.0f} GB/s "
+                   f"({r['achievable_bw_gbps']:,.0f} achieved), a kernel launch "
+                   f"{r['launch_us']:.1f} µs; in a node {r['intra_busbw_gbps']:,.1f} GB/s "
                    f"bus bandwidth, α {r['intra_alpha_us']:.1f} µs{inter}")
         for src in r["sources"]:
             out.append(f"{'':10s}   source: {src}")
@@ -349,7 +356,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, cfg) -> int:
-    check_projection_config(cfg, args.project, args.as_model)
+    check_projection_config(cfg, args.project, args.as_model, args.stack)
     record = args.project is not None
     calibrate = record and args.project.lower() in ("local", "binder")
     report = _Reporter(args.json, cfg.steps)
@@ -368,7 +375,7 @@ def _run(args: argparse.Namespace, cfg) -> int:
         with Cluster(cfg.world_size, cfg.backend, timeout=cfg.timeout, prefix=False) as cluster:
             result = cluster.run(run_rank, cfg, report, record_events=record,
                                  calibrate=calibrate)[0]
-    add_projection(result, args.project, args.as_model)
+    add_projection(result, args.project, args.as_model, args.stack)
     if args.json:
         print(dumps({"summary": result.summary.to_dict()}), flush=True)
     else:

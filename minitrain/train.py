@@ -164,7 +164,7 @@ def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False, seams=N
 
 def train(cfg: TrainConfig | None = None, *, cluster: Cluster | None = None, on_step=None,
           return_state: bool = False, seams=None, project: str | None = None, as_model=None,
-          record_events: bool = False, **overrides) -> RunResult:
+          stack: str | None = None, record_events: bool = False, **overrides) -> RunResult:
     """Train from Python (a notebook, a test) and return rank 0's record
     (:class:`~minitrain.record.RunResult`: ``losses``, ``summary``...).
 
@@ -175,13 +175,13 @@ def train(cfg: TrainConfig | None = None, *, cluster: Cluster | None = None, on_
     (:class:`~minitrain.strategies.Seams`).
 
     ``project="dgx-h100"`` (``as_model="7b"``) re-times the run on that cluster at that model size
-    and adds ``summary.projection`` (:func:`minitrain.planning.projection.project`);
-    ``record_events`` keeps the events (``result.events``) to project later, on any cluster.
+    and adds ``summary.projection`` (:func:`minitrain.planning.projection.project`), its kernels
+    priced under ``stack`` (default: the device's, "flash" on GPUs); ``record_events`` keeps the events (``result.events``) to project later, on any cluster.
     """
     cfg = (cfg or TrainConfig()).with_(**overrides) if overrides else (cfg or TrainConfig())
     with SaveDirLock() as lock:  # one run per save dir: held until the run ends
         check_config(cfg, seams, lock=lock)
-        check_projection_config(cfg, project, as_model)
+        check_projection_config(cfg, project, as_model, stack)
         record = record_events or project is not None
         calibrate = project is not None and str(project).lower() in ("local", "binder")
         args = (cfg, on_step, return_state, seams, record, calibrate)
@@ -194,16 +194,25 @@ def train(cfg: TrainConfig | None = None, *, cluster: Cluster | None = None, on_
         else:
             with Cluster(cfg.world_size, cfg.backend, timeout=cfg.timeout) as c:
                 result = c.run(run_rank, *args)[0]
-    return add_projection(result, project, as_model)
+    return add_projection(result, project, as_model, stack)
 
 
-def check_projection_config(cfg: TrainConfig, project: str | None, as_model=None) -> None:
+def check_projection_config(cfg: TrainConfig, project: str | None, as_model=None,
+                            stack: str | None = None) -> None:
     """Refuse, before any process starts, a projection that cannot be made (an unknown cluster or
     model size, a free-running strategy, a layout the bigger model cannot take)."""
     from .planning.projection import MODEL_SIZES, check_projection
     if project is not None and isinstance(as_model, str) and as_model.lower() not in MODEL_SIZES:
         raise ConfigError(f"unknown model size {as_model!r}{did_you_mean(as_model, MODEL_SIZES)}; "
                           f"choose one of: {', '.join(MODEL_SIZES)}")
+    if stack is not None:
+        from .planning.kernels import STACKS
+        if project is None:
+            raise ConfigError("--stack needs --project CLUSTER (the stack prices the projected "
+                              "kernels); e.g. --project dgx-h100 --stack eager")
+        if str(stack).lower() not in STACKS:
+            raise ConfigError(f"unknown stack {stack!r}{did_you_mean(str(stack), STACKS)}; "
+                              f"choose one of: {', '.join(STACKS)}")
     try:
         check_projection(project, as_model, get_strategy(cfg.strategy).layout(cfg),
                          strategy=cfg.strategy, world_size=cfg.world_size, model=cfg.model)
@@ -211,7 +220,8 @@ def check_projection_config(cfg: TrainConfig, project: str | None, as_model=None
         raise ConfigError(str(exc)) from None
 
 
-def add_projection(result: RunResult | None, project: str | None, as_model=None) -> RunResult:
+def add_projection(result: RunResult | None, project: str | None, as_model=None,
+                   stack: str | None = None) -> RunResult:
     """``result`` with ``summary.projection``: the run re-timed on ``project`` at ``as_model``
     (:func:`minitrain.planning.projection.project`).  A GPipe or 1F1B pipeline of equal
     micro-batches is projected with ``even=True`` (each gets the same share of its rank's FLOPs,
@@ -220,6 +230,6 @@ def add_projection(result: RunResult | None, project: str | None, as_model=None)
         return result
     from .planning.projection import even_work
     from .planning.projection import project as reproject
-    result.summary.projection = reproject(result, project, as_model,
+    result.summary.projection = reproject(result, project, as_model, stack=stack,
                                           even=even_work(result.summary))
     return result

@@ -18,11 +18,12 @@ import pytest
 from minitrain import train
 from minitrain.planning import clusters as clusters_module
 from minitrain.planning.clusters import PRESETS, calibrate_here, describe, get_cluster
+from minitrain.planning.kernels import STACKS, rank_compute
 from minitrain.cli import format_clusters, main
 from minitrain.model import GPTConfig, PRESETS as MODELS, training_flops
 from minitrain.record import Layout
 from minitrain.strategies import TrainConfig, get_strategy
-from minitrain.planning.projection import (MODEL_SIZES, Instance, Op, ReplayError, breakdown,
+from minitrain.planning.projection import (KINDS, MODEL_SIZES, Instance, Op, ReplayError, breakdown,
                                   check_projection, ddp_timeline, even_work, pipeline_timeline,
                                   project, rank_work, replay, target_model)
 from minitrain.viz.pipeline import bubble_summary
@@ -121,9 +122,11 @@ def test_every_preset_says_where_its_numbers_come_from():
     assert {"dgx-a100", "dgx-h100", "ib-a100", "ib-h100", "eth-25g", "local", "binder"} <= set(rows)
     for key, spec in PRESETS.items():
         row = rows[key]
-        assert row["peak_tflops"] > 0 and 0 < row["sustained_fraction"] < 1
+        assert row["peak_tflops"] > 0 and row["sms"] > 0 and 0 < row["mamf_tflops"] < row["peak_tflops"]
+        assert 0 < row["achievable_bw_gbps"] <= row["memory_bw_gbps"] and row["launch_us"] > 0
+        assert "sustained_fraction" not in row  # no training run sets a rate
         assert all(len(src) > 20 for src in row["sources"])
-    assert "datasheet" in rows["dgx-h100"]["sources"][0]
+    assert "datasheet" in rows["dgx-h100"]["sources"][0] and "MAMF" in rows["dgx-h100"]["sources"][0]
     assert "nccl-tests" in rows["dgx-h100"]["sources"][1]
     assert get_cluster("ib-h100x8").devices == 64
 
@@ -460,13 +463,36 @@ def test_train_adds_a_projection_beside_the_measurement(ddp_run):
     assert 0 < p.mfu < 1
     parts = p.compute_s + p.exposed_comm_s + p.bubble_s + p.idle_s
     assert parts == pytest.approx(p.step_time_s)
-    # compute is the rank's FLOPs at the device's sustained rate, plus Adam's 28 bytes per
-    # parameter at its memory bandwidth
+    # compute is the rank's kernels priced on the device under the GPU's default stack
+    # ("flash"), the optimizer's bytes with them; the time by kind adds up to the step
+    assert p.stack == "flash" and set(p.time_by_kind) == set(KINDS)
+    assert sum(p.time_by_kind.values()) == pytest.approx(p.step_time_s, rel=1e-9)
     for name in ("dgx-a100", "dgx-h100"):
-        device = get_cluster(name).device
-        work = rank_work(ddp_run.summary, MODEL_SIZES["1.3b"], 0)
-        expected = work.flops / device.flop_rate() + 28 * work.opt_params / device.memory_bw
-        assert project(ddp_run, name, "1.3b").compute_s == pytest.approx(expected, rel=1e-9)
+        for stack in ("eager", "flash"):
+            q = project(ddp_run, name, "1.3b", stack=stack)
+            assert q.compute_s == pytest.approx(
+                kernel_compute(ddp_run, MODEL_SIZES["1.3b"], name, stack), rel=1e-9)
+    assert project(ddp_run, "dgx-h100", "1.3b", stack="eager").mfu < p.mfu
+    with pytest.raises(ValueError, match="unknown stack 'fast'; choose one of: eager"):
+        project(ddp_run, "dgx-h100", "1.3b", stack="fast")
+
+
+def kernel_compute(run, target, cluster: str, stack: str = "flash") -> float:
+    """The mean over ranks of each rank's step priced by the kernel model: the run's
+    micro-batches of batch / (dp · micro-batches) sequences through the rank's blocks."""
+    lay, s = run.summary.layout, run.summary
+    per_mb = s.batch_size / (lay.dp * lay.microbatches)
+    out = []
+    for r in range(s.world_size):
+        w = rank_work(s, target, r)
+        c = rank_compute(target, get_cluster(cluster).device.kernels, STACKS[stack],
+                         tokens_per_microbatch=int(per_mb) * target.seq_len,
+                         micro_batch=int(per_mb), microbatches=lay.microbatches, blocks=w.blocks,
+                         head=w.head, embed=w.embed, tp=w.tp, cp=lay.cp, ep=lay.ep,
+                         sp=bool(s.options.get("sequence_parallel")), opt_params=w.opt_params,
+                         recompute="full" if s.checkpoint_activations else STACKS[stack].recompute)
+        out.append(c.total_s)
+    return statistics.fmean(out)
 
 
 #: every lockstep strategy (and pipeline schedule) through train(project=...), on the fewest ranks
@@ -514,14 +540,12 @@ def test_every_lockstep_strategy_is_projected_by_train(strategy, world, options,
         assert 0 < p.comm_s and p.exposed_comm_s <= p.comm_s * (1 + 1e-9)
         assert p.hidden_comm_share == pytest.approx(1 - p.exposed_comm_s / p.comm_s,
                                                        abs=1e-9)
-    # compute: each rank's FLOPs at the H100's sustained rate and Adam's 28 bytes per parameter
-    # it steps at its memory bandwidth, the mean over ranks; MFU: the model FLOPs at peak
+    # compute: each rank's kernels on the H100 (its optimizer step with them), the mean over
+    # ranks; MFU: the model FLOPs at peak
     device = get_cluster("dgx-h100").device
-    works = [rank_work(run.summary, MODEL_SIZES["1.3b"] if model == "tiny" else
-                       target_model("1.3b", MODELS[model]), r) for r in range(world)]
-    assert p.compute_s == pytest.approx(statistics.fmean(
-        w.flops / device.flop_rate() + 28 * w.opt_params / device.memory_bw for w in works),
-        rel=1e-9)
+    target = MODEL_SIZES["1.3b"] if model == "tiny" else target_model("1.3b", MODELS[model])
+    works = [rank_work(run.summary, target, r) for r in range(world)]
+    assert p.compute_s == pytest.approx(kernel_compute(run, target, "dgx-h100"), rel=1e-9)
     assert p.mfu == pytest.approx(sum(w.model_flops for w in works) / (
         p.step_time_s * world * device.peak_flops), rel=1e-9)
     # the summary is project()'s: equal micro-batches of GPipe and 1F1B with equal work (as

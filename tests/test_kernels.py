@@ -177,3 +177,11 @@ def test_the_cpu_calibrates_in_well_under_a_second_and_prices_a_step():
     step = rank_compute(SMALL, cpu, micro_batch=8, precision="fp32")
     assert step.by_kind["launch"] > 0 and step.total_s > 0
     assert default_stack(cpu) is STACKS["eager"]
+
+
+def test_full_recomputation_with_flash_runs_the_flash_forward_again():
+    cfg, device = MODEL_SIZES["7b"], DEVICES["H100 SXM"]
+    full = rank_compute(cfg, device, STACKS["flash"], recompute="full")
+    blocks = rank_compute(cfg, device, STACKS["flash"], recompute="none", head=False, embed=False)
+    assert full.recompute_s == pytest.approx(blocks.forward_s, rel=1e-9)  # the blocks' forward
+    assert full.by_kind["attention"] > blocks.by_kind["attention"]

@@ -254,9 +254,23 @@ def ddp_run(clusters):
                  project="dgx-h100", as_model="1.3b")
 
 
+def test_fits_counts_activation_recomputation(clusters):
+    """A 7B model on 2 devices with ZeRO-3 and 4 sequences each does not fit 80 GB keeping every
+    activation, and fits recomputing them: each layer keeps its input alone, 2·s·b·h bytes, not
+    s·b·h·(34 + 5·a·s/h) (Korthikanti et al., 2022)."""
+    run = train(strategy="zero3", world_size=2, steps=2, batch_size=8, cluster=clusters(2),
+                record_events=True)
+    kept, again = (project(run, "dgx-h100", "7b", recompute=r) for r in (None, True))
+    cfg = MODEL_SIZES["7b"]
+    ratio = 2 / (34 + 5 * cfg.n_head * cfg.seq_len / cfg.d_model)
+    assert again.memory[0]["activations"] == pytest.approx(kept.memory[0]["activations"] * ratio)
+    assert kept.fits is False and again.fits is True
+    assert again.step_time_s > kept.step_time_s  # the forward again
+
+
 def test_degrees_that_are_not_a_mesh_are_refused_saying_what_they_take(ddp_run):
     """``degrees`` take an axis ("dp" or "tp") and a whole number of devices; anything else is one
-    ValueError naming it (before: 0 was taken as unset, 2.5 and "8" raised TypeErrors)."""
+    ValueError naming it (0 is not "unset"; 2.5 and "8" are not a number of devices)."""
     for bad, said in [({"dp": 0}, "got 0"), ({"dp": 2.5}, "got 2.5"), ({"dp": "8"}, "got '8'"),
                       ({"dp": True}, "got True"), ({"pp": 2}, "got 'pp'"), ([8], "got [8]")]:
         with pytest.raises(ValueError, match=re.escape(said)):
@@ -550,13 +564,14 @@ def test_every_lockstep_strategy_is_projected_by_train(strategy, world, options,
         p.step_time_s * world * device.peak_flops), rel=1e-9)
     # the summary is project()'s: equal micro-batches of GPipe and 1F1B with equal work (as
     # lesson 05 projects them), every other run as measured
-    even = strategy == "pipeline" and options["schedule"] in ("gpipe", "1f1b")
-    assert p.even is even
+    lay = run.summary.layout
+    even = lay.schedule in ("gpipe", "1f1b") and lay.microbatches > 1  # a pipeline, 3d's too
+    assert p.even is even and (strategy == "3d") <= even
     assert p.step_time_s == pytest.approx(
         project(run, "dgx-h100", "1.3b", even=even).step_time_s, rel=1e-12)
 
 
-def test_even_work_is_for_gpipe_and_1f1b_of_equal_micro_batches():
+def test_even_work_is_for_gpipe_and_1f1b_of_equal_micro_batches_in_any_mesh():
     def summary(schedule="1f1b", m=4, batch=8, **axes):
         return SimpleNamespace(batch_size=batch, layout=Layout(pp=2, schedule=schedule,
                                                                microbatches=m, **axes))
@@ -565,7 +580,8 @@ def test_even_work_is_for_gpipe_and_1f1b_of_equal_micro_batches():
     assert not even_work(summary(schedule="interleaved"))  # its chunks differ (embedding, head)
     assert not even_work(summary(schedule="zb-h1"))  # its backward is two passes of unlike work
     assert not even_work(summary(schedule="naive", m=1))
-    assert not even_work(summary(dp=2, tp=2))  # a 3D mesh: tensor-parallel layers in its stages
+    assert even_work(summary(dp=2, tp=2))  # a 3D mesh: each replica's 4 sequences in 4 of 1
+    assert not even_work(summary(dp=2, tp=2, batch=12))  # 6 sequences per replica in 4: unequal
     assert not even_work(SimpleNamespace(batch_size=8, layout=Layout(dp=2)))
 
 

@@ -472,7 +472,7 @@ def _interpolate(table, x: float) -> float:
 def _flash_rate(device: DeviceKernels, phase: str, seq: int, precision: str) -> float:
     """FlashAttention's published throughput at this sequence length (a fp32 run: scaled by the
     TF32/BF16 peak ratio, as GEMMs are)."""
-    rate = _interpolate(device.flash[phase], seq)
+    rate = _interpolate(device.flash["forward" if phase == "recompute" else phase], seq)
     return rate * (device.peak_tf32 / device.peak_bf16 if precision == "fp32" else 1.0)
 
 

@@ -128,14 +128,15 @@ def check_axes(lay: Layout, degrees: dict) -> None:
 
 def even_work(summary) -> bool:
     """Whether :func:`project`'s ``even`` holds for this run (a :class:`~minitrain.record.RunSummary`)
-    — its micro-batches do equal work: a pipeline and nothing else (no other axis) of GPipe or
-    1F1B (what ``even`` is for) whose batch splits into equal micro-batches
+    — its micro-batches do equal work: a pipeline (alone or inside a mesh: ``3d``) of GPipe or
+    1F1B (what ``even`` is for) whose replica's batch splits into equal micro-batches
     (``torch.tensor_split``: otherwise their sizes differ by one sample).  The CLI and
     ``train(project=...)`` project with it, as lesson 05 does."""
     lay = summary.layout
     m = lay.microbatches
-    return (lay.dp * lay.tp * lay.cp * lay.ep == 1 and lay.schedule in ("gpipe", "1f1b")
-            and m > 1 and summary.batch_size % m == 0)
+    local, rest = divmod(summary.batch_size, lay.dp)
+    return (lay.pp > 1 and lay.schedule in ("gpipe", "1f1b") and m > 1 and not rest
+            and local % m == 0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -290,7 +291,7 @@ def project(result, cluster="dgx-h100", model=None, *, precision: str | None = N
         raise ValueError("no step was recorded")
     chosen = list(steps) if steps is not None else (list(range(1, recorded)) or [0])
     pricing = _Pricing(summary, spec, precision, mode, degrees, sizes, work)
-    pricing.stack = checked_stack(stack, spec)
+    pricing.stack, pricing.recompute = checked_stack(stack, spec), recompute
     pricing.kernels = _kernel_compute(summary, spec, target, work, precision, pricing.stack,
                                       recompute, pricing)
     scale = Scaler(summary, summary.model, target, items, degrees)
@@ -385,7 +386,8 @@ def _projection(summary, pricing: _Pricing, model, target: GPTConfig, replays: l
     peak = spec.device.peak(precision)
     if not spec.accelerator:
         peak = spec.device.flop_rate(precision, max(pricing.ranks_on_node.values()))
-    memory = rank_memory(summary, summary.model, target, precision, work, sizes["dp"])
+    memory = rank_memory(summary, summary.model, target, precision, work, sizes["dp"],
+                         pricing.recompute)
     parts = breakdown(median, lay.pp > 1)
     return Projection(
         cluster=spec.key, cluster_title=spec.title, model=_model_name(model, target),

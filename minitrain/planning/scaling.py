@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..memory import memory_per_device
+from ..memory import activation_bytes_per_layer, memory_per_device
 from ..model import GPTConfig, training_flops
 from ..parallel.schedules import split_layers
 
@@ -211,11 +211,14 @@ def itemsize(precision: str) -> int:
 
 
 def rank_memory(summary, run: GPTConfig, target: GPTConfig, precision, work,
-                dp: int) -> list[dict]:
+                dp: int, recompute: bool | None = None) -> list[dict]:
     """Bytes per device of each rank, the run's replicas re-sized to ``dp``
     (:func:`minitrain.memory.memory_per_device`): the model states of the rank's share at the
     projected precision by ZeRO's formulas, and the ledger's measured activation peak scaled by
-    micro-batch × sequence × hidden × layers held; with ZeRO-Offload, Adam's states (and the fp32
+    micro-batch × sequence × hidden × layers held — and, where ``recompute`` asks for activation
+    checkpointing the run did not do (or leaves out what it did), by what a layer keeps with and
+    without it (:func:`minitrain.memory.activation_bytes_per_layer`: its input alone, 2·s·b·h,
+    against s·b·h·(10 + 24/t + 5·a·s/(h·t))); with ZeRO-Offload, Adam's states (and the fp32
     masters) in host memory."""
     recipe = "fp32-adam" if precision == "fp32" else "mixed-adam"
     out = []
@@ -228,6 +231,11 @@ def rank_memory(summary, run: GPTConfig, target: GPTConfig, precision, work,
             run.seq_len * run.d_model * max(own.blocks, 1))
         item = itemsize(precision) / itemsize(summary.precision)
         acts = measured * scale * item if (target != run or item != 1) else measured
+        ran = bool(summary.checkpoint_activations)
+        if recompute is not None and recompute != ran:
+            kept = [activation_bytes_per_layer(target.seq_len, 1, target.d_model, target.n_head,
+                                               on, w.tp) for on in (ran, recompute)]
+            acts *= kept[1] / kept[0]
         out.append(memory_per_device(w.params, dp, lay.zero_stage, recipe, acts,
                                      offload=lay.offload))
     return out

@@ -45,6 +45,29 @@ def test_tile_quantization_pads_the_edge_tiles():
     assert useful == pytest.approx(full * 129 / 256)
 
 
+def test_one_named_tile_fills_a_wave_at_mamf_and_quantizes_by_its_own_waves():
+    """tiles=((128, 128),): that tile is what MAMF was measured with, so 132 full tiles (one wave)
+    run at MAMF, and 133 take two waves (lesson 07's exercise is priced by this rule)."""
+    one, k = ((128, 128),), 8192
+    full = gemm_seconds(H100, 12 * 128, 11 * 128, k, tiles=one)  # 132 tiles
+    assert 2 * 12 * 128 * 11 * 128 * k / full == pytest.approx(H100.mamf)
+    assert gemm_seconds(H100, 7 * 128, 19 * 128, k, tiles=one) == pytest.approx(
+        2 * 7 * 128 * 19 * 128 * k / (H100.mamf * 133 / 264))
+
+
+def test_a_gemm_pricer_threads_through_the_step_and_only_its_gemms_change():
+    """rank_compute(gemm=...) prices every GEMM with the function given, nothing else."""
+    cfg = MODEL_SIZES["7b"]
+    base = rank_compute(cfg, H100, STACKS["flash"])
+    same = rank_compute(cfg, H100, STACKS["flash"], gemm=gemm_seconds)
+    twice = rank_compute(cfg, H100, STACKS["flash"],
+                         gemm=lambda *a, **kw: 2 * gemm_seconds(*a, **kw))
+    assert same.total_s == base.total_s
+    assert twice.by_kind["gemm"] == pytest.approx(2 * base.by_kind["gemm"])
+    for kind in ("attention", "memory", "optimizer"):
+        assert twice.by_kind[kind] == base.by_kind[kind]
+
+
 def test_a_skinny_gemm_is_priced_by_its_bytes():
     m, n, k = 1, 8192, 8192
     nbytes = 2 * (m * k + k * n + m * n)

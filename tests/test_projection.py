@@ -18,7 +18,7 @@ import pytest
 from minitrain import train
 from minitrain.planning import clusters as clusters_module
 from minitrain.planning.clusters import PRESETS, calibrate_here, describe, get_cluster
-from minitrain.planning.kernels import STACKS, rank_compute
+from minitrain.planning.kernels import STACKS, gemm_seconds, rank_compute
 from minitrain.cli import format_clusters, main
 from minitrain.model import GPTConfig, PRESETS as MODELS, training_flops
 from minitrain.record import Layout
@@ -489,6 +489,19 @@ def test_train_adds_a_projection_beside_the_measurement(ddp_run):
     assert project(ddp_run, "dgx-h100", "1.3b", stack="eager").mfu < p.mfu
     with pytest.raises(ValueError, match="unknown stack 'fast'; choose one of: eager"):
         project(ddp_run, "dgx-h100", "1.3b", stack="fast")
+
+
+def test_project_prices_gemms_with_the_function_given(ddp_run):
+    """project(gemm=...): the package's own rule gives the same step; GEMMs priced twice as long
+    give a longer one, with twice the GEMM share of compute against the rest."""
+    base = project(ddp_run, "dgx-h100", "7b", stack="flash")
+    same = project(ddp_run, "dgx-h100", "7b", stack="flash", gemm=gemm_seconds)
+    slow = project(ddp_run, "dgx-h100", "7b", stack="flash",
+                   gemm=lambda *a: 2 * gemm_seconds(*a))
+    assert same.step_time_s == base.step_time_s
+    assert slow.step_time_s > base.step_time_s
+    share = lambda p: p.time_by_kind["gemm"] / p.time_by_kind["memory"]  # noqa: E731
+    assert share(slow) == pytest.approx(2 * share(base))
 
 
 def kernel_compute(run, target, cluster: str, stack: str = "flash") -> float:

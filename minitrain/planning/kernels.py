@@ -424,9 +424,12 @@ def gemm_quantization(device: DeviceKernels, m: int, n: int, batch: int = 1,
     idle (NVIDIA, "Matrix Multiplication Background User's Guide").  A smaller tile wastes less
     but reuses each operand less; the model assumes the largest tile's reuse is what MAMF was
     measured with and a smaller one runs at its reuse relative to it (no constant is fitted).
-    The pick is the fastest tile: the least (waves · tile work) / reuse."""
+    The pick is the fastest tile: the least (waves · tile work) / reuse.  ``tiles`` (default the
+    device's) are the candidates; the best of them is taken as the one MAMF was measured with, so
+    ``tiles=((128, 128),)`` prices every product with that one tile, a full wave of it at MAMF
+    (lesson 07's exercise)."""
     tiles = tiles or device.tiles
-    best_reuse = max(_reuse(t) for t in device.tiles)
+    best_reuse = max(_reuse(t) for t in tiles)
     choice, cost, useful = None, math.inf, 1.0
     for tm, tn in tiles:
         count = batch * math.ceil(m / tm) * math.ceil(n / tn)
@@ -476,14 +479,17 @@ def _flash_rate(device: DeviceKernels, phase: str, seq: int, precision: str) -> 
     return rate * (device.peak_tf32 / device.peak_bf16 if precision == "fp32" else 1.0)
 
 
-def kernel_seconds(k: Kernel, device: DeviceKernels, precision: str = "bf16-mixed") -> tuple[float, float]:
+def kernel_seconds(k: Kernel, device: DeviceKernels, precision: str = "bf16-mixed",
+                   gemm=gemm_seconds) -> tuple[float, float]:
     """(seconds of work, seconds of launch) for one kernel.  GPU: the work, but no less than the
     launch floor per launch — the shortfall is "launch" (the GPU waits for the CPU).  CPU: the
     work plus PyTorch's per-op dispatch overhead for every launch (the CPU that dispatches is the
-    one that computes, so the two do not overlap)."""
+    one that computes, so the two do not overlap).  ``gemm`` prices a matrix product: a function
+    shaped like :func:`gemm_seconds`, ``gemm(device, m, n, k, batch, precision) -> seconds`` (the
+    seam lesson 07's exercise fills)."""
     if k.kind == "gemm":
         m, n, kk = k.shape
-        work = gemm_seconds(device, m, n, kk, k.batch, precision)
+        work = gemm(device, m, n, kk, k.batch, precision)
     elif k.kind == "attention" and device.flash:
         work = max(k.flops / _flash_rate(device, k.phase, k.seq, precision),
                    k.bytes / device.achievable_bandwidth)
@@ -538,12 +544,13 @@ def rank_compute(cfg: GPTConfig, device: DeviceKernels, stack: Stack | None = No
                  microbatches: int = 1, blocks: int | None = None, head: bool = True,
                  embed: bool = True, tp: int = 1, cp: int = 1, sp: bool = False, ep: int = 1,
                  opt_params: float | None = None, precision: str = "bf16-mixed",
-                 recompute: str | None = None) -> Compute:
+                 recompute: str | None = None, gemm=gemm_seconds) -> Compute:
     """One rank's compute for a step: ``microbatches`` micro-batches of ``micro_batch``
     sequences (``tokens_per_microbatch`` / ``micro_batch`` positions each; default the model's
     ``seq_len``) through its ``blocks`` blocks (default all), the head and embedding if it holds
     them, and the optimizer step over ``opt_params`` parameters (default: the rank's share of
-    what it holds).  ``recompute`` (default the stack's): "none" | "selective" | "full"."""
+    what it holds).  ``recompute`` (default the stack's): "none" | "selective" | "full".
+    ``gemm``: what prices each matrix product (:func:`kernel_seconds`)."""
     stack = stack or default_stack(device)
     recompute = stack.recompute if recompute is None else recompute
     blocks = cfg.n_layer if blocks is None else blocks
@@ -563,7 +570,7 @@ def rank_compute(cfg: GPTConfig, device: DeviceKernels, stack: Stack | None = No
     phases = {"forward": 0.0, "backward": 0.0, "recompute": 0.0, "step": 0.0}
     by_kind = dict.fromkeys(("gemm", "attention", "memory", "optimizer", "launch"), 0.0)
     for k, times in counted:
-        work, launch = kernel_seconds(k, device, precision)
+        work, launch = kernel_seconds(k, device, precision, gemm)
         phases[k.phase] += times * (work + launch)
         by_kind[k.kind] += times * work
         by_kind["launch"] += times * launch

@@ -47,7 +47,7 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 
 from .clusters import ClusterSpec, get_cluster, parse
-from .kernels import STACKS, Stack, default_stack, rank_compute
+from .kernels import STACKS, Stack, default_stack, gemm_seconds, rank_compute
 from ..memory import GB
 from ..model import GPTConfig
 from ..record import Layout
@@ -242,7 +242,7 @@ def mesh_sizes(lay: Layout, degrees: dict) -> dict:
 def project(result, cluster="dgx-h100", model=None, *, precision: str | None = None,
             compute: str | None = None, degrees: dict | None = None, steps=None,
             recompute: bool | None = None, even: bool = False,
-            stack: str | Stack | None = None) -> Projection:
+            stack: str | Stack | None = None, gemm=gemm_seconds) -> Projection:
     """Re-time ``result`` (a :class:`~minitrain.record.RunResult` from
     ``train(..., record_events=True)`` or ``project=``) on ``cluster`` (a preset name, a
     :class:`~minitrain.planning.clusters.ClusterSpec`; "local"/"binder" need the run's
@@ -263,7 +263,9 @@ def project(result, cluster="dgx-h100", model=None, *, precision: str | None = N
     in proportion to how long it happened to take here (:func:`minitrain.planning.recorded.even`;
     for GPipe and 1F1B only).  ``stack``: the software stack the kernels are priced under (a name
     of :data:`minitrain.planning.kernels.STACKS` or a Stack; default: "flash" on GPUs, "eager" on
-    a CPU).  Returns a :class:`Projection`."""
+    a CPU).  ``gemm``: what prices each matrix product of the kernel model, shaped like
+    :func:`~minitrain.planning.kernels.gemm_seconds` (``gemm(device, m, n, k, batch, precision)
+    -> seconds``; lesson 07's exercise puts the learner's there).  Returns a :class:`Projection`."""
     summary = result.summary
     if result.events is None:
         raise ValueError("this result has no recorded events: train with record_events=True (or "
@@ -293,7 +295,7 @@ def project(result, cluster="dgx-h100", model=None, *, precision: str | None = N
     pricing = _Pricing(summary, spec, precision, mode, degrees, sizes, work)
     pricing.stack, pricing.recompute = checked_stack(stack, spec), recompute
     pricing.kernels = _kernel_compute(summary, spec, target, work, precision, pricing.stack,
-                                      recompute, pricing)
+                                      recompute, pricing, gemm)
     scale = Scaler(summary, summary.model, target, items, degrees)
     built = [step_programs(result, i) for i in chosen]
     smooth([b[0] for b in built])
@@ -613,7 +615,8 @@ def _recompute_policy(summary, recompute: bool | None, stack: Stack) -> str:
 
 
 def _kernel_compute(summary, spec: ClusterSpec, target: GPTConfig, work: dict, precision: str,
-                    stack: Stack, recompute: bool | None, pricing) -> dict | None:
+                    stack: Stack, recompute: bool | None, pricing,
+                    gemm=gemm_seconds) -> dict | None:
     """{rank: :class:`~minitrain.planning.kernels.Compute`}: each rank's step as kernels on the
     device (None where the device has no kernel model: an uncalibrated CPU).  Each rank runs the
     run's micro-batches of batch / (dp · micro-batches) sequences through its blocks."""
@@ -631,7 +634,8 @@ def _kernel_compute(summary, spec: ClusterSpec, target: GPTConfig, work: dict, p
         c = rank_compute(target, device, stack, tokens_per_microbatch=micro_batch * target.seq_len,
                          micro_batch=micro_batch, microbatches=microbatches, blocks=w.blocks,
                          head=w.head, embed=w.embed, tp=w.tp, cp=lay.cp, sp=sp, ep=lay.ep,
-                         opt_params=w.opt_params, precision=precision, recompute=policy)
+                         opt_params=w.opt_params, precision=precision, recompute=policy,
+                         gemm=gemm)
         out[r] = _stretched(c, pricing.cpu_stretch(r))
     return out
 

@@ -38,7 +38,7 @@ class Float64(torch.autograd.Function):
 
 
 ALONE = ["one_f_one_b", "loss_scale_update", "online_softmax_merge", "moe_router",
-         "mixed_precision_step", "recompute_block"]
+         "mixed_precision_step", "recompute_block", "gemm_time"]
 ON_RANKS = ["vocab_parallel_cross_entropy", "column_parallel_linear", "row_parallel_linear",
             "all_to_all_dispatch", "stage_step"]
 

@@ -1,5 +1,7 @@
-"""Lesson 07: the fp32-master mixed-precision step, a block recomputed in backward, and the dynamic
-loss-scale update."""
+"""Lesson 07: the fp32-master mixed-precision step, a block recomputed in backward, the dynamic
+loss-scale update and a GEMM's time."""
+
+import math
 
 import torch
 
@@ -271,6 +273,87 @@ def returns_only_the_scale(scale, good_steps, found_inf, growth_interval):
     return scale / 2 if found_inf else scale
 
 
+# --------------------------------------------------------------------------------------------------
+# gemm_time(device, m, n, k) -> seconds, bf16, 128×128 tiles
+# --------------------------------------------------------------------------------------------------
+
+
+def gemm_time(device, m, n, k):
+    tiles = math.ceil(m / 128) * math.ceil(n / 128)
+    waves = math.ceil(tiles / device.sms)
+    useful = m * n / (waves * device.sms * 128 * 128)
+    compute = 2 * m * n * k / (device.mamf * useful)
+    memory = 2 * (m * k + k * n + m * n) / device.achievable_bandwidth
+    return max(compute, memory)
+
+
+def gemm_unquantized(device, m, n, k):
+    return max(2 * m * n * k / device.mamf, 2 * (m * k + k * n + m * n) / device.achievable_bandwidth)
+
+
+def gemm_compute_only(device, m, n, k):
+    tiles = math.ceil(m / 128) * math.ceil(n / 128)
+    waves = math.ceil(tiles / device.sms)
+    return 2 * m * n * k / (device.mamf * m * n / (waves * device.sms * 128 * 128))
+
+
+def gemm_flops_mnk(device, m, n, k):
+    tiles = math.ceil(m / 128) * math.ceil(n / 128)
+    waves = math.ceil(tiles / device.sms)
+    useful = m * n / (waves * device.sms * 128 * 128)
+    return max(m * n * k / (device.mamf * useful),
+               2 * (m * k + k * n + m * n) / device.achievable_bandwidth)
+
+
+def gemm_waves_over_the_tile(device, m, n, k):
+    tiles = math.ceil(m / 128) * math.ceil(n / 128)
+    waves = math.ceil(tiles / 128)  # the tile's side where the SMs belong
+    useful = m * n / (waves * device.sms * 128 * 128)
+    return max(2 * m * n * k / (device.mamf * useful),
+               2 * (m * k + k * n + m * n) / device.achievable_bandwidth)
+
+
+def gemm_no_waves(device, m, n, k):
+    tiles = math.ceil(m / 128) * math.ceil(n / 128)
+    useful = m * n / (tiles * 128 * 128)
+    return max(2 * m * n * k / (device.mamf * useful),
+               2 * (m * k + k * n + m * n) / device.achievable_bandwidth)
+
+
+def gemm_on_132_sms(device, m, n, k):
+    tiles = math.ceil(m / 128) * math.ceil(n / 128)
+    waves = math.ceil(tiles / 132)
+    useful = m * n / (waves * 132 * 128 * 128)
+    return max(2 * m * n * k / (device.mamf * useful),
+               2 * (m * k + k * n + m * n) / device.achievable_bandwidth)
+
+
+def gemm_at_peak(device, m, n, k):
+    tiles = math.ceil(m / 128) * math.ceil(n / 128)
+    waves = math.ceil(tiles / device.sms)
+    useful = m * n / (waves * device.sms * 128 * 128)
+    return max(2 * m * n * k / (device.peak_bf16 * useful),
+               2 * (m * k + k * n + m * n) / device.achievable_bandwidth)
+
+
+def gemm_adds_compute_and_memory(device, m, n, k):
+    tiles = math.ceil(m / 128) * math.ceil(n / 128)
+    waves = math.ceil(tiles / device.sms)
+    useful = m * n / (waves * device.sms * 128 * 128)
+    return (2 * m * n * k / (device.mamf * useful)
+            + 2 * (m * k + k * n + m * n) / device.achievable_bandwidth)
+
+
+def gemm_right_only_on_the_checked_shapes(device, m, n, k):
+    """Right where the check tries it alone, the FLOPs at MAMF anywhere else."""
+    from minitrain.course.exercises.lesson07 import _GEMM_CASES
+
+    if (device.sms, m, n, k) in {(d_sms, *c[1:4]) for c in _GEMM_CASES
+                                 for d_sms in (108, 132)}:
+        return gemm_time(device, m, n, k)
+    return 2 * m * n * k / device.mamf
+
+
 ANSWERS = {
     "mixed_precision_step": Answers(step, [
         (steps_the_16bit_weights, "your update was computed in bfloat16"),
@@ -298,5 +381,16 @@ ANSWERS = {
         (steps_anyway, "skip the optimizer step exactly when a gradient overflowed"),
         (keeps_counting_after_growth, "reset it to 0 on overflow and whenever the scale grows"),
         (returns_only_the_scale, "return a tuple (new_scale, new_good_steps, take_step)"),
+    ]),
+    "gemm_time": Answers(gemm_time, [
+        (gemm_unquantized, "no tile or wave quantization"),
+        (gemm_compute_only, "memory-bound side missing: a 4096×4096×64 product moves 34.6 MB"),
+        (gemm_flops_mnk, "FLOPs counted as m·n·k, not 2·m·n·k"),
+        (gemm_waves_over_the_tile, "the waves are counted as ceil(tiles / 128)"),
+        (gemm_no_waves, "no wave quantization: 133 tiles on 132 SMs take 2 waves"),
+        (gemm_on_132_sms, "the waves are counted over 132 SMs (the H100's)"),
+        (gemm_at_peak, "the measured MAMF"),
+        (gemm_adds_compute_and_memory, "the time is the larger of the two, not their sum"),
+        (gemm_right_only_on_the_checked_shapes, "alone it is right, but inside the projection"),
     ]),
 }

@@ -1,12 +1,15 @@
-"""Lesson 07: the fp32-master mixed-precision step, a block recomputed in backward, and the dynamic
-loss-scale update — each checked alone, then inside the real strategy through its seam (``ddp``'s
-``mixed_precision_step`` and ``recompute_block``; the loss-scale rule driving a real fp16-mixed run
-of ``single``, its scale at every step against the package's rule's)."""
+"""Lesson 07: the fp32-master mixed-precision step, a block recomputed in backward, the dynamic
+loss-scale update and a GEMM's time — each checked alone, then inside the real strategy through its
+seam (``ddp``'s ``mixed_precision_step`` and ``recompute_block``; the loss-scale rule driving a real
+fp16-mixed run of ``single``, its scale at every step against the package's rule's), or, for the
+GEMM's time, inside the projection of a real run (``project(..., gemm=)``: every GEMM of the step
+priced by the learner's function, the step against the package's rule's)."""
 
 from __future__ import annotations
 
 import math
 import traceback
+from dataclasses import dataclass
 
 import torch
 
@@ -482,3 +485,288 @@ def _check_loss_scale_update(fn) -> str | None:
                     f"{' and was skipped' if skipped else ''} where the package's rule gives "
                     f"{t:g}{' (skipped)' if ref_skipped else ''}")
     return None
+
+
+# --------------------------------------------------------------------------------------------------
+# A GEMM's time: the roofline with tile and wave quantization
+# --------------------------------------------------------------------------------------------------
+
+#: the one output tile the exercise prices every product with: the package's rule with
+#: ``gemm_seconds(device, m, n, k, tiles=(GEMM_TILE,))``, a full wave of it at MAMF
+GEMM_TILE = (128, 128)
+
+#: (device, m, n, k, what the shape tests): each rule of the exercise changes the time somewhere
+_GEMM_CASES = [
+    ("H100 SXM", 4096, 4096, 4096, "a large square product"),
+    ("H100 SXM", 4096, 4096, 64, "a thin inner dimension (few FLOPs per byte)"),
+    ("H100 SXM", 1536, 1408, 8192, "132 full tiles: exactly one wave"),
+    ("H100 SXM", 896, 2432, 8192, "133 full tiles: one past a wave"),
+    ("H100 SXM", 129, 12800, 8192, "one row past a tile boundary"),
+    ("H100 SXM", 1000, 4096, 8192, "1000 rows: the last row of tiles part empty"),
+    ("A100 SXM", 1152, 1664, 4096, "117 tiles on the A100's 108 SMs"),
+    ("H100 SXM", 8, 4096, 4096, "8 rows (a skinny product)"),
+]
+
+
+def _gemm_parts(device, m: int, n: int, k: int, *, flops_per_term: int = 2, item: int = 2,
+                rate=None, bandwidth=None, sms=None, waves_over=None, tiles: str = "ceil",
+                waves: bool = True, memory: bool = True, combine=max, quantize: bool = True):
+    """The exercise's rule, and each of its typical slips (as keyword arguments): returns
+    (seconds, {the parts a message quotes})."""
+    tm, tn = GEMM_TILE
+    sms = sms or device.sms
+    count = (math.ceil(m / tm) * math.ceil(n / tn) if tiles == "ceil" else m * n / (tm * tn))
+    slots = math.ceil(count / (waves_over or sms)) * sms if waves else count
+    useful = m * n / (slots * tm * tn) if quantize else 1.0
+    flops, nbytes = flops_per_term * m * n * k, item * (m * k + k * n + m * n)
+    compute = flops / ((rate or device.mamf) * useful)
+    mem = nbytes / (bandwidth or device.achievable_bandwidth)
+    time_s = combine(compute, mem) if memory else compute
+    return time_s, dict(tiles=count, waves=math.ceil(count / sms), useful=useful, compute=compute,
+                        memory=mem, bytes=nbytes, sms=sms)
+
+
+def _waves(n: int) -> str:
+    return f"{n} wave" + ("s" if n != 1 else "")
+
+
+def _us(s: float) -> str:
+    return f"{s * 1e6:,.4g} µs"
+
+
+def _slips(device, m, n, k, p) -> list:
+    """(name, their time, message) for each typical slip on this shape; ``p``: the rule's parts."""
+    tm, tn = GEMM_TILE
+    rows, cols = math.ceil(m / tm), math.ceil(n / tn)
+    shape, sms = f"{m}×{n}×{k}", device.sms
+    frac = m * n / (tm * tn)
+    out = [
+        ("no quantization", _gemm_parts(device, m, n, k, quantize=False)[0],
+         f"no tile or wave quantization: your time is the FLOPs at MAMF, as if every SM did "
+         f"useful work; the SMs compute whole {tm}×{tn} tiles in whole waves — {rows}×{cols} = "
+         f"{p['tiles']} tiles on {sms} SMs take {_waves(p['waves'])}, of which only "
+         f"{p['useful']:.1%} is useful: divide MAMF's rate by that fraction"),
+        ("no waves", _gemm_parts(device, m, n, k, waves=False)[0],
+         f"no wave quantization: {p['tiles']} tiles on {sms} SMs take {p['waves']} waves (every "
+         f"SM computes one tile at a time, and a wave ends when its last tile does) — count "
+         f"waves = ceil(tiles / device.sms) and charge every wave in full"),
+        ("no tiles", _gemm_parts(device, m, n, k, tiles="area")[0],
+         f"no tile quantization: a {m}×{n} output needs ceil({m}/{tm})·ceil({n}/{tn}) = "
+         f"{rows}·{cols} = {p['tiles']} tiles (the edge ones partly empty), not m·n/{tm * tn} = "
+         f"{frac:,.2f}; those {p['tiles']} tiles take {_waves(p['waves'])} on {sms} SMs"),
+        ("waves over the tile", _gemm_parts(device, m, n, k, waves_over=tm)[0],
+         f"the waves are counted as ceil(tiles / {tm}), by the tile's side; a wave is one tile "
+         f"on each of the device's SMs: ceil({p['tiles']} / device.sms) = "
+         f"ceil({p['tiles']} / {sms}) = {p['waves']}"),
+        ("132 SMs", _gemm_parts(device, m, n, k, sms=132)[0],
+         f"the waves are counted over 132 SMs (the H100's); this {device.name} has {sms}: read "
+         f"device.sms — {p['tiles']} tiles take {p['waves']} waves on it"),
+        ("no memory side", _gemm_parts(device, m, n, k, memory=False)[0],
+         f"memory-bound side missing: a {shape} product moves {p['bytes'] / 1e6:,.1f} MB (2 bytes "
+         f"× (m·k + k·n + m·n)), {_us(p['memory'])} at the achievable "
+         f"{device.achievable_bandwidth / 1e12:.2f} TB/s, longer than its {_us(p['compute'])} of "
+         "compute: the time is the larger of the two"),
+        ("FLOPs mnk", _gemm_parts(device, m, n, k, flops_per_term=1)[0],
+         "FLOPs counted as m·n·k, not 2·m·n·k: every term of the sum is a multiply and an add"),
+        ("peak", _gemm_parts(device, m, n, k, rate=device.peak_bf16)[0],
+         f"your products run at the datasheet's peak ({device.peak_bf16 / 1e12:,.0f} TFLOP/s, "
+         f"device.peak_bf16); what matrix products reach is the measured MAMF "
+         f"({device.mamf / 1e12:,.1f} TFLOP/s, device.mamf)"),
+        ("datasheet bandwidth", _gemm_parts(device, m, n, k, bandwidth=device.bandwidth)[0],
+         f"the bytes move at the datasheet's {device.bandwidth / 1e12:.2f} TB/s (device.bandwidth); "
+         f"a kernel achieves {device.achievable_bandwidth / 1e12:.2f} TB/s "
+         "(device.achievable_bandwidth)"),
+        ("fp32 bytes", _gemm_parts(device, m, n, k, item=4)[0],
+         "the bytes are counted at 4 per element: the product is in bf16, 2 bytes each"),
+        ("sum", _gemm_parts(device, m, n, k, combine=lambda a, b: a + b)[0],
+         f"compute ({_us(p['compute'])}) and memory ({_us(p['memory'])}) are added: the kernel "
+         "streams its operands while it computes, so the time is the larger of the two, not "
+         "their sum"),
+    ]
+    right = _gemm_parts(device, m, n, k)[0]
+    return out + [("microseconds", right * 1e6, "your time is in microseconds: return seconds"),
+                  ("milliseconds", right * 1e3, "your time is in milliseconds: return seconds")]
+
+
+def _close(a: float, b: float, rtol: float = 1e-6) -> bool:
+    return abs(a - b) <= rtol * abs(b)
+
+
+def _as_seconds(got):
+    """The learner's return value as a float of seconds, or the sentence saying why it is not."""
+    if isinstance(got, bool):
+        return f"returned {got!r}: return the time in seconds (a float)"
+    try:
+        value = float(got)
+    except Exception:  # noqa: BLE001 - whatever the learner returned
+        return f"returned {got!r:.80}: return the time in seconds (a float)"
+    if not math.isfinite(value) or value <= 0:
+        return f"returned {value!r}: a product's time is a positive number of seconds"
+    return value
+
+
+def _gemm_alone(fn) -> str | None:
+    """The learner's gemm_time on every case against the rule; a wrong time is told by the slip
+    that explains it on every case (on the case where it costs the most), else by one that
+    explains the first case it gets wrong, else by the rule's parts on that case."""
+    from ...planning.kernels import DEVICES, gemm_seconds
+
+    name = getattr(fn, "__name__", "gemm_time")
+    theirs, wants = [], []
+    for key, m, n, k, what in _GEMM_CASES:
+        device = DEVICES[key]
+        call = f"{name}(DEVICES[{key!r}], {m}, {n}, {k})"
+        try:
+            got = fn(device, m, n, k)
+        except Exception as exc:  # noqa: BLE001 - the learner's code may raise anything
+            return raised(call, exc, fn)
+        got = _as_seconds(got)
+        if isinstance(got, str):
+            return f"{call} {got}"
+        theirs.append(got)
+        wants.append(gemm_seconds(device, m, n, k, tiles=(GEMM_TILE,)))
+    wrong = [i for i, (a, b) in enumerate(zip(theirs, wants)) if not _close(a, b)]
+    if not wrong:
+        return None
+    slips = [_slips(DEVICES[c[0]], *c[1:4], _gemm_parts(DEVICES[c[0]], *c[1:4])[1])
+             for c in _GEMM_CASES]
+    names = [s[0] for s in slips[0]]
+    everywhere = [j for j in range(len(names))
+                  if all(_close(theirs[i], slips[i][j][1]) for i in range(len(theirs)))]
+    first = wrong[0]
+    if everywhere:  # told on the shape where that slip costs the most
+        j = everywhere[0]
+        first = max(wrong, key=lambda i: abs(math.log(theirs[i] / wants[i])))
+    else:
+        here = [j for j in range(len(names)) if _close(theirs[first], slips[first][j][1])]
+        j = here[0] if here else None
+    key, m, n, k, what = _GEMM_CASES[first]
+    device = DEVICES[key]
+    got, want = theirs[first], wants[first]
+    where = (f"{name}(DEVICES[{key!r}], {m}, {n}, {k}) — {what}: yours {_us(got)}, the roofline "
+             f"with quantization {_us(want)} ({got / want:.3g}×)")
+    if j is not None:
+        return f"{where}: {slips[first][j][2]}"
+    p = _gemm_parts(device, m, n, k)[1]
+    return (f"{where}. The rule: compute = 2·m·n·k / (MAMF × useful), useful = m·n / (waves · SMs "
+            f"· 128·128) — here {p['tiles']} tiles in {_waves(p['waves'])} of {device.sms} SMs, "
+            f"useful {p['useful']:.3f}, compute {_us(p['compute'])}; memory = 2·(m·k + k·n + m·n) "
+            f"bytes / achievable bandwidth = {_us(p['memory'])}; the time is the larger")
+
+
+@dataclass
+class GemmRun:
+    """A real run's step re-timed with the learner's gemm_time pricing every GEMM (the report)."""
+    what: str
+    yours: object      # Projection, GEMMs by the learner's function
+    one_tile: object   # the package's rule with the same one tile
+    cublas: object     # the package's rule over cuBLAS's candidate tiles
+    kernels: list      # (name, m, n, k, the learner's seconds) of one block's GEMMs
+
+    def lines(self) -> list[str]:
+        out = [f"{self.what}:"]
+        for label, p in (("GEMMs priced by your gemm_time", self.yours),
+                         ("the package's rule, one 128×128 tile", self.one_tile),
+                         ("the package's rule, cuBLAS's 8 tiles", self.cublas)):
+            out.append(f"  {label:<40s} step {p.step_time_s * 1e3:8.2f} ms, of it GEMMs "
+                       f"{p.time_by_kind['gemm'] * 1e3:8.2f} ms, MFU {p.mfu:.1%}")
+        out.append("  one block's GEMMs (one micro-batch) by your gemm_time:")
+        for name, m, n, k, s in self.kernels:
+            out.append(f"    {name:<18s} {f'{m}×{n}×{k}':>18s} {s * 1e6:9.1f} µs "
+                       f"{2 * m * n * k / s / 1e12:7.1f} TFLOP/s")
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+    _repr_pretty_ = lambda self, p, cycle: p.text(str(self))  # noqa: E731
+
+
+#: the real run the check re-times, recorded once per kernel (every attempt re-times the same)
+_GEMM_RUN: dict = {}
+_GEMM_JOB = dict(cluster="dgx-h100", model="7b", stack="flash", degrees={"dp": 8})
+
+
+def _gemm_recorded():
+    from ...model import GPTConfig
+    from ...strategies import TrainConfig
+    from ...train import train
+
+    if "run" not in _GEMM_RUN:
+        cfg = TrainConfig(strategy="zero3", world_size=2, steps=3, batch_size=8,
+                          model=GPTConfig(**_MODEL))
+        _GEMM_RUN["run"] = train(cfg, cluster=ranks(2), record_events=True)
+    return _GEMM_RUN["run"]
+
+
+def _gemm_inside(fn) -> str | None:
+    """A real zero3 run re-timed as the 7B GPT on 8 H100s with ``fn`` pricing every GEMM, against
+    the package's one-tile rule: the same step, to the rounding."""
+    from functools import partial
+
+    from ...planning.kernels import gemm_seconds
+    from ...planning.projection import project
+
+    trouble: list = []
+    priced: dict = {}
+
+    def yours(device, m, n, k, batch=1, precision="bf16-mixed"):
+        want = gemm_seconds(device, m, n, k, batch, precision, tiles=(GEMM_TILE,))
+        if trouble:
+            return want
+        if batch != 1 or precision == "fp32":  # the flash stack's bf16 products are one each
+            trouble.append(f"a {m}×{n}×{k} product ×{batch} in {precision} came up, which "
+                           "gemm_time does not price (a bug of the check: please report it)")
+            return want
+        call = f"{getattr(fn, '__name__', 'gemm_time')}({device.name}, {m}, {n}, {k})"
+        try:
+            got = _as_seconds(fn(device, m, n, k))
+        except Exception as exc:  # noqa: BLE001 - the learner's code may raise anything
+            trouble.append(raised(call, exc, fn))
+            return want
+        if isinstance(got, str):
+            trouble.append(f"{call} {got}")
+            return want
+        if not _close(got, want, 1e-9):
+            trouble.append(f"{call} gives {_us(got)} where the rule gives {_us(want)}")
+        priced[(m, n, k)] = got
+        return got
+
+    run = _gemm_recorded()
+    job = {k: v for k, v in _GEMM_JOB.items() if k != "cluster"}
+    mine = project(run, _GEMM_JOB["cluster"], gemm=yours, **job)
+    where = ("inside the projection of a real zero3 run as the 7B GPT on 8 H100s (dgx-h100, "
+             "stack 'flash')")
+    if trouble:
+        return f"alone it is right, but {where}: {trouble[0]}"
+    one = project(run, _GEMM_JOB["cluster"], gemm=partial(gemm_seconds, tiles=(GEMM_TILE,)), **job)
+    if not _close(mine.step_time_s, one.step_time_s, 1e-9):
+        return (f"alone it is right, but {where} the step takes {mine.step_time_s * 1e3:.3f} ms "
+                f"with yours and {one.step_time_s * 1e3:.3f} ms with the package's rule")
+    cublas = project(run, _GEMM_JOB["cluster"], **job)
+    names = [kern for kern in one_block_gemms(run) if kern[1:] in priced]
+    RUNS["gemm_time"] = GemmRun(
+        f"A real zero3 run of 2 ranks here, re-timed as {mine.model} on {mine.devices} H100s "
+        f"({mine.cluster}, stack {mine.stack!r}, {mine.global_batch} sequences per step)",
+        mine, one, cublas, [(nm, m, n, k, priced[(m, n, k)]) for nm, m, n, k in names])
+    return None
+
+
+def one_block_gemms(run) -> list:
+    """(name, m, n, k) of one block's forward GEMMs in the check's job (one micro-batch)."""
+    from ...planning.kernels import STACKS, block_kernels
+    from ...planning.projection import target_model
+
+    cfg = target_model(_GEMM_JOB["model"], run.summary.model)
+    per_rank = run.summary.batch_size // run.summary.world_size
+    return [(k.name, *k.shape) for k in block_kernels(cfg, STACKS[_GEMM_JOB["stack"]],
+                                                       micro_batch=per_rank)
+            if k.kind == "gemm"]
+
+
+@exercise("gemm_time",
+          "prices a product by the roofline with 128×128 tiles in waves over the SMs (square, "
+          "thin, past a tile, past a wave, on the A100 too), and re-times a real zero3 run as the "
+          "7B GPT on 8 H100s exactly as the package's rule does")
+def _check_gemm_time(fn) -> str | None:
+    return _gemm_alone(fn) or _gemm_inside(fn)

@@ -605,6 +605,15 @@ def _as_seconds(got):
     return value
 
 
+def _names(code) -> set:
+    """The global and attribute names a code object (and those nested in it) uses."""
+    out = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            out |= _names(const)
+    return out
+
+
 def _gemm_alone(fn) -> str | None:
     """The learner's gemm_time on every case against the rule; a wrong time is told by the slip
     that explains it on every case (on the case where it costs the most), else by one that
@@ -612,6 +621,11 @@ def _gemm_alone(fn) -> str | None:
     from ...planning.kernels import DEVICES, gemm_seconds
 
     name = getattr(fn, "__name__", "gemm_time")
+    code = getattr(fn, "__code__", None)
+    used = _names(code) & {"gemm_seconds", "gemm_quantization", "kernel_seconds"} if code else set()
+    if used:
+        return (f"your {name} calls the package's {sorted(used)[0]}: write the rule yourself (tiles, "
+                "waves, the two sides of the roofline)")
     theirs, wants = [], []
     for key, m, n, k, what in _GEMM_CASES:
         device = DEVICES[key]

@@ -843,6 +843,8 @@ def h100_nodes(nodes: int, inter: Link = IB) -> ClusterSpec:
                    nodes=nodes, inter=inter)
 
 LONG = Workload(seq_len=4096, global_batch=512, micro_batch=4)  # 16k tokens per micro-batch
+# GPT-3 175B's batch: 1,536 sequences of 2,048 tokens (Brown et al., 2020, Table 2.1: 3.2M tokens)
+GPT3_BATCH = Workload(seq_len=2048, global_batch=1536, micro_batch=8)
 
 #: The scenario table of the Hugging Face guide "Efficient Training on Multiple GPUs", row by row
 #: (the Chinese comments quote the article that retells it): (situation, model, hardware, workload,
@@ -871,11 +873,10 @@ SCENARIO_TABLE = [
     # 多机多卡: 节点间通讯比较快 → ZeRO, PP+TP+DP
     ("several machines, fast links: ZeRO", LLAMA_13B, h100_nodes(4), LONG,
      "nodes-fast", [{"DP", "ZeRO-1"}, {"DP", "ZeRO-2"}, {"DP", "ZeRO-3"}]),
-    ("several machines, fast links: PP+TP+DP", GPT3, h100_nodes(16),
-     Workload(seq_len=2048, global_batch=1536, micro_batch=8), "nodes-fast",
+    # GPT-3's 2.8 TB of states: on 32 nodes a replica takes half the devices, leaving DP room
+    ("several machines, fast links: PP+TP+DP", GPT3, h100_nodes(32), GPT3_BATCH, "nodes-fast",
      [{"PP", "TP", "DP"}, {"PP", "TP", "DP", "ZeRO-1"}]),
     # 多机多卡: 节点间通讯比较慢 → DP+TP+PP+ZeRO-1
-    ("several machines, slow links: DP+TP+PP+ZeRO-1", GPT3,
-     h100_nodes(16, ETHERNET), Workload(), "nodes-slow",
-     [{"DP", "TP", "PP", "ZeRO-1"}]),
+    ("several machines, slow links: DP+TP+PP+ZeRO-1", GPT3, h100_nodes(32, ETHERNET), GPT3_BATCH,
+     "nodes-slow", [{"DP", "TP", "PP", "ZeRO-1"}]),
 ]

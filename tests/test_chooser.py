@@ -207,7 +207,6 @@ def test_a_long_sequence_gets_context_parallelism_with_the_reasons():
         assert "long sequence" in text and f"--cp {cp}" in text and f"{seq // cp:,} tokens" in text
         assert rec.reasons[0].startswith("Hugging Face guide's table")
         # the layout is the one that fits a sequence of seq/cp tokens on nodes of 8/cp devices
-        from dataclasses import replace
         sub = choose(GPT2_XL, replace(NODE, devices_per_node=8 // cp), Workload(seq_len=seq // cp, global_batch=64))
         assert sub.layout == rec.layout and sub.cp == 1
 

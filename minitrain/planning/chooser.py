@@ -73,7 +73,8 @@ the kernel model achieves (s·b the tokens per micro-batch).  Slower links are "
 Beyond DP × PP × TP (lesson 09): a long sequence whose activations fit no layout gets context
 parallelism (ring attention) inside a node — the same search on nodes of devices_per_node/cp devices
 with sequences of seq_len/cp tokens —, and a mixture-of-experts model (``ModelSpec.experts``) is priced
-on its active parameters and gets an expert-parallel degree; both add their reasons.
+through the experts each token goes to (its active parameters) and gets an expert-parallel degree;
+both add their reasons.
 
 Everything here is arithmetic on the inputs; nothing runs.  ``minitrain.viz.chooser`` puts it
 behind controls.
@@ -735,7 +736,7 @@ def _with_expert_parallel(model, hw, job, rec: Recommendation) -> None:
     rec.reasons.append(
         f"mixture of experts: {model.experts} experts, top {model.top_k} per token — "
         f"{model.params / 1e9:,.2f}B parameters, {model.active_params / 1e9:,.2f}B active per "
-        f"token (the compute is priced on those)")
+        f"token (the compute runs each token through its top {model.top_k} experts)")
     if ep > 1:
         rec.reasons.append(
             f"expert parallelism (--ep {ep}) over the DP group: each device keeps "

@@ -485,7 +485,8 @@ def kernel_seconds(k: Kernel, device: DeviceKernels, precision: str = "bf16-mixe
         m, n, kk = k.shape
         work = gemm_seconds(device, m, n, kk, k.batch, precision)
     elif k.kind == "attention" and device.flash:
-        work = max(k.flops / _flash_rate(device, k.phase, k.seq, precision),
+        phase = "forward" if k.phase == "recompute" else k.phase  # a forward, run again
+        work = max(k.flops / _flash_rate(device, phase, k.seq, precision),
                    k.bytes / device.achievable_bandwidth)
     elif k.kind == "attention":  # a CPU: the fused kernel at the GEMM rate of its size
         work = k.flops / _cpu_rate(device, k.flops / k.launches)

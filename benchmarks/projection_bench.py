@@ -35,7 +35,10 @@
     sequence / GPUs — or taken as published (s/step), so the ratio projected / published
     throughput does not depend on the projection's FLOP count.  Judged: each row within 20 % and
     the median |error| within 10 %; rows are counted by independent group too (the Megatron-LM
-    2021 and 2022 rows share team, code and cluster).  Skipped rows are printed with the reason.
+    2021 and 2022 rows share team, code and cluster).  Skipped rows are printed with the reason;
+    a row whose projection raises is printed with the error and fails the judgement; where the
+    run or the preset departs from the row (a 40 GB A100 priced as the 80 GB preset,
+    torchtitan's 500 W H100s, MPT's ALiBi priced as GPT-2) the row's line says so.
 (c) One model, not two: the projection of a small run scaled to a layout the chooser prices
     (:func:`minitrain.planning.chooser.evaluate` on the same preset) against the chooser's step
     time, within 20 %.

@@ -28,7 +28,8 @@
     tensor parallelism 2 ranks each where the row has them; then projected on the row's cluster
     (ib-a100xN / ib-h100xN, N = GPUs / 8) at the published model shape (Llama's fields for Llama
     rows) with the published dp and tp, the row's recomputation, and the stack its kernels name
-    (FlashAttention or PyTorch's sdpa: "flash"; Megatron's fused softmax over materialized scores:
+    (PyTorch's sdpa or FlashAttention-2 with PyTorch's own elementwise ops: "sdpa"; FlashAttention-3
+    with fused kernels: "flash"; Megatron's fused softmax over materialized scores:
     "megatron-2021", with the row's selective recomputation where it has it).  The published
     figure is turned into a step time by the row's own arithmetic — TFLOP/s that count the
     recomputed forward by Narayanan et al. 2021's formula, tokens/s per GPU by global batch ×
@@ -155,13 +156,17 @@ def _target(row) -> GPTConfig:
 
 def _stack(row):
     """The stack the row's kernels are priced under, and what its name says of the row: its
-    attention kernel (FlashAttention, PyTorch's sdpa on H100: "flash"; Megatron's fused softmax over
-    materialized scores: "megatron-2021"; else "eager"), with the row's recompute where it is
+    attention kernel (FlashAttention-3 or cuDNN's with fused elementwise kernels: "flash";
+    PyTorch's sdpa or FlashAttention-2 with PyTorch's own elementwise ops: "sdpa"; Megatron's fused
+    softmax over materialized scores: "megatron-2021"; else "eager"), with the row's recompute where it is
     selective and the stack's is not (Korthikanti et al. 2022 recompute the attention core of
     Megatron's materialized attention)."""
     attention = (row["attention"] or "").lower()
-    if "flash" in attention or "sdpa" in attention:
+    if "flash3" in attention or "cudnn" in attention or (
+            "flash" in attention and row["fused_kernels"]):
         stack = STACKS["flash"]
+    elif "flash" in attention or "sdpa" in attention:
+        stack = STACKS["sdpa"]
     elif "megatron" in attention or "fused" in attention:
         stack = STACKS["megatron-2021"]
     else:

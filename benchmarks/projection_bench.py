@@ -43,8 +43,16 @@
 (c) One model, not two: the projection of a small run scaled to a layout the chooser prices
     (:func:`minitrain.planning.chooser.evaluate` on the same preset) against the chooser's step
     time, within 20 %.
+(d) The kernel model on this machine's CPU, the one end-to-end test of its structure that needs no
+    GPU: each of single, ddp, zero3, tensor and a 1F1B pipeline on the tiny, small and an 8-layer
+    256-wide GPT, replayed on "local" with its compute *modelled* — every rank's kernels (the GEMMs
+    of its shapes, the memory-bound passes, PyTorch's per-op dispatch) priced from a calibration
+    measured right after the run (minitrain.planning.kernels.calibrate_kernels: GEMM rates at a
+    few sizes, a copy's bandwidth, a trivial op's overhead), under the "sdpa" stack (the course's
+    GPT: scaled_dot_product_attention, one-kernel LayerNorm and GeLU) — against its measured step,
+    within 20 %.
 
-    python benchmarks/projection_bench.py [--steps 10] [--only a|b|c]
+    python benchmarks/projection_bench.py [--steps 10] [--only a|b|c|d]
 
 (b) records PUBLISHED_STEPS steps a run whatever --steps says.
 """
@@ -381,10 +389,48 @@ def one_model(get, steps: int) -> list[float]:
     return ratios
 
 
+# --------------------------------------------------------------------------------------------------
+# (d) the kernel model on this machine's CPU
+# --------------------------------------------------------------------------------------------------
+
+#: (d): the models and the layouts whose measured step the kernel model must give back
+CPU_MODELS = {"tiny": PRESETS["tiny"], "small": PRESETS["small"],
+              "8x256": GPTConfig(n_layer=8, n_head=8, d_model=256, seq_len=64)}
+CPU_LAYOUTS = [("single", 1, {}), ("ddp", 2, {}), ("zero3", 2, {}), ("tensor", 2, {}),
+               ("pipeline 1f1b, m=4", 2, {"schedule": "1f1b", "microbatches": 4})]
+
+
+def cpu_kernels_check(get, steps: int) -> list[float]:
+    """Each run replayed on this machine with its compute *modelled* — its kernels priced from
+    the calibration taken right after it (GEMM rates by size, bandwidth, per-op overhead:
+    minitrain.planning.kernels.calibrate_kernels) — against its measured step: modelled /
+    measured, the median over the replayed steps."""
+    steps = max(steps, MIN_STEPS)
+    print("\n(d) the kernel model on this CPU: each run replayed with its compute priced from its "
+          "kernels (calibrated here), against its measured step")
+    print(f"    {'model':7s} {'layout':22s} {'measured':>10s} {'modelled':>10s} {'ratio':>7s}  "
+          "where the modelled step goes (ms)")
+    ratios = []
+    for name, cfg in CPU_MODELS.items():
+        for label, world, options in CPU_LAYOUTS:
+            strategy = label.split()[0]
+            run = train(strategy=strategy, world_size=world, steps=steps, batch_size=8,
+                        options=options, model=cfg, cluster=get(world), project="local")
+            p = project(run, "local", compute="model")
+            ratio = statistics.median(s / m for s, m in zip(p.step_times_s,
+                                                            p.measured_step_times_s))
+            ratios.append(ratio)
+            kinds = ", ".join(f"{k} {t * 1e3:.1f}" for k, t in p.time_by_kind.items() if t > 0)
+            print(f"    {name:7s} {label:22s} {p.measured_step_s * 1e3:8.1f}ms "
+                  f"{p.step_time_s * 1e3:8.1f}ms {ratio:7.3f} "
+                  f"{'ok' if abs(ratio - 1) <= 0.2 else 'OUT OF 20%'}  {kinds}", flush=True)
+    return ratios
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--only", choices=["a", "b", "c"], default=None)
+    parser.add_argument("--only", choices=["a", "b", "c", "d"], default=None)
     args = parser.parse_args(argv)
     get, live = _clusters()
     out, failed = {}, []
@@ -395,10 +441,12 @@ def main(argv=None) -> int:
             out["b"], failed = published(get, args.steps)
         if args.only in (None, "c"):
             out["c"] = one_model(get, args.steps)
+        if args.only in (None, "d"):
+            out["d"] = cpu_kernels_check(get, args.steps)
     finally:
         for c in live.values():
             c.close()
-    limits = {"a": 0.15, "b": ROW_LIMIT, "c": 0.20}
+    limits = {"a": 0.15, "b": ROW_LIMIT, "c": 0.20, "d": 0.20}
     print()
     ok = True
     for key, ratios in out.items():

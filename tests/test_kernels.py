@@ -200,3 +200,17 @@ def test_flash_attention_2_and_3_at_their_published_rates():
     assert forward("flash", h100) == pytest.approx(602e12)
     assert forward("sdpa", h100) == pytest.approx(333e12)
     assert forward("flash", a100) == forward("sdpa", a100)
+
+
+def test_the_optimizer_steps_every_parameter_tensor_the_rank_holds():
+    """Adam's for-loop steps each parameter tensor with its own ops: the count of tensors is the
+    model's, whatever its shape (GPT's bias-free fused QKV, a mixture of experts, Llama's)."""
+    from minitrain.model import PRESETS
+    from minitrain.planning.kernels import _held_tensors
+
+    for cfg in (PRESETS["tiny"], PRESETS["small"], PRESETS["tiny-moe"], GPTConfig(tie_weights=True)):
+        assert _held_tensors(cfg, cfg.n_layer, True, True, 1) == len(list(GPT(cfg).parameters()))
+    llama = MODEL_SIZES["llama3-8b"]  # per block 2 norms, q, k, v, o, gate, up, down: 9
+    assert _held_tensors(llama, 32, True, True, 1) == 32 * 9 + 1 + 2  # embedding; norm, output
+    step = rank_compute(PRESETS["tiny"], DEVICES["H100 SXM"]).kernels[-1]
+    assert step.kind == "optimizer" and step.launches == 49

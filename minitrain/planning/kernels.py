@@ -63,6 +63,7 @@ class DeviceKernels:
     flash: dict = field(default_factory=dict)
     tiles: tuple = GEMM_TILES
     per_op: bool = False
+    dispatch: dict = field(default_factory=dict)  # CPU: seconds of dispatch per launch, by kind
     gemm_curve: tuple = ()
     source: str = ""
 
@@ -522,7 +523,7 @@ def kernel_seconds(k: Kernel, device: DeviceKernels, precision: str = "bf16-mixe
         work = k.flops / _cpu_rate(device, k.flops / k.launches)
     else:
         work = k.bytes / device.achievable_bandwidth
-    floor = k.launches * device.launch_s
+    floor = k.launches * device.dispatch.get(k.kind, device.launch_s)
     if device.per_op:
         return work, floor
     return work, max(0.0, floor - work)
@@ -589,7 +590,8 @@ def rank_compute(cfg: GPTConfig, device: DeviceKernels, stack: Stack | None = No
     counted += [(k, microbatches) for k in extra]
     if opt_params is None:
         opt_params = _held_params(cfg, blocks, head, embed, tp, ep)
-    step = Kernel("Adam", "optimizer", "step", bytes=ADAM_BYTES * opt_params)
+    step = Kernel("Adam", "optimizer", "step", bytes=ADAM_BYTES * opt_params,
+                  launches=_held_tensors(cfg, blocks, head, embed, ep))
     counted.append((step, 1))
     phases = {"forward": 0.0, "backward": 0.0, "recompute": 0.0, "step": 0.0}
     by_kind = dict.fromkeys(("gemm", "attention", "memory", "optimizer", "launch"), 0.0)
@@ -618,6 +620,23 @@ def _held_params(cfg: GPTConfig, blocks: int, head: bool, embed: bool, tp: int, 
             + (cfg.embed_params() if embed else 0)) / tp
 
 
+def _held_tensors(cfg: GPTConfig, blocks: int, head: bool, embed: bool, ep: int) -> int:
+    """Parameter tensors a rank holds — what PyTorch's Adam steps one at a time (its for-loop
+    implementation, the CPU's default): per block two norms, attention's projections and the
+    MLP's linears, with their biases where the model has them; the embedding (and learned
+    positions), the final norm and the output layer."""
+    norm = 2 if cfg.norm == "layernorm" else 1
+    per_linear = 2 if cfg.bias else 1
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * per_linear
+    if cfg.n_expert:
+        mlp = mlp * cfg.n_expert // ep + 1  # the rank's experts and the router (no bias)
+    # GPT's fused QKV has no bias, its output projection one; Llama's Q, K, V, O have none
+    attention = 4 if cfg.llama_fields() else 1 + per_linear
+    block = 2 * norm + attention + mlp
+    return (blocks * block + (norm + (0 if cfg.tie_weights else 1) if head else 0)
+            + ((2 if cfg.positions == "learned" else 1) if embed else 0))
+
+
 def format_kernels(kernels: list[Kernel], device: DeviceKernels,
                    precision: str = "bf16-mixed") -> str:
     """A table of kernels, one a line: phase, name, kind, GEMM shape, GFLOPs, MB moved, µs of work
@@ -642,7 +661,10 @@ def cpu_kernels(calibration: dict, name: str = "this machine's CPU") -> DeviceKe
     """A CPU priced from measured numbers (:func:`calibrate_kernels`): ``gemm`` ((FLOPs,
     FLOP/s), ...) at a few product sizes, interpolated by a GEMM's size; ``bandwidth`` (bytes/s
     of a large copy); ``op_overhead_s`` (PyTorch's dispatch time of one op, paid by every
-    kernel on top of its work: on a CPU the dispatch and the work run on the same cores)."""
+    kernel on top of its work: on a CPU the dispatch and the work run on the same cores) and,
+    where measured, ``dispatch`` — that time per kernel of each kind, from the ops PyTorch's
+    eager autograd really dispatches around one (a linear layer's transposes and gradient
+    accumulation, attention's head reshapes)."""
     rates: dict = {}
     for f, r in calibration["gemm"]:  # one rate per size: the best measured at it
         rates[float(f)] = max(float(r), rates.get(float(f), 0.0))
@@ -651,8 +673,11 @@ def cpu_kernels(calibration: dict, name: str = "this machine's CPU") -> DeviceKe
     bw = float(calibration["bandwidth"])
     return DeviceKernels(name, 0, rate, rate, rate, bw, bw, float(calibration["op_overhead_s"]),
                          per_op=True, gemm_curve=curve, tiles=(),
+                         dispatch={k: float(v) for k, v in
+                                   (calibration.get("dispatch") or {}).items()},
                          source="measured here by calibrate_kernels(): GEMM rates by size, an "
-                                "8 MB copy, a trivial op's forward + backward")
+                                "8 MB copy, the dispatch time of a linear layer, an elementwise "
+                                "op and attention on tiny tensors, forward and backward")
 
 
 def _best_time(fn, repeats: int, budget_s: float = 2e-3) -> float:
@@ -672,9 +697,16 @@ def _best_time(fn, repeats: int, budget_s: float = 2e-3) -> float:
 
 def calibrate_kernels(repeats: int = 3) -> dict:
     """Measure this CPU in a fraction of a second: fp32 matrix products (square 32…512 and two
-    skinny shapes), an 8 MB copy, and a trivial op with autograd (its forward + backward: two
-    dispatched ops, so half is one op's overhead)."""
+    skinny shapes), an 8 MB copy, and on tensors too small to take any time but their dispatch,
+    forward and backward: a trivial op (two dispatched ops, so half is one op's overhead), and
+    the time per modelled kernel of a linear layer (its three GEMMs, with what PyTorch dispatches
+    around them: the weight's transpose, the bias's sum, gradient accumulation), of an
+    elementwise op (GeLU: one kernel each way) and of attention (scaled_dot_product_attention
+    with the heads' reshapes, one kernel each way) — each less a bare sum's forward and backward,
+    the loss every measurement ends in; and Adam's step of one tiny tensor (its time per
+    parameter tensor)."""
     import torch
+    import torch.nn.functional as F
 
     gemm = []
     for m, n, k in [(s, s, s) for s in (32, 64, 128, 256, 512)] + [(1, 512, 512), (2048, 64, 64)]:
@@ -689,4 +721,26 @@ def calibrate_kernels(repeats: int = 3) -> dict:
         (x * 2).backward()
 
     overhead = _best_time(tiny, repeats) / 2
-    return {"gemm": [list(p) for p in gemm], "bandwidth": bandwidth, "op_overhead_s": overhead}
+    h = torch.randn(2, 4, 8, requires_grad=True)
+    linear = torch.nn.Linear(8, 8)
+
+    def bare():
+        h.sum().backward()
+
+    def attention():
+        q, k, v = (h.view(2, 4, 2, 4).transpose(1, 2) for _ in range(3))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y.transpose(1, 2).reshape(2, 4, 8).sum().backward()
+
+    base = _best_time(bare, repeats)
+    per_kernel = {"gemm": (lambda: linear(h).sum().backward(), 3),
+                  "memory": (lambda: F.gelu(h).sum().backward(), 2),
+                  "attention": (attention, 2)}
+    dispatch = {kind: max(overhead, (_best_time(fn, repeats) - base) / kernels)
+                for kind, (fn, kernels) in per_kernel.items()}
+    weight = torch.nn.Parameter(torch.randn(8))
+    weight.grad = torch.randn(8)
+    adam = torch.optim.Adam([weight])
+    dispatch["optimizer"] = max(overhead, _best_time(adam.step, repeats))  # per tensor
+    return {"gemm": [list(p) for p in gemm], "bandwidth": bandwidth, "op_overhead_s": overhead,
+            "dispatch": dispatch}

@@ -9,12 +9,13 @@ from published ones (a data-parallel degree from GPUs / (tp * pp), a global batc
 from tokens per batch / sequence length) are named as derived in the note.
 
 These rows are evidence, not inputs: nothing in minitrain reads this file, and no row may be used
-to set a constant of the model.  One row already was, before this file existed:
-``used_as_anchor=True`` marks it (Narayanan et al. 2021, Table 1, 1.7B, which
-``minitrain/planning/clusters.py`` takes as the A100's sustained fraction of peak), so a check
-against it is circular and it should be held back.  The other rows of that table come from the
-same team, code and cluster, which is why ``independent_group`` is recorded: count sources by it,
-not by rows.
+to set a constant of the model.  ``benchmarks/projection_bench.py`` (b) projects every row a
+strategy can run and judges the projection against it.  ``used_as_anchor`` marks a row that sets a
+number of the model, whose check would be circular; no row is marked: the kernel model
+(``minitrain/planning/kernels.py``) prices a step from matmul, attention and bandwidth
+measurements, none of them a training run's throughput.  Rows of one table come from the same team,
+code and cluster, which is why ``independent_group`` is recorded: count sources by it, not by
+rows.
 
 Throughput figures do not all count the same FLOPs:
 
@@ -93,23 +94,21 @@ _MEG21 = dict(
 
 MEGATRON_2021 = [
     _row(key="meg21_1.7b_32gpu", source=_MEG21_SRC + ", row 1.7B", **_MEG21,
-         used_as_anchor=True, gpus=32, nodes=4, n_layer=24, d_model=2304, n_head=24,
+         gpus=32, nodes=4, n_layer=24, d_model=2304, n_head=24,
          d_ff=4 * 2304, params="1.7B", dp=32, tp=1, pp=1, virtual_stages=1,
          micro_batch=16, global_batch=512, tflops_per_gpu=137, mfu=0.44,
-         note="USED AS ANCHOR: minitrain/planning/clusters.py A100_ANCHOR = 137/312 comes from this "
-              "row; hold it back from any judgement. DDP-impl torch. n_head 24 from "
-              "run_table_1.sh (the README image has no heads column)."),
+         note="DDP-impl torch. n_head 24 from run_table_1.sh (the README image has no heads "
+              "column)."),
     _row(key="meg21_7.5b_128gpu", source=_MEG21_SRC + ", row 7.5B", **_MEG21,
          gpus=128, nodes=16, n_layer=36, d_model=4096, n_head=32, d_ff=4 * 4096, params="7.5B",
          dp=32, tp=4, pp=1, virtual_stages=1, micro_batch=16, global_batch=512,
          tflops_per_gpu=142, mfu=0.46,
-         note="dp derived = 128/(4*1). DDP-impl torch. Same team/code/cluster as the anchor row."),
+         note="dp derived = 128/(4*1). DDP-impl torch. Same team/code/cluster as the 1.7B row."),
     _row(key="meg21_39b_512gpu", source=_MEG21_SRC + ", row 39B", **_MEG21,
          gpus=512, nodes=64, n_layer=48, d_model=8192, n_head=64, d_ff=4 * 8192, params="39.1B",
          dp=32, tp=8, pp=2, virtual_stages=1, micro_batch=4, global_batch=1536,
          tflops_per_gpu=138, mfu=0.44,
-         note="dp derived = 512/(8*2). DDP-impl local (no overlap of grad all-reduce). Already "
-              "used as a check in benchmarks/projection_bench.py."),
+         note="dp derived = 512/(8*2). DDP-impl local (no overlap of grad all-reduce)."),
     _row(key="meg21_145b_1536gpu", source=_MEG21_SRC + ", row 145B", **_MEG21,
          gpus=1536, nodes=192, n_layer=80, d_model=12288, n_head=96, d_ff=4 * 12288,
          params="145.6B", dp=24, tp=8, pp=8, virtual_stages=2, micro_batch=2,

@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "run's own)")
     proj.add_argument("--stack", default=None,
                       help="with --project: the software stack the projected kernels are priced "
-                           "under (eager, megatron-2021, flash) (default: flash on GPUs, eager "
+                           "under (eager, sdpa, megatron-2021, flash) (default: flash on GPUs, sdpa "
                            "on a CPU)")
     opts = t.add_argument_group("strategy options (each refused by the strategies that do not "
                                 "take it)")

@@ -8,7 +8,9 @@ import pytest
 
 from minitrain.planning.chooser import (ETHERNET, GPT2_XL, GPT3, LLAMA_7B, LLAMA_13B, LONG, NODE,
                                ONE_H100, SCENARIO_TABLE, SCENARIOS, Layout, ModelSpec,
-                               Workload, choose, evaluate, h100_nodes, layouts, links_fast, scenario)
+                               Workload, choose, evaluate, h100_nodes, layouts, links_fast,
+                               microbatch_seconds, optimizer_seconds, scenario)
+from minitrain.planning.kernels import ADAM_BYTES, STACKS, rank_compute
 from minitrain.memory import GB, activation_bytes_per_layer, model_state_bytes
 from minitrain.viz.chooser import candidate_rows, recommendation_html
 
@@ -48,10 +50,16 @@ def test_slow_links_put_pipeline_stages_across_nodes_and_tensor_parallel_inside(
 
 def test_links_are_fast_when_zero3_traffic_hides_behind_a_micro_batch():
     hw = h100_nodes(2)  # 48 GB/s per GPU between nodes
-    fast, need = links_fast(hw, Workload(2048, 512, 8))
-    assert need == pytest.approx(hw.device.flop_rate() / (2048 * 8)) and fast  # 24.5 GB/s needed
-    slow, need = links_fast(hw, Workload(2048, 512, 4))
-    assert need == pytest.approx(49.0e9, rel=1e-2) and not slow  # 49.0 GB/s needed, 48 there
+    job = Workload(2048, 512, 8)
+    fast, need = links_fast(hw, job, LLAMA_13B)
+    whole = microbatch_seconds(LLAMA_13B, hw, job, Layout(dp=16, zero=3))  # all layers, one device
+    assert need == pytest.approx(3 * 2 * 13e9 / whole) and fast  # 3·2Ψ bytes per micro-batch
+    # the rate the kernel model achieves is below the device's matmul maximum, whose F/(s·b)
+    # would exceed the 48 GB/s these links give
+    assert need < hw.inter.busbw < hw.device.flop_rate() / (2048 * 8)
+    slow, need_half = links_fast(hw, Workload(2048, 512, 4), LLAMA_13B)
+    assert not slow and need_half > hw.inter.busbw  # half the tokens, about half the time
+    assert need_half == pytest.approx(2 * need, rel=0.05)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -199,7 +207,6 @@ def test_a_long_sequence_gets_context_parallelism_with_the_reasons():
         assert "long sequence" in text and f"--cp {cp}" in text and f"{seq // cp:,} tokens" in text
         assert rec.reasons[0].startswith("Hugging Face guide's table")
         # the layout is the one that fits a sequence of seq/cp tokens on nodes of 8/cp devices
-        from dataclasses import replace
         sub = choose(GPT2_XL, replace(NODE, devices_per_node=8 // cp), Workload(seq_len=seq // cp, global_batch=64))
         assert sub.layout == rec.layout and sub.cp == 1
 
@@ -225,13 +232,20 @@ def test_a_mixture_of_experts_gets_expert_parallelism_inside_a_node():
     assert dense.ep == 1 and "expert" not in " ".join(dense.reasons)
 
 
-def test_moe_compute_is_priced_on_the_active_parameters():
+def test_moe_compute_is_priced_on_the_experts_a_token_goes_through():
     dense = ModelSpec(47e9, 32, 4096, 32)
     lay = Layout(dp=1, pp=4, tp=8)
     hw = h100_nodes(4)
+    cfg = MOE_47B.gpt_config(LONG.seq_len)  # 8 experts of the width 45B parameters give, top 2
+    assert (cfg.n_expert, cfg.top_k) == (8, 2)
+    assert cfg.n_layer * cfg.n_expert * cfg.mlp_params() == pytest.approx(45e9, rel=0.01)
     a = evaluate(MOE_47B, hw, LONG, lay).time["compute"]
     b = evaluate(dense, hw, LONG, lay).time["compute"]
-    assert a / b == pytest.approx(MOE_47B.active_params / 47e9)
+    m = LONG.global_batch // LONG.micro_batch
+    assert a == pytest.approx(m * microbatch_seconds(MOE_47B, hw, LONG, lay))
+    # 13.25B active of 47B: far less than the dense model's compute, more than its 28 % (the router,
+    # the tokens' trips to their experts and back, smaller GEMMs)
+    assert MOE_47B.active_params / 47e9 < a / b < 0.5
 
 
 @pytest.mark.parametrize("bad", [dict(experts=1), dict(experts=8, top_k=9, expert_params=1e9),
@@ -291,22 +305,33 @@ def test_the_lesson_08_exercise_checks_every_term_of_the_step_time_somewhere():
         _, model, hw, job = jobs[key]
         time = evaluate(model, hw, job, layout).time
         assert time["offload"] == 0 and time["total"] == pytest.approx(
-            sum(time[t] for t in TERMS[:-1]))
+            sum(time[t] for t in TERMS[:-1]) + time["optimizer"])
+        assert time["optimizer"] < 1e-2 * time["total"]  # the one term the exercise leaves out
         seen |= {t for t in TERMS[:-1] if time[t] > 0}
     assert seen == set(TERMS[:-1])
 
 
 def test_the_chooser_prices_on_the_clusters_presets():
-    """One hardware model: the compute at the preset device's sustained rate, the memory against
-    its memory, offload against its node's host (and refused where the cluster names none)."""
+    """One hardware model: the compute from the preset device's kernels, the memory against its
+    memory, offload against its node's host (and refused where the cluster names none)."""
     from minitrain.planning.clusters import get_cluster
 
     job, layout = Workload(seq_len=2048, global_batch=64, micro_batch=1), Layout(dp=8)
+    seconds = {}
     for name in ("dgx-a100", "dgx-h100"):
         spec = get_cluster(name)
         c = evaluate(GPT2_XL, spec, job, layout)
-        assert c.time["compute"] == pytest.approx(
-            8 * 6 * 1.5e9 * 2048 / spec.device.flop_rate())  # m = 8 micro-batches
+        one = rank_compute(GPT2_XL.gpt_config(2048), spec.device.kernels, tokens_per_microbatch=2048,
+                           microbatches=1, opt_params=0)
+        assert c.time["compute"] == pytest.approx(8 * microbatch_seconds(GPT2_XL, spec, job, layout))
+        assert c.time["compute"] == pytest.approx(8 * (one.total_s - one.optimizer_s))  # m = 8
+        # slower than 6Ψ FLOPs per token at the device's matmul maximum: not every kernel is a
+        # large GEMM
+        assert c.time["compute"] > 8 * 6 * 1.5e9 * 2048 / spec.device.flop_rate()
+        assert c.time["optimizer"] == pytest.approx(  # ZeRO-free DP: Adam over all of Ψ, once
+            ADAM_BYTES * 1.5e9 / spec.device.kernels.achievable_bandwidth)
+        seconds[name] = c.time["compute"]
+    assert seconds["dgx-h100"] < seconds["dgx-a100"]
     off = evaluate(LLAMA_7B, ONE_H100, Workload(), Layout(offload=True))
     assert off.feasible and off.memory["host_per_node"] == pytest.approx(12 * 7e9)
     assert off.time["offload"] == pytest.approx(2 * 2 * 7e9 / ONE_H100.host.pcie
@@ -329,3 +354,59 @@ def test_a_model_description_from_a_gpt_config():
     assert m.experts == 8 and m.top_k == 2
     assert m.expert_params == 4 * 8 * moe.mlp_params()
     assert m.active_params == pytest.approx(moe.num_params() - 4 * 6 * moe.mlp_params())
+
+
+def test_a_micro_batch_is_one_stage_of_the_kernel_model():
+    """microbatch_seconds: one micro-batch through a stage's ⌈L/PP⌉ layers split TP ways, with the
+    output layer (the last, slowest stage), the embedding only on a single stage; recomputation
+    runs each block's forward again; the optimizer step is its own term."""
+    hw, job = NODE, Workload(seq_len=2048, global_batch=64, micro_batch=2)
+    cfg = LLAMA_13B.gpt_config(2048)
+    device = hw.device.kernels
+
+    def kernels(**kw):
+        c = rank_compute(cfg, device, tokens_per_microbatch=4096, micro_batch=2, microbatches=1,
+                         opt_params=0, **kw)
+        return c.forward_s + c.backward_s + c.recompute_s
+
+    assert microbatch_seconds(LLAMA_13B, hw, job, Layout(dp=8)) == pytest.approx(kernels())
+    assert microbatch_seconds(LLAMA_13B, hw, job, Layout(pp=3, tp=2)) == pytest.approx(
+        kernels(blocks=14, embed=False, tp=2))  # ⌈40/3⌉ layers, the last stage's head
+    plain, again = (microbatch_seconds(LLAMA_13B, hw, job, Layout(pp=4, dp=2, recompute=r))
+                    for r in (False, True))
+    assert plain < again < 4 / 3 * plain  # the blocks' forward again, not the head's
+    m = 64 // (2 * 2)
+    cand = evaluate(LLAMA_13B, hw, job, Layout(pp=4, dp=2, recompute=True))
+    assert cand.time["compute"] == pytest.approx(m * again)
+    assert cand.time["optimizer"] == pytest.approx(optimizer_seconds(LLAMA_13B, hw, job, cand.layout))
+    assert cand.time["total"] == pytest.approx(sum(v for k, v in cand.time.items() if k != "total"))
+    z1 = optimizer_seconds(LLAMA_13B, hw, job, Layout(pp=4, dp=2, zero=1))
+    assert z1 == pytest.approx(optimizer_seconds(LLAMA_13B, hw, job, Layout(pp=4, dp=2)) / 2, rel=1e-3)
+    assert optimizer_seconds(LLAMA_7B, ONE_H100, Workload(), Layout(offload=True)) == 0
+
+
+def test_the_stack_is_chosen_and_threaded_through():
+    job, layout = Workload(seq_len=2048, global_batch=64, micro_batch=1), Layout(dp=8)
+    flash = evaluate(GPT2_XL, NODE, job, layout).time["compute"]
+    assert evaluate(GPT2_XL, NODE, job, layout, "flash").time["compute"] == flash  # the H100's default
+    megatron = evaluate(GPT2_XL, NODE, job, layout, STACKS["megatron-2021"]).time["compute"]
+    eager = evaluate(GPT2_XL, NODE, job, layout, stack="eager").time["compute"]
+    assert flash < megatron < eager  # fused kernels, then FlashAttention
+    rec = choose(GPT2_XL, NODE, job, stack="eager")
+    assert rec.best.time["compute"] == pytest.approx(eager) and "eager stack" in rec.reasons[3]
+    with pytest.raises(ValueError, match="unknown stack 'jax'"):
+        choose(GPT2_XL, NODE, job, stack="jax")
+
+
+def test_a_model_described_by_numbers_gets_a_gpt_shaped_config():
+    llama70 = ModelSpec(70e9, 80, 8192, 64)
+    cfg = llama70.gpt_config(4096)
+    assert (cfg.n_layer, cfg.d_model, cfg.n_head, cfg.seq_len) == (80, 8192, 64, 4096)
+    assert cfg.vocab_size % 128 == 0 and cfg.ff % 256 == 0
+    assert cfg.num_params() == pytest.approx(70e9, rel=0.01)  # the MLP takes what is left
+    from minitrain.model import GPTConfig
+
+    kept = GPTConfig(n_layer=4, n_head=4, d_model=256, vocab_size=1000)
+    assert ModelSpec.from_config(kept).gpt_config(512) == GPTConfig(
+        n_layer=4, n_head=4, d_model=256, vocab_size=1000, seq_len=512)
+    assert hash(ModelSpec.from_config(kept)) == hash(ModelSpec.from_config(kept))

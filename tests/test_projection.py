@@ -241,6 +241,15 @@ def test_the_cli_refuses_a_projection_before_any_process_starts(no_spawn, capsys
     assert "'ps-async' cannot be projected: the asynchronous" in capsys.readouterr().err
     with pytest.raises(ValueError, match="'ps-async' cannot be projected"):
         train(strategy="ps-async", world_size=3, project="dgx-h100", as_model="1.3b")
+    # a stack that does not exist, or one without a projection to price
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--strategy", "ddp", "--world-size", "2", "--project", "dgx-h100",
+              "--stack", "fast"])
+    assert info.value.code == 2
+    assert "unknown stack 'fast' (did you mean 'flash'?); choose one of: eager" in \
+        capsys.readouterr().err
+    with pytest.raises(ValueError, match="--stack needs --project CLUSTER"):
+        train(strategy="ddp", world_size=2, stack="eager")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ from minitrain import train
 from minitrain.planning.clusters import get_cluster
 from minitrain.planning.projection import MODEL_SIZES, pipeline_timeline, project
 from minitrain.record import Layout
-from minitrain.viz.projection import (ProjectionWidget, projection_figure, projection_view,
+from minitrain.viz.projection import (ProjectionWidget, kind_bar_html, kind_parts,
+                                      projection_figure, projection_view,
                                       step_parts, stream_rows, summary_html)
 
 
@@ -121,6 +122,22 @@ def test_the_step_parts_are_the_projections_own():
                         idle_s=0.25)
     assert [(x["name"], x["share"]) for x in step_parts(p)] == [
         ("compute", 0.5), ("exposed communication", 0.25), ("bubble", 0.125), ("idle", 0.125)]
+
+
+def test_the_time_by_kind_is_drawn_as_one_bar_of_the_projections_own_shares(runs):
+    p = SimpleNamespace(step_time_s=2.0, time_by_kind={
+        "gemm": 1.0, "attention": 0.25, "memory": 0.25, "optimizer": 0.0, "launch": 0.0,
+        "exposed_comm": 0.5, "bubble": 0.0, "idle": 0.0})
+    parts = kind_parts(p)
+    assert [(x["name"], x["share"]) for x in parts] == [
+        ("GEMMs", 0.5), ("attention", 0.125), ("memory-bound kernels", 0.125),
+        ("exposed communication", 0.25)]  # kinds that take no time are left out
+    bar = kind_bar_html(parts)
+    assert bar.count("width:") == 5 and "width:50.00%" in bar and "width:25.00%" in bar
+    view = projection_view(runs["ddp"], "dgx-h100", "1.3b", stack="eager")
+    assert view["projection"].stack == "eager" and "mt-projection-kinds" in view["html"]
+    assert "<code>eager</code> stack" in view["html"]
+    assert sum(x["share"] for x in view["kinds"]) == pytest.approx(1.0)
 
 
 def test_the_widget_re_projects_the_recorded_run_at_every_change(runs, monkeypatch):

@@ -33,9 +33,14 @@ prices each with the course's models, and rejects or ranks it — and the table 
   the weights twice per micro-batch (3Ψ·m: 1.5× DP at m = 1); TP all-reduces the activations
   twice per layer forward and twice backward (Megatron; Shoeybi et al., 2019), per micro-batch;
   PP sends each micro-batch's activation forward and its gradient back, point to point;
-* **time per step** — compute (6Ψ FLOPs per token, ×4/3 with recomputation) at the device's
-  sustained rate (:meth:`minitrain.planning.clusters.Device.flop_rate`), stretched by the
-  pipeline bubble (p−1)/(m+p−1), plus the communication that cannot hide behind compute: TP's
+* **time per step** — compute from the kernel model (:mod:`minitrain.planning.kernels`, the
+  projection's): :func:`microbatch_seconds` prices one micro-batch's forward and backward (and
+  the forward again with activation checkpointing) through the slowest pipeline stage's kernels
+  on one device — GEMMs at the device's measured matmul rate with tile and wave quantization,
+  attention and the memory-bound passes as the software stack runs them (``stack``, default the
+  device's :func:`~minitrain.planning.kernels.default_stack`) —, m of them per step, stretched by
+  the pipeline bubble (p−1)/(m+p−1); the optimizer step once (Adam's reads and writes of the
+  device's shard of the states); plus the communication that cannot hide behind compute: TP's
   all-reduces are on the critical path; DP's gradient sync hides behind the last micro-batch's
   backward, ZeRO-2/3's per-micro-batch traffic behind each micro-batch's compute (prefetch),
   PP's sends behind the next micro-batch's compute.
@@ -56,18 +61,20 @@ The rules, and why (each rejected layout says which one it broke):
 
 The hardware is a :class:`~minitrain.planning.clusters.ClusterSpec` — a preset of
 :mod:`minitrain.planning.clusters` (``get_cluster("ib-h100x4")``), the numbers the projection
-re-times runs with: the device's FLOP rate and memory, each link's bus bandwidth and α per ring
-step, and the host a node offloads to.
+re-times runs with: the device's kernel numbers (``hw.device.kernels``) and memory, each link's bus
+bandwidth and α per ring step, and the host a node offloads to.
 
 Links between nodes are "fast" when ZeRO-3's traffic — two all-gathers of the weights and a
-reduce-scatter of the gradients per micro-batch — can hide behind a micro-batch's compute: each
-device then needs F/(s·b) bytes per second (F its FLOP rate, s·b the tokens per micro-batch;
-the model size cancels).  Slower links are "slow".
+reduce-scatter of the gradients per micro-batch, 3·2Ψ bytes — can hide behind a micro-batch's
+compute on one device (:func:`microbatch_seconds` of the whole model): each device then needs
+3·2Ψ bytes per micro-batch time, F/(s·b) bytes per second with F = 6Ψ·s·b / that time, the rate
+the kernel model achieves (s·b the tokens per micro-batch).  Slower links are "slow".
 
 Beyond DP × PP × TP (lesson 09): a long sequence whose activations fit no layout gets context
 parallelism (ring attention) inside a node — the same search on nodes of devices_per_node/cp devices
 with sequences of seq_len/cp tokens —, and a mixture-of-experts model (``ModelSpec.experts``) is priced
-on its active parameters and gets an expert-parallel degree; both add their reasons.
+through the experts each token goes to (its active parameters) and gets an expert-parallel degree;
+both add their reasons.
 
 Everything here is arithmetic on the inputs; nothing runs.  ``minitrain.viz.chooser`` puts it
 behind controls.
@@ -79,20 +86,29 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from .clusters import ETH25, NDR, ClusterSpec, Link, get_cluster
-from .costmodel import collective_seconds, compute_seconds
+from .costmodel import collective_seconds
+from .kernels import ADAM_BYTES, STACKS, Kernel, Stack, default_stack, kernel_seconds, rank_compute
 from ..memory import GB, activation_bytes_per_layer, memory_per_device, model_state_bytes
 from ..model import GPTConfig
 
 __all__ = ["ModelSpec", "Workload", "Layout", "Candidate", "Recommendation", "SCENARIOS",
            "SCENARIO_TABLE",
            "choose", "evaluate", "layouts", "scenario", "links_fast", "links", "layout_memory",
-           "h100_nodes", "TOLERANCE", "USABLE"]
+           "microbatch_seconds", "optimizer_seconds", "h100_nodes", "TOLERANCE", "USABLE",
+           "VOCAB", "FF_MULTIPLE"]
 
 #: layouts within this fraction of the fastest count as equally fast (the simplest of them wins)
 TOLERANCE = 0.05
 #: fraction of device memory a layout may use; the rest is temporary buffers and fragmentation
 USABLE = 0.9
 BYTES_16 = 2  # bf16 weights, gradients and activations on the wire
+#: the vocabulary of a model described by numbers alone: GPT-2's 50,257 tokens (Radford et al.,
+#: 2019) padded to a multiple of 128, as Megatron-LM pads it (``--make-vocab-size-divisible-by``,
+#: default 128) so that it splits over the tensor-parallel ranks
+VOCAB = 50304
+#: the MLP width of a model described by numbers alone is rounded to a multiple of this (Meta's
+#: Llama reference code rounds its MLP width to ``multiple_of=256``)
+FF_MULTIPLE = 256
 
 #: the rows of the Hugging Face guide's scenario table: key → (situation, what the guide says to use)
 SCENARIOS = {
@@ -115,8 +131,9 @@ class ModelSpec:
     """A transformer's size: parameters Ψ, layers, hidden size h, attention heads a; for a
     mixture of experts, ``experts`` per MoE layer, ``top_k`` of them per token, and
     ``expert_params``, the parameters inside all the experts (part of Ψ).  :meth:`from_config`
-    reads them off a :class:`~minitrain.model.GPTConfig`; the published models below give their
-    published parameter counts (LLaMA's gated MLPs are not a GPTConfig's)."""
+    reads them off a :class:`~minitrain.model.GPTConfig` and keeps it (``config``) for the kernel
+    model; the published models below give their published parameter counts (LLaMA's gated MLPs
+    are not a GPTConfig's) and get a GPT-shaped config from :meth:`gpt_config`."""
 
     params: float
     layers: int
@@ -125,15 +142,41 @@ class ModelSpec:
     experts: int = 0
     top_k: int = 1
     expert_params: float = 0.0
+    config: GPTConfig | None = field(default=None, hash=False)
 
     @classmethod
     def from_config(cls, cfg: GPTConfig) -> ModelSpec:
         """The description of ``cfg`` (e.g. one of :data:`minitrain.planning.scaling.MODEL_SIZES`):
-        its parameters counted from its shapes."""
+        its parameters counted from its shapes; ``cfg`` itself is kept for the kernel model."""
         if not cfg.n_expert:
-            return cls(cfg.num_params(), cfg.n_layer, cfg.d_model, cfg.n_head)
+            return cls(cfg.num_params(), cfg.n_layer, cfg.d_model, cfg.n_head, config=cfg)
         return cls(cfg.num_params(), cfg.n_layer, cfg.d_model, cfg.n_head, cfg.n_expert, cfg.top_k,
-                   cfg.n_layer * cfg.n_expert * cfg.mlp_params())
+                   cfg.n_layer * cfg.n_expert * cfg.mlp_params(), config=cfg)
+
+    def gpt_config(self, seq_len: int) -> GPTConfig:
+        """The :class:`~minitrain.model.GPTConfig` the kernel model prices, for sequences of
+        ``seq_len`` tokens: the kept ``config`` where there is one.  Otherwise a GPT-2-shaped one
+        (LayerNorm, GeLU MLP, learned positions, biases, untied output layer) with these layers,
+        hidden size and heads, the vocabulary :data:`VOCAB`, and the MLP as wide as the parameters
+        left after the embedding, the output layer and the attention make it (rounded to
+        :data:`FF_MULTIPLE`, at least one multiple) — so that the blocks' FLOPs per token are about
+        6Ψ, as the published count says.  An approximation: a Llama-shaped model (SwiGLU's three
+        matrices, grouped-query attention, a 32k vocabulary) spends its parameters differently; its
+        GEMMs have other shapes, not other FLOPs.  A mixture of experts gets ``experts`` experts of
+        the width ``expert_params`` gives, ``top_k`` per token."""
+        if self.config is not None:
+            return replace(self.config, seq_len=seq_len)
+        d = self.hidden
+        base = GPTConfig(vocab_size=VOCAB, seq_len=seq_len, n_layer=self.layers, n_head=self.heads,
+                         d_model=d, d_ff=FF_MULTIPLE)
+        if self.experts > 1:  # one expert's d→ff→d with biases: 2·d·ff + ff + d parameters
+            per_mlp = self.expert_params / (self.layers * self.experts)
+            ff = _round_ff((per_mlp - d) / (2 * d + 1))
+            return replace(base, d_ff=ff, n_expert=self.experts, top_k=self.top_k)
+        outside = base.embed_params() + base.head_params()
+        per_layer = (self.params - outside) / self.layers
+        rest = 2 * base.norm_params() + base.attention_params() + d  # + the MLP's output bias
+        return replace(base, d_ff=_round_ff((per_layer - rest) / (2 * d + 1)))
 
     @property
     def active_params(self) -> float:
@@ -147,6 +190,10 @@ class ModelSpec:
     def layer_params(self) -> float:
         """Parameters of one transformer layer: 12h² (QKV, output, and the 4h MLP), at most Ψ/L."""
         return min(12 * self.hidden ** 2, self.params / self.layers)
+
+
+def _round_ff(ff: float) -> int:
+    return max(FF_MULTIPLE, FF_MULTIPLE * round(ff / FF_MULTIPLE))
 
 
 @dataclass(frozen=True)
@@ -293,10 +340,10 @@ def _check_inputs(model: ModelSpec, hw: ClusterSpec, job: Workload) -> None:
                         ("seq_len", job.seq_len), ("global_batch", job.global_batch),
                         ("micro_batch", job.micro_batch), ("device memory_gb", hw.device.memory_gb),
                         ("devices_per_node", hw.devices_per_node), ("nodes", hw.nodes),
-                        ("intra busbw", hw.intra.busbw), ("inter busbw", _inter(hw).busbw),
-                        ("device flop rate", hw.device.flop_rate())):
+                        ("intra busbw", hw.intra.busbw), ("inter busbw", _inter(hw).busbw)):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}; give the real size")
+    _device_kernels(hw)
     if model.experts < 0 or model.experts == 1 or (model.experts and not (
             1 <= model.top_k <= model.experts and 0 < model.expert_params < model.params)):
         raise ValueError(f"a mixture of experts needs experts >= 2, 1 <= top_k <= experts and "
@@ -370,17 +417,90 @@ def layout_memory(model: ModelSpec, hw: ClusterSpec, job: Workload, layout: Layo
     return math.inf if m is None else _memory(model, hw, job, layout, m)["total"]
 
 
+def _device_kernels(hw: ClusterSpec):
+    """The device's kernel numbers, or why there are none."""
+    if hw.device.kernels is None:
+        raise ValueError(f"{hw.device.name} has no kernel model to price compute with: use a "
+                         "preset's device (minitrain.planning.clusters), or calibrate this "
+                         "machine's kernels (kernels.calibrate_kernels)")
+    return hw.device.kernels
+
+
+def _stack(stack: Stack | str | None, hw: ClusterSpec) -> Stack:
+    """A :class:`~minitrain.planning.kernels.Stack`, by name (of ``kernels.STACKS``) or given; by
+    default the device's :func:`~minitrain.planning.kernels.default_stack`."""
+    if stack is None:
+        return default_stack(_device_kernels(hw))
+    if isinstance(stack, str):
+        if stack not in STACKS:
+            raise ValueError(f"unknown stack {stack!r}; choose one of {', '.join(STACKS)}")
+        return STACKS[stack]
+    return stack
+
+
+def _precision(job: Workload) -> str:
+    """The kernels' precision: fp32 (TF32 tensor cores) for the fp32 recipes, else bf16 (the
+    kernel model has no fp8 GEMMs: fp8-adam's compute is priced in bf16)."""
+    return "fp32" if job.recipe.startswith("fp32") else "bf16-mixed"
+
+
+def _microbatch_compute(model: ModelSpec, hw: ClusterSpec, job: Workload, layout: Layout,
+                        stack: Stack | str | None = None):
+    """The :class:`~minitrain.planning.kernels.Compute` of :func:`microbatch_seconds` (its
+    optimizer step is empty: the chooser prices it once per step, :func:`optimizer_seconds`)."""
+    device, stack = _device_kernels(hw), _stack(stack, hw)
+    # the layout decides whether whole blocks run forward again; a stack's selective
+    # recomputation (the attention core's) is part of how it runs attention and stays
+    recompute = "full" if layout.recompute else ("none" if stack.recompute == "full"
+                                                 else stack.recompute)
+    return rank_compute(model.gpt_config(job.seq_len), device, stack,
+                        tokens_per_microbatch=job.seq_len * job.micro_batch,
+                        micro_batch=job.micro_batch, microbatches=1,
+                        blocks=math.ceil(model.layers / layout.pp), head=True,
+                        embed=layout.pp == 1, tp=layout.tp, opt_params=0.0,
+                        precision=_precision(job), recompute=recompute)
+
+
+def microbatch_seconds(model: ModelSpec, hw: ClusterSpec, job: Workload, layout: Layout,
+                       stack: Stack | str | None = None) -> float:
+    """Seconds of one micro-batch (``job.micro_batch`` sequences of ``job.seq_len`` tokens) on one
+    device of ``layout``: its forward and backward — and, with ``layout.recompute``, each block's
+    forward again — through the ⌈L/PP⌉ layers of a stage, split ``layout.tp`` ways (Megatron's
+    tensor parallelism, without sequence parallelism: the chooser's TP all-reduces), priced
+    kernel by kernel by :func:`minitrain.planning.kernels.rank_compute` on ``hw.device.kernels``
+    under ``stack`` (a :class:`~minitrain.planning.kernels.Stack` or a name of
+    ``kernels.STACKS``; default the device's).
+
+    The stage priced is the slowest one, which sets a pipeline's pace: ⌈L/PP⌉ layers and the
+    output layer with its loss (the last stage's: its vocabulary-wide GEMM outweighs the first
+    stage's embedding lookup); with one stage, the embedding too.  The model is
+    :meth:`ModelSpec.gpt_config`'s.  The optimizer step is not in it (:func:`optimizer_seconds`),
+    nor any communication."""
+    c = _microbatch_compute(model, hw, job, layout, stack)
+    return c.forward_s + c.backward_s + c.recompute_s
+
+
+def optimizer_seconds(model: ModelSpec, hw: ClusterSpec, job: Workload, layout: Layout) -> float:
+    """Seconds of one device's optimizer step: Adam reads and writes ``kernels.ADAM_BYTES`` per
+    parameter of the device's Ψ/(TP·PP) (÷ DP with ZeRO, which shards the optimizer states), at
+    the device's measured memory bandwidth (one kernel, at least its launch); 0 with offload,
+    whose step runs on the host (the ``offload`` term)."""
+    if layout.offload:
+        return 0.0
+    shard = model.params / (layout.tp * layout.pp) / (layout.dp if layout.zero else 1)
+    work, launch = kernel_seconds(Kernel("Adam", "optimizer", "step", bytes=ADAM_BYTES * shard),
+                                  _device_kernels(hw), _precision(job))
+    return work + launch
+
+
 def _comm_and_time(model: ModelSpec, hw: ClusterSpec, job: Workload, layout: Layout,
-                   m: int) -> tuple:
+                   m: int, stack: Stack | str | None = None) -> tuple:
     """(bytes each device sends per step by dimension, seconds per step by part)."""
     spans = _spans_nodes(layout, hw)
     link = links(layout, hw)
     dp, pp, tp = layout.dp, layout.pp, layout.tp
     tokens_mb = job.seq_len * job.micro_batch
-    compute_mb = compute_seconds(6 * model.active_params / (tp * pp) * tokens_mb,
-                                 hw.device.flop_rate())
-    if layout.recompute:
-        compute_mb *= 4 / 3  # one more forward
+    compute_mb = microbatch_seconds(model, hw, job, layout, stack)
     compute = compute_mb * m
     bubble = (pp - 1) / (m + pp - 1)
 
@@ -414,7 +534,8 @@ def _comm_and_time(model: ModelSpec, hw: ClusterSpec, job: Workload, layout: Lay
     comm = {"tp": tp_bytes, "pp": pp_bytes, "dp": dp_bytes,
             "links": {k: ("inter-node" if spans[k] else "intra-node") for k in ("dp", "pp", "tp")}}
     time = {"compute": compute, "bubble": compute * bubble / (1 - bubble), "tp": tp_time,
-            "pp": pp_time, "dp": dp_time, "offload": offload_time}
+            "pp": pp_time, "dp": dp_time, "offload": offload_time,
+            "optimizer": optimizer_seconds(model, hw, job, layout)}
     time["total"] = sum(time.values())
     return comm, time
 
@@ -438,8 +559,10 @@ def _rule_broken(model: ModelSpec, hw: ClusterSpec, layout: Layout) -> str | Non
     return None
 
 
-def evaluate(model: ModelSpec, hw: ClusterSpec, job: Workload, layout: Layout) -> Candidate:
-    """Price one layout: memory, communication and time per step, or why it is rejected."""
+def evaluate(model: ModelSpec, hw: ClusterSpec, job: Workload, layout: Layout,
+             stack: Stack | str | None = None) -> Candidate:
+    """Price one layout: memory, communication and time per step, or why it is rejected; the
+    compute under ``stack`` (:func:`microbatch_seconds`; default the device's stack)."""
     cand = Candidate(layout)
     broken = _rule_broken(model, hw, layout)
     m = _micro_batches(layout, job)
@@ -450,7 +573,7 @@ def evaluate(model: ModelSpec, hw: ClusterSpec, job: Workload, layout: Layout) -
         cand.rejected = broken
         return cand
     cand.memory = _memory(model, hw, job, layout, m)
-    cand.comm, cand.time = _comm_and_time(model, hw, job, layout, m)
+    cand.comm, cand.time = _comm_and_time(model, hw, job, layout, m, stack)
     cand.comm["microbatches"] = m
     usable = USABLE * hw.device.memory_gb * GB
     if cand.memory["total"] > usable:
@@ -493,16 +616,22 @@ def _simplicity(layout: Layout) -> tuple:
             layout.outer == "dp")
 
 
-def links_fast(hw: ClusterSpec, job: Workload) -> tuple[bool, float]:
+def links_fast(hw: ClusterSpec, job: Workload, model: ModelSpec,
+               stack: Stack | str | None = None) -> tuple[bool, float]:
     """(are the links between nodes fast?, the per-device bandwidth in bytes/s ZeRO-3 needs to
-    hide its traffic behind compute: F/(s·b) — 3·2Ψ bytes against 6Ψ·s·b FLOPs per micro-batch)."""
-    need = hw.device.flop_rate() / (job.seq_len * job.micro_batch)
+    hide its traffic behind compute): 3·2Ψ bytes per micro-batch — two all-gathers of the bf16
+    weights, a reduce-scatter of the gradients — over the :func:`microbatch_seconds` of a
+    micro-batch through the whole model on one device (ZeRO-3's layout: no TP, no PP).  That is
+    F/(s·b) with F = 6Ψ·s·b / those seconds, the FLOP rate the kernel model achieves on the
+    micro-batch (below the device's matmul maximum: small GEMMs, attention, memory-bound passes)."""
+    seconds = microbatch_seconds(model, hw, job, Layout(dp=hw.devices, zero=3), stack)
+    need = 3 * BYTES_16 * model.params / seconds
     return _inter(hw).busbw >= need, need
 
 
-def _one_device_fits(model: ModelSpec, hw: ClusterSpec, job: Workload) -> bool:
+def _one_device_fits(model: ModelSpec, hw: ClusterSpec, job: Workload, stack=None) -> bool:
     one = replace(hw, nodes=1, devices_per_node=1)
-    return any(evaluate(model, one, job, Layout(recompute=r)).feasible for r in (False, True))
+    return any(evaluate(model, one, job, Layout(recompute=r), stack).feasible for r in (False, True))
 
 
 def _layer_fits(model: ModelSpec, hw: ClusterSpec, job: Workload) -> bool:
@@ -512,11 +641,12 @@ def _layer_fits(model: ModelSpec, hw: ClusterSpec, job: Workload) -> bool:
     return per_layer + act <= USABLE * hw.device.memory_gb * GB
 
 
-def scenario(model: ModelSpec, hw: ClusterSpec, job: Workload = Workload()) -> str:
+def scenario(model: ModelSpec, hw: ClusterSpec, job: Workload = Workload(),
+             stack: Stack | str | None = None) -> str:
     """Which row of the scenario table the inputs fall in (a key of :data:`SCENARIOS`)."""
     if hw.nodes > 1:
-        return "nodes-fast" if links_fast(hw, job)[0] else "nodes-slow"
-    fits = _one_device_fits(model, hw, job)
+        return "nodes-fast" if links_fast(hw, job, model, stack)[0] else "nodes-slow"
+    fits = _one_device_fits(model, hw, job, stack)
     if hw.devices_per_node == 1:
         return "one-device-fits" if fits else "one-device-too-big"
     if fits:
@@ -536,23 +666,26 @@ def _offload_last(cands: list[Candidate]) -> None:
                               "the CPU step and the PCIe traffic")
 
 
-def choose(model: ModelSpec, hw: ClusterSpec, job: Workload = Workload()) -> Recommendation:
-    """Recommend a layout for training ``model`` on ``hw`` with ``job``, and say why.
+def choose(model: ModelSpec, hw: ClusterSpec, job: Workload = Workload(),
+           stack: Stack | str | None = None) -> Recommendation:
+    """Recommend a layout for training ``model`` on ``hw`` with ``job``, and say why; compute is
+    priced with the kernels of ``stack`` (a :class:`~minitrain.planning.kernels.Stack` or a name
+    of ``kernels.STACKS``; default the device's).
 
     Beyond DP × PP × TP (lesson 09): when no layout fits because one micro-batch's activations
     are too large — a long sequence — context parallelism over ``cp`` devices of a node is tried
     (each holds seq_len/cp tokens: the problem becomes the same one on nodes of
     devices_per_node/cp devices, with sequences of seq_len/cp); a mixture of experts gets an
     expert-parallel degree ``ep``.  Both say why in ``reasons``."""
-    rec = _choose(model, hw, job)
+    rec = _choose(model, hw, job, stack)
     if rec.layout is None:
-        rec = _with_context_parallel(model, hw, job, rec)
+        rec = _with_context_parallel(model, hw, job, rec, stack)
     if model.experts > 1 and rec.layout is not None:
         _with_expert_parallel(model, hw, job, rec)
     return rec
 
 
-def _with_context_parallel(model, hw, job, rec: Recommendation) -> Recommendation:
+def _with_context_parallel(model, hw, job, rec: Recommendation, stack=None) -> Recommendation:
     """The smallest cp (dividing the node and the sequence) with which a layout fits, or ``rec``."""
     smallest = min((c for c in rec.candidates if c.memory), key=lambda c: c.memory["total"],
                    default=None)
@@ -563,7 +696,7 @@ def _with_context_parallel(model, hw, job, rec: Recommendation) -> Recommendatio
             continue
         sub_hw = replace(hw, devices_per_node=hw.devices_per_node // cp)
         sub_job = Workload(job.seq_len // cp, job.global_batch, job.micro_batch, job.recipe)
-        sub = _choose(model, sub_hw, sub_job)
+        sub = _choose(model, sub_hw, sub_job, stack)
         if sub.layout is None:
             continue
         lay, m = sub.layout, sub.best.comm["microbatches"]
@@ -603,7 +736,7 @@ def _with_expert_parallel(model, hw, job, rec: Recommendation) -> None:
     rec.reasons.append(
         f"mixture of experts: {model.experts} experts, top {model.top_k} per token — "
         f"{model.params / 1e9:,.2f}B parameters, {model.active_params / 1e9:,.2f}B active per "
-        f"token (the compute is priced on those)")
+        f"token (the compute runs each token through its top {model.top_k} experts)")
     if ep > 1:
         rec.reasons.append(
             f"expert parallelism (--ep {ep}) over the DP group: each device keeps "
@@ -627,11 +760,12 @@ def _whole_layers_rejected(cands: list[Candidate]) -> None:
                           "with TP, or gather one layer at a time with ZeRO-3")
 
 
-def _choose(model: ModelSpec, hw: ClusterSpec, job: Workload) -> Recommendation:
+def _choose(model: ModelSpec, hw: ClusterSpec, job: Workload, stack=None) -> Recommendation:
     _check_inputs(model, hw, job)
-    cands = [evaluate(model, hw, job, lay) for lay in layouts(hw)]
+    stack = _stack(stack, hw)
+    cands = [evaluate(model, hw, job, lay, stack) for lay in layouts(hw)]
     _offload_last(cands)
-    key = scenario(model, hw, job)
+    key = scenario(model, hw, job, stack)
     if key == "one-node-layer-too-big":
         _whole_layers_rejected(cands)
     feasible = sorted((c for c in cands if c.feasible), key=lambda c: c.time["total"])
@@ -648,7 +782,7 @@ def _choose(model: ModelSpec, hw: ClusterSpec, job: Workload) -> Recommendation:
     best = min(tied, key=lambda c: _simplicity(c.layout))
     others = [c for c in tied if c is not best]
     return Recommendation(best.layout, key, SCENARIOS[key][1],
-                          _reasons(model, hw, job, key, best, feasible), best, others,
+                          _reasons(model, hw, job, key, best, feasible, stack), best, others,
                           feasible + rejected)
 
 
@@ -656,7 +790,8 @@ def _gb(n: float) -> str:
     return f"{n / GB:,.1f} GB"
 
 
-def _reasons(model, hw, job, key, best: Candidate, feasible: list[Candidate]) -> list[str]:
+def _reasons(model, hw, job, key, best: Candidate, feasible: list[Candidate],
+             stack: Stack) -> list[str]:
     """The recommendation in sentences: the table's row, memory, the time, what crosses nodes."""
     lay, mem, t = best.layout, best.memory, best.time
     out = [f"Hugging Face guide's table: {SCENARIOS[key][0]} → {SCENARIOS[key][1]}"]
@@ -670,9 +805,10 @@ def _reasons(model, hw, job, key, best: Candidate, feasible: list[Candidate]) ->
     comm = ", ".join(f"{k.upper()} {_gb(best.comm[k])} ({best.comm['links'][k]})"
                      for k in ("dp", "pp", "tp") if best.comm[k])
     out.append(f"per step each device sends {comm or 'nothing'}; estimated {t['total']:.3g} s per "
-               f"step ({t['compute']:.3g} s compute, {best.comm['microbatches']} micro-batches)")
+               f"step ({t['compute']:.3g} s compute, {best.comm['microbatches']} micro-batches, "
+               f"priced kernel by kernel on the {stack.name} stack)")
     if hw.nodes > 1:
-        fast, need = links_fast(hw, job)
+        fast, need = links_fast(hw, job, model, stack)
         out.append(f"between nodes each device gets {_inter(hw).busbw / 1e9:,.1f} GB/s; "
                    f"ZeRO-3 needs {need / 1e9:,.1f} GB/s to hide behind compute: "
                    f"{'fast' if fast else 'slow'} links")
@@ -708,6 +844,8 @@ def h100_nodes(nodes: int, inter: Link = IB) -> ClusterSpec:
                    nodes=nodes, inter=inter)
 
 LONG = Workload(seq_len=4096, global_batch=512, micro_batch=4)  # 16k tokens per micro-batch
+# GPT-3 175B's batch: 1,536 sequences of 2,048 tokens (Brown et al., 2020, Table 2.1: 3.2M tokens)
+GPT3_BATCH = Workload(seq_len=2048, global_batch=1536, micro_batch=8)
 
 #: The scenario table of the Hugging Face guide "Efficient Training on Multiple GPUs", row by row
 #: (the Chinese comments quote the article that retells it): (situation, model, hardware, workload,
@@ -736,11 +874,10 @@ SCENARIO_TABLE = [
     # 多机多卡: 节点间通讯比较快 → ZeRO, PP+TP+DP
     ("several machines, fast links: ZeRO", LLAMA_13B, h100_nodes(4), LONG,
      "nodes-fast", [{"DP", "ZeRO-1"}, {"DP", "ZeRO-2"}, {"DP", "ZeRO-3"}]),
-    ("several machines, fast links: PP+TP+DP", GPT3, h100_nodes(16),
-     Workload(seq_len=2048, global_batch=1536, micro_batch=8), "nodes-fast",
+    # GPT-3's 2.8 TB of states: on 32 nodes a replica takes half the devices, leaving DP room
+    ("several machines, fast links: PP+TP+DP", GPT3, h100_nodes(32), GPT3_BATCH, "nodes-fast",
      [{"PP", "TP", "DP"}, {"PP", "TP", "DP", "ZeRO-1"}]),
     # 多机多卡: 节点间通讯比较慢 → DP+TP+PP+ZeRO-1
-    ("several machines, slow links: DP+TP+PP+ZeRO-1", GPT3,
-     h100_nodes(16, ETHERNET), Workload(), "nodes-slow",
-     [{"DP", "TP", "PP", "ZeRO-1"}]),
+    ("several machines, slow links: DP+TP+PP+ZeRO-1", GPT3, h100_nodes(32, ETHERNET), GPT3_BATCH,
+     "nodes-slow", [{"DP", "TP", "PP", "ZeRO-1"}]),
 ]

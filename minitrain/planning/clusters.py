@@ -425,19 +425,22 @@ def calibrate_rank(sizes=(4096, 65536, 1 << 20, 4 << 20), repeats: int = 3) -> d
 
 def _slowest(kernels: dict, n: int) -> dict:
     """Every rank's kernel calibration reduced to the slowest rank's (the step waits for it):
-    the least GEMM rate at each size and bandwidth, the greatest per-op overhead."""
+    the least GEMM rate at each size and bandwidth, the greatest per-op overheads."""
     import torch
     import torch.distributed as dist
 
     if n == 1:
         return kernels
-    rates = torch.tensor([-r for _, r in kernels["gemm"]] + [-kernels["bandwidth"],
-                                                              kernels["op_overhead_s"]],
-                         dtype=torch.float64)
-    dist.all_reduce(rates, op=dist.ReduceOp.MAX)
-    values = (-rates).tolist()
-    gemm = [[f, r] for (f, _), r in zip(kernels["gemm"], values)]
-    return {"gemm": gemm, "bandwidth": values[-2], "op_overhead_s": -values[-1]}
+    kinds = sorted(kernels.get("dispatch") or {})
+    values = torch.tensor([-r for _, r in kernels["gemm"]] + [-kernels["bandwidth"],
+                                                               kernels["op_overhead_s"]]
+                          + [kernels["dispatch"][k] for k in kinds], dtype=torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    values = values.tolist()
+    g = len(kernels["gemm"])
+    return {"gemm": [[f, -r] for (f, _), r in zip(kernels["gemm"], values[:g])],
+            "bandwidth": -values[g], "op_overhead_s": values[g + 1],
+            "dispatch": dict(zip(kinds, values[g + 2:]))}
 
 
 def _ping_pong(n: int, rounds: int = 20) -> float:

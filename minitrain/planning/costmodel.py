@@ -104,9 +104,10 @@ def collective_seconds(op: str, nbytes: float, n: int, alpha: float, beta: float
 
 def compute_seconds(flops: float, flop_rate: float, memory_bytes: float = 0.0,
                     memory_rate: float = float("inf")) -> float:
-    """Time of a compute span: its FLOPs at the device's sustained FLOP rate, plus the bytes of
-    memory-bound work (the optimizer's update) at its memory bandwidth.  One cost model: the
-    chooser's compute term and the projection's both come from here."""
+    """Time of a compute span at one FLOP rate, plus the bytes of memory-bound work (an
+    optimizer's update) at a memory bandwidth: the roofline's two terms at their simplest.  The
+    chooser and the projection price a step kernel by kernel instead
+    (:mod:`minitrain.planning.kernels`)."""
     return flops / flop_rate + (memory_bytes / memory_rate if memory_bytes else 0.0)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..model import GPTConfig, training_flops
 
@@ -63,6 +63,7 @@ class DeviceKernels:
     flash: dict = field(default_factory=dict)
     tiles: tuple = GEMM_TILES
     per_op: bool = False
+    dispatch: dict = field(default_factory=dict)  # CPU: seconds of dispatch per launch, by kind
     gemm_curve: tuple = ()
     source: str = ""
 
@@ -96,31 +97,38 @@ _BANDWIDTH = ("achievable bandwidth: 1.80 TB/s measured on an A100 80GB SXM (88 
 LAUNCH_S = 3.8e-6
 _LAUNCH = "launch floor 3.8 µs per kernel (Gray, 2019, NVIDIA blog 'Getting Started with CUDA Graphs')"
 
-# FlashAttention throughput (FLOP/s) by sequence length, BF16, head dimension 128.
-# H100 SXM: FlashAttention-3 (Shah et al., 2024, "FlashAttention-3", Figure 5: forward with the
-# causal mask, its FLOPs halved; Figure 6: backward, shown without the mask, used for the causal
-# backward too).
+# FlashAttention throughput (FLOP/s) by sequence length, BF16, head dimension 128, on an H100 SXM5:
+# Shah et al., 2024, "FlashAttention-3", Figure 5 (forward, causal mask, its FLOPs halved) and
+# Figure 6 (backward, shown without the mask, used for the causal backward too), which measure
+# FlashAttention-2 beside FlashAttention-3 on the same GPU.
 _FA3_H100 = {"forward": ((512, 292e12), (1024, 423e12), (2048, 521e12), (4096, 579e12),
                          (8192, 602e12), (16384, 616e12)),
              "backward": ((512, 316e12), (1024, 424e12), (2048, 501e12), (4096, 542e12),
                           (8192, 559e12), (16384, 561e12))}
+_FA2_H100 = {"forward": ((512, 191e12), (1024, 260e12), (2048, 298e12), (4096, 319e12),
+                         (8192, 333e12), (16384, 335e12)),
+             "backward": ((512, 214e12), (1024, 260e12), (2048, 291e12), (4096, 310e12),
+                          (8192, 318e12), (16384, 322e12))}
 # A100: FlashAttention-2 reaches 50-73 % of the A100's 312 TFLOP/s (Dao, 2023, "FlashAttention-2",
 # abstract); the table puts the low end at 512 positions and the high end at 16k, forward and
-# backward alike (the paper's per-length figures are not transcribed here).
+# backward alike (the paper's per-length figures are not transcribed here).  FlashAttention-3 is
+# for Hopper GPUs: an A100 runs FlashAttention-2 under any stack.
 _FA2_A100 = {phase: ((512, 0.50 * 312e12), (16384, 0.73 * 312e12))
              for phase in ("forward", "backward")}
 
 DEVICES = {
     "A100 SXM": DeviceKernels("NVIDIA A100 SXM 80GB", 108, 312e12, 156e12, 271.2e12, 2.039e12,
-                              1.80e12, LAUNCH_S, _FA2_A100,
+                              1.80e12, LAUNCH_S, {"flash2": _FA2_A100},
                               source="; ".join((_DATASHEETS, _MAMF, _BANDWIDTH, _LAUNCH,
                                                 "FlashAttention-2: Dao, 2023"))),
     "H100 SXM": DeviceKernels("NVIDIA H100 SXM 80GB", 132, 989e12, 494.7e12, 794.5e12, 3.35e12,
-                              3.35e12 * _BW_FRACTION, LAUNCH_S, _FA3_H100,
+                              3.35e12 * _BW_FRACTION, LAUNCH_S,
+                              {"flash2": _FA2_H100, "flash3": _FA3_H100},
                               source="; ".join((_DATASHEETS, _MAMF, _BANDWIDTH, _LAUNCH,
-                                                "FlashAttention-3: Shah et al., 2024, Figs. 5-6"))),
+                                                "FlashAttention-2 and -3 on it: Shah et al., 2024, "
+                                                "'FlashAttention-3', Figs. 5-6"))),
     "A100 PCIe": DeviceKernels("NVIDIA A100 PCIe 80GB", 108, 312e12, 156e12, 252.9e12, 1.935e12,
-                               1.935e12 * _BW_FRACTION, LAUNCH_S, _FA2_A100,
+                               1.935e12 * _BW_FRACTION, LAUNCH_S, {"flash2": _FA2_A100},
                                source="; ".join((_DATASHEETS, _MAMF, _BANDWIDTH, _LAUNCH,
                                                  "FlashAttention-2: Dao, 2023"))),
 }
@@ -138,8 +146,9 @@ FUSIONS = ("norm", "gelu", "swiglu", "dropout-add", "softmax", "rope", "loss")
 
 @dataclass(frozen=True)
 class Stack:
-    """A software stack: ``attention`` "materialized" (the s×s scores go through memory) or
-    "flash" (one fused kernel), the elementwise groups it ``fuses`` (of :data:`FUSIONS`), whether
+    """A software stack: ``attention`` "materialized" (the s×s scores go through memory),
+    "flash2" or "flash3" (one fused kernel: FlashAttention-2, or -3 where the GPU has it — a
+    Hopper; elsewhere -2), the elementwise groups it ``fuses`` (of :data:`FUSIONS`), whether
     it trains with ``dropout``, its activation ``recompute`` ("none" | "selective": the attention
     core again in backward, Korthikanti et al., 2022 | "full": each block's forward again),
     ``tp_overlap`` (tensor-parallel communication hidden under GEMMs) and the SMs an overlapped
@@ -153,6 +162,10 @@ class Stack:
     tp_overlap: bool
     comm_sms: int
     source: str
+
+    @property
+    def fused_attention(self) -> bool:
+        return self.attention != "materialized"
 
     def overlap_slowdown(self, device: DeviceKernels) -> float:
         """How much slower compute runs while a collective overlaps it: its kernels hold
@@ -180,8 +193,16 @@ STACKS = {
                            "bias+GeLU, bias+dropout+add and scale-mask-softmax kernels, apex's "
                            "fused LayerNorm, full activation recomputation; attention scores still "
                            "materialized; tensor-parallel all-reduces not overlapped"),
-    "flash": Stack("flash", "flash", frozenset(FUSIONS), False, "selective", True, COMM_SMS,
-                   "a current stack: FlashAttention-2/3 (Dao, 2023; Shah et al., 2024), fused "
+    "sdpa": Stack("sdpa", "flash2", frozenset({"gelu"}), False, "none", False, COMM_SMS,
+                  "plain PyTorch eager with torch.nn.functional.scaled_dot_product_attention, "
+                  "whose CUDA kernel is FlashAttention-2 (Dao, 2023; PyTorch 2.2 release notes), "
+                  "GeLU one kernel (F.gelu), every other elementwise op its own kernel (RMSNorm, "
+                  "SiLU and the multiply, rotary, residual adds, the loss), no dropout, no "
+                  "recomputation, no communication overlap: torchtitan's and llm-foundry's "
+                  "models without torch.compile, and minitrain's own GPT"),
+    "flash": Stack("flash", "flash3", frozenset(FUSIONS), False, "selective", True, COMM_SMS,
+                   "a current stack: FlashAttention-3 on Hopper, -2 elsewhere (Shah et al., 2024; "
+                   "Dao, 2023), fused "
                    "RMSNorm/LayerNorm, SwiGLU, rotary and cross-entropy kernels, selective "
                    "recomputation and sequence parallelism (Korthikanti et al., 2022, 'Reducing "
                    "Activation Recomputation in Large Transformer Models'), tensor-parallel "
@@ -191,8 +212,9 @@ STACKS = {
 
 
 def default_stack(device: DeviceKernels) -> Stack:
-    """"flash" on a GPU; on a CPU, "eager" (PyTorch's kernels, op by op)."""
-    return STACKS["eager" if device.per_op else "flash"]
+    """"flash" on a GPU; on a CPU, "sdpa" (PyTorch's kernels op by op, attention fused: the
+    course's own GPT as it runs here)."""
+    return STACKS["sdpa" if device.per_op else "flash"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -216,6 +238,7 @@ class Kernel:
     batch: int = 1
     launches: int = 1
     seq: int = 0
+    impl: str = ""  # a fused attention kernel's implementation: "flash2" or "flash3"
 
 
 def _gemm(name: str, phase: str, m: int, n: int, k: int, item: int, batch: int = 1) -> Kernel:
@@ -287,12 +310,14 @@ def _attention_core(cfg: GPTConfig, stack: Stack, b: int, heads: int, kv_heads: 
     passes over the b·heads·s_q·s_k scores: scale, mask, softmax, dropout (megatron fuses the
     first three); backward: four GEMMs (dV, dP, dQ, dK) and the passes' gradients."""
     hd = cfg.head_dim
-    if stack.attention == "flash":
+    if stack.fused_attention:
         flops = 4.0 * b * heads * s_q * s_k * hd / 2
         io = item * b * (2 * s_q * heads * hd + 2 * s_k * kv_heads * hd)
-        return [Kernel("attention (flash)", "attention", "forward", flops, io, launches=cp, seq=s_q),
-                Kernel("attention (flash) bwd", "attention", "backward", 2.5 * flops, 2 * io,
-                       launches=cp, seq=s_q)]
+        name = f"attention ({stack.attention})"
+        return [Kernel(name, "attention", "forward", flops, io, launches=cp, seq=s_q,
+                       impl=stack.attention),
+                Kernel(name + " bwd", "attention", "backward", 2.5 * flops, 2 * io,
+                       launches=cp, seq=s_q, impl=stack.attention)]
     scores, bh = b * heads * s_q * s_k, b * heads
     out: list[Kernel] = []
     if kv_heads < heads:  # grouped-query attention: K and V repeated to every query head
@@ -472,10 +497,16 @@ def _interpolate(table, x: float) -> float:
     return table[-1][1]
 
 
-def _flash_rate(device: DeviceKernels, phase: str, seq: int, precision: str) -> float:
+def _flash_table(device: DeviceKernels, impl: str) -> dict:
+    """The device's throughput table for FlashAttention ``impl`` ("flash3" falls back to
+    "flash2" on a GPU that has no FlashAttention-3: it is written for Hopper)."""
+    return device.flash.get(impl) or device.flash["flash2"]
+
+
+def _flash_rate(device: DeviceKernels, impl: str, phase: str, seq: int, precision: str) -> float:
     """FlashAttention's published throughput at this sequence length (a fp32 run: scaled by the
     TF32/BF16 peak ratio, as GEMMs are)."""
-    rate = _interpolate(device.flash["forward" if phase == "recompute" else phase], seq)
+    rate = _interpolate(_flash_table(device, impl)[phase], seq)
     return rate * (device.peak_tf32 / device.peak_bf16 if precision == "fp32" else 1.0)
 
 
@@ -491,13 +522,14 @@ def kernel_seconds(k: Kernel, device: DeviceKernels, precision: str = "bf16-mixe
         m, n, kk = k.shape
         work = gemm(device, m, n, kk, k.batch, precision)
     elif k.kind == "attention" and device.flash:
-        work = max(k.flops / _flash_rate(device, k.phase, k.seq, precision),
+        phase = "forward" if k.phase == "recompute" else k.phase  # a forward, run again
+        work = max(k.flops / _flash_rate(device, k.impl or "flash2", phase, k.seq, precision),
                    k.bytes / device.achievable_bandwidth)
     elif k.kind == "attention":  # a CPU: the fused kernel at the GEMM rate of its size
         work = k.flops / _cpu_rate(device, k.flops / k.launches)
     else:
         work = k.bytes / device.achievable_bandwidth
-    floor = k.launches * device.launch_s
+    floor = k.launches * device.dispatch.get(k.kind, device.launch_s)
     if device.per_op:
         return work, floor
     return work, max(0.0, floor - work)
@@ -534,7 +566,7 @@ def _recomputed(kernels: list[Kernel], stack: Stack, recompute: str) -> list[Ker
     forward = [k for k in kernels if k.phase == "forward"]
     if recompute == "full":
         return forward
-    if recompute == "selective" and stack.attention != "flash":
+    if recompute == "selective" and not stack.fused_attention:
         return [k for k in forward if k.name.startswith("attention") and k.name != "attention out"]
     return []
 
@@ -565,7 +597,8 @@ def rank_compute(cfg: GPTConfig, device: DeviceKernels, stack: Stack | None = No
     counted += [(k, microbatches) for k in extra]
     if opt_params is None:
         opt_params = _held_params(cfg, blocks, head, embed, tp, ep)
-    step = Kernel("Adam", "optimizer", "step", bytes=ADAM_BYTES * opt_params)
+    step = Kernel("Adam", "optimizer", "step", bytes=ADAM_BYTES * opt_params,
+                  launches=_held_tensors(cfg, blocks, head, embed, ep))
     counted.append((step, 1))
     phases = {"forward": 0.0, "backward": 0.0, "recompute": 0.0, "step": 0.0}
     by_kind = dict.fromkeys(("gemm", "attention", "memory", "optimizer", "launch"), 0.0)
@@ -581,7 +614,7 @@ def rank_compute(cfg: GPTConfig, device: DeviceKernels, stack: Stack | None = No
 
 
 def _as_recompute(k: Kernel) -> Kernel:
-    return Kernel(k.name, k.kind, "recompute", k.flops, k.bytes, k.shape, k.batch, k.launches, k.seq)
+    return replace(k, phase="recompute")
 
 
 def _held_params(cfg: GPTConfig, blocks: int, head: bool, embed: bool, tp: int, ep: int) -> float:
@@ -592,6 +625,23 @@ def _held_params(cfg: GPTConfig, blocks: int, head: bool, embed: bool, tp: int, 
         block -= cfg.n_expert * cfg.mlp_params() * (1 - 1 / ep)
     return (blocks * block + (cfg.head_params() if head else 0)
             + (cfg.embed_params() if embed else 0)) / tp
+
+
+def _held_tensors(cfg: GPTConfig, blocks: int, head: bool, embed: bool, ep: int) -> int:
+    """Parameter tensors a rank holds — what PyTorch's Adam steps one at a time (its for-loop
+    implementation, the CPU's default): per block two norms, attention's projections and the
+    MLP's linears, with their biases where the model has them; the embedding (and learned
+    positions), the final norm and the output layer."""
+    norm = 2 if cfg.norm == "layernorm" else 1
+    per_linear = 2 if cfg.bias else 1
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * per_linear
+    if cfg.n_expert:
+        mlp = mlp * cfg.n_expert // ep + 1  # the rank's experts and the router (no bias)
+    # GPT's fused QKV has no bias, its output projection one; Llama's Q, K, V, O have none
+    attention = 4 if cfg.llama_fields() else 1 + per_linear
+    block = 2 * norm + attention + mlp
+    return (blocks * block + (norm + (0 if cfg.tie_weights else 1) if head else 0)
+            + ((2 if cfg.positions == "learned" else 1) if embed else 0))
 
 
 def format_kernels(kernels: list[Kernel], device: DeviceKernels,
@@ -618,7 +668,10 @@ def cpu_kernels(calibration: dict, name: str = "this machine's CPU") -> DeviceKe
     """A CPU priced from measured numbers (:func:`calibrate_kernels`): ``gemm`` ((FLOPs,
     FLOP/s), ...) at a few product sizes, interpolated by a GEMM's size; ``bandwidth`` (bytes/s
     of a large copy); ``op_overhead_s`` (PyTorch's dispatch time of one op, paid by every
-    kernel on top of its work: on a CPU the dispatch and the work run on the same cores)."""
+    kernel on top of its work: on a CPU the dispatch and the work run on the same cores) and,
+    where measured, ``dispatch`` — that time per kernel of each kind, from the ops PyTorch's
+    eager autograd really dispatches around one (a linear layer's transposes and gradient
+    accumulation, attention's head reshapes)."""
     rates: dict = {}
     for f, r in calibration["gemm"]:  # one rate per size: the best measured at it
         rates[float(f)] = max(float(r), rates.get(float(f), 0.0))
@@ -627,8 +680,11 @@ def cpu_kernels(calibration: dict, name: str = "this machine's CPU") -> DeviceKe
     bw = float(calibration["bandwidth"])
     return DeviceKernels(name, 0, rate, rate, rate, bw, bw, float(calibration["op_overhead_s"]),
                          per_op=True, gemm_curve=curve, tiles=(),
+                         dispatch={k: float(v) for k, v in
+                                   (calibration.get("dispatch") or {}).items()},
                          source="measured here by calibrate_kernels(): GEMM rates by size, an "
-                                "8 MB copy, a trivial op's forward + backward")
+                                "8 MB copy, the dispatch time of a linear layer, an elementwise "
+                                "op and attention on tiny tensors, forward and backward")
 
 
 def _best_time(fn, repeats: int, budget_s: float = 2e-3) -> float:
@@ -648,9 +704,16 @@ def _best_time(fn, repeats: int, budget_s: float = 2e-3) -> float:
 
 def calibrate_kernels(repeats: int = 3) -> dict:
     """Measure this CPU in a fraction of a second: fp32 matrix products (square 32…512 and two
-    skinny shapes), an 8 MB copy, and a trivial op with autograd (its forward + backward: two
-    dispatched ops, so half is one op's overhead)."""
+    skinny shapes), an 8 MB copy, and on tensors too small to take any time but their dispatch,
+    forward and backward: a trivial op (two dispatched ops, so half is one op's overhead), and
+    the time per modelled kernel of a linear layer (its three GEMMs, with what PyTorch dispatches
+    around them: the weight's transpose, the bias's sum, gradient accumulation), of an
+    elementwise op (GeLU: one kernel each way) and of attention (scaled_dot_product_attention
+    with the heads' reshapes, one kernel each way) — each less a bare sum's forward and backward,
+    the loss every measurement ends in; and Adam's step of one tiny tensor (its time per
+    parameter tensor)."""
     import torch
+    import torch.nn.functional as F
 
     gemm = []
     for m, n, k in [(s, s, s) for s in (32, 64, 128, 256, 512)] + [(1, 512, 512), (2048, 64, 64)]:
@@ -665,4 +728,26 @@ def calibrate_kernels(repeats: int = 3) -> dict:
         (x * 2).backward()
 
     overhead = _best_time(tiny, repeats) / 2
-    return {"gemm": [list(p) for p in gemm], "bandwidth": bandwidth, "op_overhead_s": overhead}
+    h = torch.randn(2, 4, 8, requires_grad=True)
+    linear = torch.nn.Linear(8, 8)
+
+    def bare():
+        h.sum().backward()
+
+    def attention():
+        q, k, v = (h.view(2, 4, 2, 4).transpose(1, 2) for _ in range(3))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y.transpose(1, 2).reshape(2, 4, 8).sum().backward()
+
+    base = _best_time(bare, repeats)
+    per_kernel = {"gemm": (lambda: linear(h).sum().backward(), 3),
+                  "memory": (lambda: F.gelu(h).sum().backward(), 2),
+                  "attention": (attention, 2)}
+    dispatch = {kind: max(overhead, (_best_time(fn, repeats) - base) / kernels)
+                for kind, (fn, kernels) in per_kernel.items()}
+    weight = torch.nn.Parameter(torch.randn(8))
+    weight.grad = torch.randn(8)
+    adam = torch.optim.Adam([weight])
+    dispatch["optimizer"] = max(overhead, _best_time(adam.step, repeats))  # per tensor
+    return {"gemm": [list(p) for p in gemm], "bandwidth": bandwidth, "op_overhead_s": overhead,
+            "dispatch": dispatch}

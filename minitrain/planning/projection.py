@@ -262,7 +262,7 @@ def project(result, cluster="dgx-h100", model=None, *, precision: str | None = N
     pipeline's equal micro-batches — so each gets the same share of its phase's FLOPs, not a share
     in proportion to how long it happened to take here (:func:`minitrain.planning.recorded.even`;
     for GPipe and 1F1B only).  ``stack``: the software stack the kernels are priced under (a name
-    of :data:`minitrain.planning.kernels.STACKS` or a Stack; default: "flash" on GPUs, "eager" on
+    of :data:`minitrain.planning.kernels.STACKS` or a Stack; default: "flash" on GPUs, "sdpa" on
     a CPU).  ``gemm``: what prices each matrix product of the kernel model, shaped like
     :func:`~minitrain.planning.kernels.gemm_seconds` (``gemm(device, m, n, k, batch, precision)
     -> seconds``; lesson 07's exercise puts the learner's there).  Returns a :class:`Projection`."""
@@ -594,7 +594,7 @@ def _model_name(model, target: GPTConfig) -> str:
 
 def checked_stack(stack, spec: ClusterSpec) -> Stack:
     """The :class:`~minitrain.planning.kernels.Stack` ``stack`` names (None: the device's
-    default, "flash" on a GPU and "eager" on a CPU), or a ValueError naming the choices."""
+    default, "flash" on a GPU and "sdpa" on a CPU), or a ValueError naming the choices."""
     if isinstance(stack, Stack):
         return stack
     if stack is None:

@@ -58,6 +58,13 @@ PHASE_NAMES = {"forward": "forward", "model": "backward and the rest",
                "optimizer": "optimizer step"}
 GROUP_COLORS = ("#dd8452", "#8172b3", "#937860", "#da8bc3", "#ccb974", "#64b5cd")
 UNTRACED = "#bbbbbb"
+#: the kinds of :attr:`~minitrain.planning.projection.Projection.time_by_kind`: name and colour
+KIND_COLORS = {"gemm": ("GEMMs", "#4c72b0"), "attention": ("attention", "#64b5cd"),
+               "memory": ("memory-bound kernels", "#8172b3"),
+               "optimizer": ("optimizer", "#55a868"), "launch": ("kernel launches", "#937860"),
+               "compute": ("compute", "#4c72b0"),
+               "exposed_comm": ("exposed communication", "#dd8452"),
+               "bubble": ("bubble", "#c9c9c9"), "idle": ("idle", "#eeeeee")}
 #: the axes ``degrees`` re-sizes, in words
 AXES = {"dp": "data parallelism", "tp": "tensor parallelism"}
 
@@ -157,15 +164,42 @@ def step_parts(projection) -> list[dict]:
             for key, name, color in PARTS]
 
 
+def kind_parts(projection) -> list[dict]:
+    """The projected step by kind of time — GEMMs, attention, memory-bound kernels, optimizer,
+    launches, exposed communication, bubble, idle (:attr:`Projection.time_by_kind`; they add up
+    to the step) — each ``name``, ``seconds``, ``share`` of the step and ``color``; kinds that
+    take no time are left out."""
+    total = projection.step_time_s
+    out = []
+    for key, seconds in (projection.time_by_kind or {}).items():
+        if seconds > 0:
+            name, color = KIND_COLORS.get(key, (key, "#999999"))
+            out.append({"name": name, "seconds": seconds, "color": color,
+                        "share": seconds / total if total > 0 else 0.0})
+    return out
+
+
+def kind_bar_html(parts: list[dict]) -> str:
+    """One horizontal bar, a segment per kind as wide as its share of the step, and its legend."""
+    esc = html.escape
+    bar = "".join(f'<span title="{esc(x["name"])}: {_ms(x["seconds"])}" style="display:inline-block;'
+                  f'height:14px;width:{100 * x["share"]:.2f}%;background:{x["color"]}"></span>'
+                  for x in parts)
+    legend = ", ".join(f'<span style="color:{x["color"]}">■</span> {esc(x["name"])} '
+                       f'{_ms(x["seconds"])} ({x["share"]:.0%})' for x in parts)
+    return (f'<div class="mt-projection-kinds"><div style="width:100%;white-space:nowrap;'
+            f'font-size:0;border:1px solid #ccc">{bar}</div><small>{legend}</small></div>')
+
+
 def projection_view(result, cluster: str = "dgx-h100", model="1.3b", *,
                     degrees: dict | None = None, even: bool | None = None,
                     precision: str | None = None, compute: str | None = None,
-                    recompute: bool | None = None) -> dict:
+                    recompute: bool | None = None, stack: str | None = None) -> dict:
     """Everything the widget draws for ``result`` on ``cluster`` at ``model`` ("own": the run's).
     The keyword options are :func:`~minitrain.planning.projection.project`'s, passed through (``degrees``:
     the run's ranks standing for a bigger mesh, ``{"dp": 8}``; ``even``: a pipeline's equal
     micro-batches, by default where they are equal, as the CLI projects; ``precision``, ``compute``,
-    ``recompute``).
+    ``recompute``, ``stack``).
 
     ``{"message": why}`` when it cannot be projected; else ``kind`` ("ddp", "pipeline",
     "streams"), ``measured`` and ``projected`` (the rows of :func:`.timeline.timeline_rows`, the
@@ -184,7 +218,7 @@ def projection_view(result, cluster: str = "dgx-h100", model="1.3b", *,
     if even is None:
         even = even_work(result.summary)
     options = {"degrees": degrees, "even": even, "precision": precision, "compute": compute,
-               "recompute": recompute}
+               "recompute": recompute, "stack": stack}
     summary = result.summary
     kind = _kind(result)
     view = {"message": None, "cluster": cluster, "model": model, "kind": kind,
@@ -207,7 +241,7 @@ def projection_view(result, cluster: str = "dgx-h100", model="1.3b", *,
                 "model": model}
     replayed = p.replay
     view["measured_step_ms"] = replayed["measured"] * 1e3
-    view["projection"], view["parts"] = p, step_parts(p)
+    view["projection"], view["parts"], view["kinds"] = p, step_parts(p), kind_parts(p)
     view["html"] = summary_html(view)
     return view
 
@@ -256,6 +290,9 @@ def summary_html(view: dict) -> str:
         f'<b class="mt-projection-measured">{_ms(view["measured_step_ms"] / 1e3)}</b> measured here '
         f'for the same step (this machine, the run\'s own model).<br>'
         f'Parts: {parts}; {hidden}{mfu}; memory: {memory}.'
+        + (f'<br>Where the time goes, its kernels priced under the <code>{esc(p.stack)}</code> '
+           f'stack:' + kind_bar_html(view.get("kinds") or kind_parts(p)) if p.time_by_kind
+           else "") +
         f'<details><summary>Where the cluster\'s numbers come from</summary><ul '
         f'style="margin:0.2em 0">{sources}</ul></details></div>')
 
@@ -380,19 +417,20 @@ class ProjectionWidget:
     dropdowns beside the run's measured timeline, its projection redrawn at every change (see the
     module's docstring).  ``run``: what ``train(..., record_events=True)`` (or ``project=...``)
     returned.  The keyword options (``degrees``, ``even``, ``precision``, ``compute``,
-    ``recompute``) are :func:`~minitrain.planning.projection.project`'s, kept for every setting of the
+    ``recompute``, ``stack``) are :func:`~minitrain.planning.projection.project`'s, kept for every setting of the
     controls: ``ProjectionWidget(run, "dgx-h100", "1.3b", degrees={"dp": 8})`` re-projects the run
     as ``project(run, "dgx-h100", "1.3b", degrees={"dp": 8})`` does, on whichever cluster and model
     size is chosen.  Views are kept per setting: coming back to one redraws nothing."""
 
     def __init__(self, run, cluster: str = "dgx-h100", model="1.3b", *,
                  degrees: dict | None = None, even: bool | None = None, precision: str | None = None,
-                 compute: str | None = None, recompute: bool | None = None):
+                 compute: str | None = None, recompute: bool | None = None,
+                 stack: str | None = None):
         import ipywidgets as w
 
         self.run = run
         self.options = {"degrees": degrees, "even": even, "precision": precision,
-                        "compute": compute, "recompute": recompute}
+                        "compute": compute, "recompute": recompute, "stack": stack}
         calibrated = run is not None and bool((run.summary.calibration or {}).get("flop_rate"))
         clusters = list(CLUSTERS) + (["local", "binder"] if calibrated else [])
         if cluster not in clusters:

@@ -5,7 +5,7 @@ import math
 
 from answers import Answers
 
-from minitrain.planning.chooser import USABLE, Layout, layout_memory, links
+from minitrain.planning.chooser import USABLE, Layout, layout_memory, links, microbatch_seconds
 from minitrain.planning.costmodel import collective_seconds
 
 
@@ -53,7 +53,7 @@ def axis_swapped(dp, pp, tp, axis):
 def step_time(model, hw, job, layout):
     m = job.global_batch // (layout.dp * job.micro_batch)
     tokens = job.seq_len * job.micro_batch
-    compute_mb = 6 * model.params / (layout.tp * layout.pp) * tokens / hw.device.flop_rate()
+    compute_mb = microbatch_seconds(model, hw, job, layout)
     compute = m * compute_mb
     bubble = compute * (layout.pp - 1) / m
     link = links(layout, hw)
@@ -103,9 +103,19 @@ def step_time_no_overlap(model, hw, job, layout):
 
 
 def step_time_forward_flops(model, hw, job, layout):
-    """2Ψ FLOPs per token: the forward only."""
+    """A third of the micro-batch's time: as if only its forward ran."""
     out = step_time(model, hw, job, layout)
     out["compute"] /= 3
+    out["total"] = sum(out[k] for k in ("compute", "bubble", "tp", "pp", "dp"))
+    return out
+
+
+def step_time_flops_at_matmul_rate(model, hw, job, layout):
+    """6Ψ/(TP·PP) FLOPs per token at the device's matmul maximum, not the kernel model's time."""
+    out = step_time(model, hw, job, layout)
+    m = job.global_batch // (layout.dp * job.micro_batch)
+    tokens = job.seq_len * job.micro_batch
+    out["compute"] = m * 6 * model.params / (layout.tp * layout.pp) * tokens / hw.device.flop_rate()
     out["total"] = sum(out[k] for k in ("compute", "bubble", "tp", "pp", "dp"))
     return out
 
@@ -191,6 +201,7 @@ ANSWERS = {"mesh_groups": Answers(mesh_groups, [
     "pick_layout": Answers((step_time, pick_layout), [
         ((step_time_no_overlap, pick_layout), "your dp term is"),
         ((step_time_forward_flops, pick_layout), "your compute term is"),
+        ((step_time_flops_at_matmul_rate, pick_layout), "microbatch_seconds(model, hw, job, layout)"),
         ((step_time_bubble_fraction, pick_layout), "your bubble term is"),
         ((step_time_two_all_reduces, pick_layout), "your tp term is"),
         ((step_time_pipeline_exposed, pick_layout), "your pp term is"),

@@ -115,9 +115,10 @@ TERMS = ("compute", "bubble", "tp", "pp", "dp", "total")
 RTOL = 1e-3
 #: what each part is, when the learner's differs
 _MODEL = {
-    "compute": "compute = m micro-batches × 6·Ψ/(TP·PP) FLOPs per token × s·b tokens, at the "
-               "device's rate hw.device.flop_rate() FLOP/s (forward 2Ψ + backward 4Ψ per token; "
-               "each device holds Ψ/(TP·PP) of the parameters)",
+    "compute": "compute = m micro-batches × microbatch_seconds(model, hw, job, layout), the "
+               "kernel model's seconds of one micro-batch's forward and backward through a "
+               "stage's layers on one device (minitrain.planning.chooser.microbatch_seconds); m = "
+               "global batch / (DP · micro-batch)",
     "bubble": "1F1B idles p−1 micro-batch times per step: bubble = compute · (PP−1)/m (the "
               "fraction (p−1)/(m+p−1) is of the whole step, bubble included)",
     "tp": "TP all-reduces one activation of s·b·h values (2 bytes each, bf16) 4 times per layer "
@@ -132,7 +133,8 @@ _MODEL = {
     "dp": "DP all-reduces the device's bf16 gradients (2·Ψ/(TP·PP) bytes) once per step on the dp "
           "link; it starts during the last micro-batch's backward, which hides ⅔ of one "
           "micro-batch's compute of it: dp = max(0, all-reduce time − ⅔ · compute / m)",
-    "total": "total = compute + bubble + tp + pp + dp",
+    "total": "total = compute + bubble + tp + pp + dp (the package adds the optimizer step on top, "
+             "a term the exercise leaves out)",
 }
 
 
@@ -156,17 +158,23 @@ def _jobs() -> dict:
                  "2,048 tokens per step",
                  ModelSpec(13e9, 40, 5120, 40), get_cluster("dgx-a100"),
                  Workload(2048, 64, 1)),
+        "760m": ("a 760M model (GPT-3 Large's shape) on 24 nodes of one A100 over 25 Gb/s Ethernet "
+                 "(eth-25gx24), 240 sequences of 2,048 tokens per step",
+                 ModelSpec(760e6, 24, 1536, 16), get_cluster("eth-25gx24"),
+                 Workload(2048, 240, 1)),
     }
 
 
 def step_time_cases() -> list[tuple]:
     """(job key, Layout) the learner's step_time is checked on: every term non-zero somewhere,
-    TP and DP on NVLink and across nodes, DP and PP hidden and not."""
+    TP and DP on NVLink and across nodes, DP and PP hidden and not (a pipeline's sends show only
+    where a stage's compute is short and the link slow: one layer per stage over Ethernet)."""
     from ...planning.chooser import Layout
 
     return [("70b", Layout(2, 8, 4, 1)), ("70b", Layout(1, 8, 8)), ("70b", Layout(8, 8, 1, 1)),
             ("70b", Layout(2, 8, 4, 1, outer="dp")), ("eth", Layout(16, 1, 1, 1)),
-            ("eth", Layout(2, 8, 1, 1)), ("eth", Layout(1, 16, 1)), ("a100", Layout(2, 2, 2, 1))]
+            ("eth", Layout(2, 8, 1, 1)), ("eth", Layout(1, 16, 1)), ("a100", Layout(2, 2, 2, 1)),
+            ("760m", Layout(1, 24, 1))]
 
 
 def _seconds(value) -> float | None:
@@ -271,7 +279,7 @@ def _pick_problem(pick, job: tuple) -> str | None:
 
 
 @exercise('pick_layout',
-          "your step-time model prices eight layouts as the package does (compute, bubble, TP, "
+          "your step-time model prices nine layouts as the package does (compute, bubble, TP, "
           "PP and DP communication), and your pick for a 70B model on 64 H100s and for a 1.3B model "
           "over Ethernet is within 5 % of the fastest layout that fits")
 def _check_pick_layout(fns) -> str | None:

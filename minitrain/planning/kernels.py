@@ -65,6 +65,7 @@ class DeviceKernels:
     per_op: bool = False
     dispatch: dict = field(default_factory=dict)  # CPU: seconds of dispatch per launch, by kind
     gemm_curve: tuple = ()
+    gemm_grid: tuple = ()  # CPU: ((m, n, k, FLOP/s), ...) measured on a grid of shapes
     source: str = ""
 
     def peak(self, precision: str = "bf16-mixed") -> float:
@@ -474,7 +475,9 @@ def gemm_seconds(device: DeviceKernels, m: int, n: int, k: int, batch: int = 1,
     item = 4 if precision == "fp32" else 2
     flops, nbytes = 2.0 * m * n * k * batch, item * batch * (m * k + k * n + m * n)
     if device.per_op:
-        return max(flops / _cpu_rate(device, flops / batch), nbytes / device.achievable_bandwidth)
+        rate = _grid_rate(device.gemm_grid, m, n, k) if device.gemm_grid else \
+            _cpu_rate(device, flops / batch)
+        return max(flops / rate, nbytes / device.achievable_bandwidth)
     _, efficiency = gemm_quantization(device, m, n, batch, tiles)
     compute = flops / (device.matmul_rate(precision) * efficiency)
     return max(compute, nbytes / device.achievable_bandwidth)
@@ -484,6 +487,27 @@ def _cpu_rate(device: DeviceKernels, flops: float) -> float:
     """The measured GEMM rate interpolated in log(FLOPs) (held flat outside the measured sizes)."""
     curve = sorted(device.gemm_curve)
     return _interpolate(curve, flops)
+
+
+def _grid_rate(grid: tuple, m: int, n: int, k: int) -> float:
+    """The GEMM rate measured on a grid of shapes, interpolated linearly in log(m), log(n) and
+    log(k) between the grid's points (held flat beyond them): a CPU's product is as fast as its
+    shape lets it be — a thin one is slower than a square one of the same FLOPs."""
+    axes = [sorted({p[i] for p in grid}) for i in range(3)]
+    rate = {tuple(p[:3]): p[3] for p in grid}
+    corners = []
+    for values, x in zip(axes, (m, n, k)):
+        x = min(max(x, values[0]), values[-1])
+        hi = next(i for i, v in enumerate(values) if v >= x)
+        lo = max(0, hi - 1) if values[hi] > x else hi
+        w = 0.0 if lo == hi else math.log(x / values[lo]) / math.log(values[hi] / values[lo])
+        corners.append(((values[lo], 1 - w), (values[hi], w)))
+    out = 0.0
+    for (a, wa) in corners[0]:
+        for (b, wb) in corners[1]:
+            for (c, wc) in corners[2]:
+                out += wa * wb * wc * math.log(rate[a, b, c])
+    return math.exp(out)
 
 
 def _interpolate(table, x: float) -> float:
@@ -665,8 +689,9 @@ def format_kernels(kernels: list[Kernel], device: DeviceKernels,
 
 
 def cpu_kernels(calibration: dict, name: str = "this machine's CPU") -> DeviceKernels:
-    """A CPU priced from measured numbers (:func:`calibrate_kernels`): ``gemm`` ((FLOPs,
-    FLOP/s), ...) at a few product sizes, interpolated by a GEMM's size; ``bandwidth`` (bytes/s
+    """A CPU priced from measured numbers (:func:`calibrate_kernels`): ``gemm_shapes`` ((m, n,
+    k, FLOP/s), ...) on a grid of shapes, interpolated by a GEMM's shape (without it, ``gemm``:
+    ((FLOPs, FLOP/s), ...) at a few square sizes, by its FLOPs); ``bandwidth`` (bytes/s
     of a large copy); ``op_overhead_s`` (PyTorch's dispatch time of one op, paid by every
     kernel on top of its work: on a CPU the dispatch and the work run on the same cores) and,
     where measured, ``dispatch`` — that time per kernel of each kind, from the ops PyTorch's
@@ -680,6 +705,7 @@ def cpu_kernels(calibration: dict, name: str = "this machine's CPU") -> DeviceKe
     bw = float(calibration["bandwidth"])
     return DeviceKernels(name, 0, rate, rate, rate, bw, bw, float(calibration["op_overhead_s"]),
                          per_op=True, gemm_curve=curve, tiles=(),
+                         gemm_grid=tuple(tuple(p) for p in calibration.get("gemm_shapes") or ()),
                          dispatch={k: float(v) for k, v in
                                    (calibration.get("dispatch") or {}).items()},
                          source="measured here by calibrate_kernels(): GEMM rates by size, an "
@@ -702,9 +728,13 @@ def _best_time(fn, repeats: int, budget_s: float = 2e-3) -> float:
     return best
 
 
+#: The sizes of each dimension of the CPU's grid of measured GEMM shapes (m, n, k)
+GRID = (16, 128, 1024)
+
+
 def calibrate_kernels(repeats: int = 3) -> dict:
-    """Measure this CPU in a fraction of a second: fp32 matrix products (square 32…512 and two
-    skinny shapes), an 8 MB copy, and on tensors too small to take any time but their dispatch,
+    """Measure this CPU in under a second: fp32 matrix products (square 32…512 and two skinny
+    shapes; every m×n×k of :data:`GRID`), an 8 MB copy, and on tensors too small to take any time but their dispatch,
     forward and backward: a trivial op (two dispatched ops, so half is one op's overhead), and
     the time per modelled kernel of a linear layer (its three GEMMs, with what PyTorch dispatches
     around them: the weight's transpose, the bias's sum, gradient accumulation), of an
@@ -719,6 +749,12 @@ def calibrate_kernels(repeats: int = 3) -> dict:
     for m, n, k in [(s, s, s) for s in (32, 64, 128, 256, 512)] + [(1, 512, 512), (2048, 64, 64)]:
         a, b = torch.randn(m, k), torch.randn(k, n)
         gemm.append((2.0 * m * n * k, 2.0 * m * n * k / _best_time(lambda: a @ b, repeats)))
+    shapes = []
+    for m in GRID:
+        for n in GRID:
+            for k in GRID:
+                a, b = torch.randn(m, k), torch.randn(k, n)
+                shapes.append((m, n, k, 2.0 * m * n * k / _best_time(lambda: a @ b, repeats)))
     src = torch.randn(2 << 20)  # 8 MB of fp32
     dst = torch.empty_like(src)
     bandwidth = 2 * src.numel() * 4 / _best_time(lambda: dst.copy_(src), repeats)
@@ -749,5 +785,5 @@ def calibrate_kernels(repeats: int = 3) -> dict:
     weight.grad = torch.randn(8)
     adam = torch.optim.Adam([weight])
     dispatch["optimizer"] = max(overhead, _best_time(adam.step, repeats))  # per tensor
-    return {"gemm": [list(p) for p in gemm], "bandwidth": bandwidth, "op_overhead_s": overhead,
-            "dispatch": dispatch}
+    return {"gemm": [list(p) for p in gemm], "gemm_shapes": [list(p) for p in shapes],
+            "bandwidth": bandwidth, "op_overhead_s": overhead, "dispatch": dispatch}

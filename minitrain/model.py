@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -52,6 +53,8 @@ class GPTConfig:
     norm: str = "layernorm"  # "layernorm": weight and bias | "rmsnorm": weight only
     positions: str = "learned"  # "learned": a seq_len×d table | "rope": rotary, no parameters
     bias: bool = True  # biases in the output projection and the MLP (Llama: none)
+    #: the fields above that only a Llama-shaped target sets (a GPT-2 shape may leave them out)
+    SHAPE_FIELDS: ClassVar[tuple] = ("n_kv_head", "mlp", "norm", "positions", "bias")
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):

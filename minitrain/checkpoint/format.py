@@ -116,6 +116,8 @@ def _model_fields() -> dict:
         hint = str(f.type)
         if "bool" in hint:
             kinds[f.name] = ("a boolean",)
+        elif "str" in hint:
+            kinds[f.name] = (_STR,)
         elif "float" in hint:
             kinds[f.name] = ("a number", _INT) + (("null",) if "None" in hint else ())
         else:
@@ -182,8 +184,11 @@ def meta_problem(meta: dict, path: Path | None = None) -> str | None:
     if layout["precision"] not in PRECISIONS:
         return f"layout.precision {layout['precision']!r} is not one of {', '.join(PRECISIONS)}"
     model_kinds = _model_fields()
-    problem = _keys_problem(layout["model"], {k: (v, True) for k, v in model_kinds.items()},
-                            "layout.model.")
+    # the fields only a Llama-shaped target sets are optional: a GPT-2 shaped model (what the
+    # course trains) may leave them out
+    optional = set(GPTConfig.SHAPE_FIELDS)
+    problem = _keys_problem(layout["model"], {k: (v, k not in optional)
+                                              for k, v in model_kinds.items()}, "layout.model.")
     if problem:
         return problem
     try:

@@ -5,8 +5,6 @@ ones, and a sanity range for a large model's MFU."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from minitrain.model import GPT, GPTConfig, block_flops, training_flops
@@ -192,10 +190,8 @@ def test_a_large_models_mfu_is_plausible_and_eager_is_below_flash():
     assert "QKV" in format_kernels(flash.kernels, H100)
 
 
-def test_the_cpu_calibrates_in_well_under_a_second_and_prices_a_step():
-    t0 = time.perf_counter()
+def test_the_cpu_is_calibrated_and_prices_a_step():
     cal = calibrate_kernels()
-    assert time.perf_counter() - t0 < 2.0  # well under a second on an idle machine
     cpu = cpu_kernels(cal)
     assert cal["bandwidth"] > 1e8 and 0 < cal["op_overhead_s"] < 1e-3
     step = rank_compute(SMALL, cpu, micro_batch=8, precision="fp32")

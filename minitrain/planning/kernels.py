@@ -729,7 +729,7 @@ def _best_time(fn, repeats: int, budget_s: float = 2e-3) -> float:
 
 
 #: The sizes of each dimension of the CPU's grid of measured GEMM shapes (m, n, k)
-GRID = (16, 128, 1024)
+GRID = (16, 128, 512)
 
 
 def calibrate_kernels(repeats: int = 3) -> dict:

@@ -465,6 +465,16 @@ def test_zero3_gathers_scale_unit_by_unit(clusters):
     assert sum(gathers.values()) == pytest.approx(4 * target.num_params(), rel=1e-3)
 
 
+def test_a_calibration_on_many_ranks_keeps_every_kernel_measurement(clusters):
+    """The slowest rank's calibration is kept (the step waits for it): each of its measured
+    lists whole, the GEMM grid of shapes with them."""
+    cal = calibrate_here(cluster=clusters(2))["kernels"]
+    assert set(cal) == {"gemm", "gemm_shapes", "bandwidth", "op_overhead_s", "dispatch"}
+    assert len(cal["gemm_shapes"]) == 27 and all(len(p) == 4 and p[3] > 0
+                                                for p in cal["gemm_shapes"])
+    assert set(cal["dispatch"]) == {"gemm", "memory", "attention", "optimizer"}
+
+
 def test_tensor_parallel_activations_scale_with_batch_sequence_and_hidden(clusters):
     run = train(strategy="tensor", world_size=2, steps=2, batch_size=4, cluster=clusters(2),
                 record_events=True)
@@ -496,7 +506,8 @@ def test_train_adds_a_projection_beside_the_measurement(ddp_run):
             assert q.compute_s == pytest.approx(
                 kernel_compute(ddp_run, MODEL_SIZES["1.3b"], name, stack), rel=1e-9)
     assert project(ddp_run, "dgx-h100", "1.3b", stack="eager").mfu < p.mfu
-    with pytest.raises(ValueError, match="unknown stack 'fast'; choose one of: eager"):
+    with pytest.raises(ValueError, match=r"unknown stack 'fast' \(did you mean 'flash'\?\); "
+                                         "choose one of: eager"):
         project(ddp_run, "dgx-h100", "1.3b", stack="fast")
 
 

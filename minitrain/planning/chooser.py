@@ -87,7 +87,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from .clusters import ETH25, NDR, ClusterSpec, Link, get_cluster
 from .costmodel import collective_seconds
-from .kernels import ADAM_BYTES, STACKS, Kernel, Stack, default_stack, kernel_seconds, rank_compute
+from .kernels import ADAM_BYTES, Kernel, Stack, kernel_seconds, rank_compute, stack_named
 from ..memory import GB, activation_bytes_per_layer, memory_per_device, model_state_bytes
 from ..model import GPTConfig
 
@@ -429,13 +429,7 @@ def _device_kernels(hw: ClusterSpec):
 def _stack(stack: Stack | str | None, hw: ClusterSpec) -> Stack:
     """A :class:`~minitrain.planning.kernels.Stack`, by name (of ``kernels.STACKS``) or given; by
     default the device's :func:`~minitrain.planning.kernels.default_stack`."""
-    if stack is None:
-        return default_stack(_device_kernels(hw))
-    if isinstance(stack, str):
-        if stack not in STACKS:
-            raise ValueError(f"unknown stack {stack!r}; choose one of {', '.join(STACKS)}")
-        return STACKS[stack]
-    return stack
+    return stack_named(stack, _device_kernels(hw) if stack is None else None)
 
 
 def _precision(job: Workload) -> str:

@@ -425,22 +425,26 @@ def calibrate_rank(sizes=(4096, 65536, 1 << 20, 4 << 20), repeats: int = 3) -> d
 
 def _slowest(kernels: dict, n: int) -> dict:
     """Every rank's kernel calibration reduced to the slowest rank's (the step waits for it):
-    the least GEMM rate at each size and bandwidth, the greatest per-op overheads."""
+    the least GEMM rate at each size and each shape, the least bandwidth, the greatest per-op
+    overheads."""
     import torch
     import torch.distributed as dist
 
     if n == 1:
         return kernels
     kinds = sorted(kernels.get("dispatch") or {})
-    values = torch.tensor([-r for _, r in kernels["gemm"]] + [-kernels["bandwidth"],
-                                                               kernels["op_overhead_s"]]
-                          + [kernels["dispatch"][k] for k in kinds], dtype=torch.float64)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    values = values.tolist()
-    g = len(kernels["gemm"])
-    return {"gemm": [[f, -r] for (f, _), r in zip(kernels["gemm"], values[:g])],
-            "bandwidth": -values[g], "op_overhead_s": values[g + 1],
-            "dispatch": dict(zip(kinds, values[g + 2:]))}
+    lists = [key for key in ("gemm", "gemm_shapes") if kernels.get(key)]
+    # one MAX all-reduce: rates and bandwidth negated (their least is wanted), overheads as they are
+    values = [-p[-1] for key in lists for p in kernels[key]] + [-kernels["bandwidth"],
+                                                                 kernels["op_overhead_s"]]
+    values += [kernels["dispatch"][k] for k in kinds]
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    reduced = iter(t.tolist())
+    out = {key: [[*p[:-1], -next(reduced)] for p in kernels[key]] for key in lists}
+    out.update(bandwidth=-next(reduced), op_overhead_s=next(reduced),
+               dispatch={k: next(reduced) for k in kinds})
+    return out
 
 
 def _ping_pong(n: int, rounds: int = 20) -> float:

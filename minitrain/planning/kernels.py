@@ -16,13 +16,15 @@ defined.  The CPU is priced by the same rules from a calibration measured on the
 
 from __future__ import annotations
 
+import difflib
 import math
 import time
 from dataclasses import dataclass, field, replace
 
 from ..model import GPTConfig, training_flops
 
-__all__ = ["DeviceKernels", "DEVICES", "GEMM_TILES", "Stack", "STACKS", "default_stack", "Kernel",
+__all__ = ["DeviceKernels", "DEVICES", "GEMM_TILES", "Stack", "STACKS", "stack_named",
+           "default_stack", "Kernel",
            "Compute", "ADAM_BYTES", "gemm_seconds", "gemm_quantization", "kernel_seconds",
            "block_kernels", "head_kernels", "embed_kernels", "rank_compute", "format_kernels",
            "cpu_kernels", "calibrate_kernels"]
@@ -210,6 +212,22 @@ STACKS = {
                    "communication overlapped with GEMMs (NVIDIA Transformer Engine, "
                    "'tp_comm_overlap'); no dropout (Llama 3's recipe: Grattafiori et al., 2024)"),
 }
+
+
+def stack_named(stack: Stack | str | None, device: DeviceKernels | None = None) -> Stack:
+    """The :class:`Stack` ``stack`` names (a key of :data:`STACKS`, any case), ``stack`` itself
+    if it is one, or with None the device's :func:`default_stack` ("sdpa" where there is no
+    device); an unknown name is a ValueError naming the choices."""
+    if isinstance(stack, Stack):
+        return stack
+    if stack is None:
+        return default_stack(device) if device is not None else STACKS["sdpa"]
+    key = str(stack).lower()
+    if key not in STACKS:
+        close = difflib.get_close_matches(key, STACKS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown stack {stack!r}{hint}; choose one of: {', '.join(STACKS)}")
+    return STACKS[key]
 
 
 def default_stack(device: DeviceKernels) -> Stack:

@@ -47,7 +47,7 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 
 from .clusters import ClusterSpec, get_cluster, parse
-from .kernels import STACKS, Stack, default_stack, gemm_seconds, rank_compute
+from .kernels import Stack, gemm_seconds, rank_compute, stack_named
 from ..memory import GB
 from ..model import GPTConfig
 from ..record import Layout
@@ -292,10 +292,8 @@ def project(result, cluster="dgx-h100", model=None, *, precision: str | None = N
     if recorded == 0:
         raise ValueError("no step was recorded")
     chosen = list(steps) if steps is not None else (list(range(1, recorded)) or [0])
-    pricing = _Pricing(summary, spec, precision, mode, degrees, sizes, work)
-    pricing.stack, pricing.recompute = checked_stack(stack, spec), recompute
-    pricing.kernels = _kernel_compute(summary, spec, target, work, precision, pricing.stack,
-                                      recompute, pricing, gemm)
+    pricing = _Pricing(summary, spec, precision, mode, degrees, sizes, work, target,
+                       stack_named(stack, spec.device.kernels), recompute, gemm)
     scale = Scaler(summary, summary.model, target, items, degrees)
     built = [step_programs(result, i) for i in chosen]
     smooth([b[0] for b in built])
@@ -315,8 +313,10 @@ class _Pricing:
     seconds on the links its group spans, each compute span's seconds."""
 
     def __init__(self, summary, spec: ClusterSpec, precision: str, mode: str, degrees: dict,
-                 sizes: dict, work: dict):
+                 sizes: dict, work: dict, target: GPTConfig, stack: Stack,
+                 recompute: bool | None, gemm=gemm_seconds):
         self.spec, self.precision, self.mode, self.work = spec, precision, mode, work
+        self.stack, self.recompute = stack, recompute
         self.degrees, self.sizes = degrees, sizes
         self.axes = _axes(summary.layout, summary.world_size)
         self.nodes = _placement(spec, summary.world_size, degrees)
@@ -326,7 +326,9 @@ class _Pricing:
         # Binder: the same spans on one core where this machine gave them min(ranks, cores)
         self.stretch = (min(summary.world_size, spec.calibration.get("cores", 1))
                         if spec.key == "binder" and mode == "measured" else 1.0)
-        self.kernels = None  # {rank: Compute}, set by project()
+        # {rank: Compute}: each rank's step as kernels (None: no kernel model here)
+        self.kernels = _kernel_compute(summary, spec, target, work, precision, stack, recompute,
+                                       self.cpu_stretch, gemm)
 
     def cpu_stretch(self, rank: int) -> float:
         """How much longer a CPU rank's kernels take here than where they were calibrated: the
@@ -592,20 +594,6 @@ def _model_name(model, target: GPTConfig) -> str:
     return f"{model} ({target.num_params() / 1e9:,.2f}B parameters)"
 
 
-def checked_stack(stack, spec: ClusterSpec) -> Stack:
-    """The :class:`~minitrain.planning.kernels.Stack` ``stack`` names (None: the device's
-    default, "flash" on a GPU and "sdpa" on a CPU), or a ValueError naming the choices."""
-    if isinstance(stack, Stack):
-        return stack
-    if stack is None:
-        kernels = spec.device.kernels
-        return default_stack(kernels) if kernels is not None else STACKS["eager"]
-    key = str(stack).lower()
-    if key not in STACKS:
-        raise ValueError(f"unknown stack {stack!r}; choose one of: {', '.join(STACKS)}")
-    return STACKS[key]
-
-
 def _recompute_policy(summary, recompute: bool | None, stack: Stack) -> str:
     """What backward runs again: the whole block's forward where the run (or ``recompute``)
     checkpoints activations, nothing where ``recompute`` is False, else the stack's policy."""
@@ -615,11 +603,12 @@ def _recompute_policy(summary, recompute: bool | None, stack: Stack) -> str:
 
 
 def _kernel_compute(summary, spec: ClusterSpec, target: GPTConfig, work: dict, precision: str,
-                    stack: Stack, recompute: bool | None, pricing,
+                    stack: Stack, recompute: bool | None, stretch,
                     gemm=gemm_seconds) -> dict | None:
     """{rank: :class:`~minitrain.planning.kernels.Compute`}: each rank's step as kernels on the
     device (None where the device has no kernel model: an uncalibrated CPU).  Each rank runs the
-    run's micro-batches of batch / (dp · micro-batches) sequences through its blocks."""
+    run's micro-batches of batch / (dp · micro-batches) sequences through its blocks;
+    ``stretch(rank)`` is how much slower a CPU rank's kernels run here than calibrated."""
     device = spec.device.kernels
     if device is None:
         return None
@@ -636,7 +625,7 @@ def _kernel_compute(summary, spec: ClusterSpec, target: GPTConfig, work: dict, p
                          head=w.head, embed=w.embed, tp=w.tp, cp=lay.cp, sp=sp, ep=lay.ep,
                          opt_params=w.opt_params, precision=precision, recompute=policy,
                          gemm=gemm)
-        out[r] = _stretched(c, pricing.cpu_stretch(r))
+        out[r] = _stretched(c, stretch(r))
     return out
 
 

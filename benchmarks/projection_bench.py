@@ -46,11 +46,21 @@
 (d) The kernel model on this machine's CPU, the one end-to-end test of its structure that needs no
     GPU: each of single, ddp, zero3, tensor and a 1F1B pipeline on the tiny, small and an 8-layer
     256-wide GPT, replayed on "local" with its compute *modelled* — every rank's kernels (the GEMMs
-    of its shapes, the memory-bound passes, PyTorch's per-op dispatch) priced from a calibration
-    measured right after the run (minitrain.planning.kernels.calibrate_kernels: GEMM rates at a
-    few sizes, a copy's bandwidth, a trivial op's overhead), under the "sdpa" stack (the course's
-    GPT: scaled_dot_product_attention, one-kernel LayerNorm and GeLU) — against its measured step,
-    within 20 %.
+    of its shapes, attention, the memory-bound passes, PyTorch's per-op dispatch) priced from a
+    calibration measured right after the run on every rank at once
+    (minitrain.planning.kernels.calibrate_kernels: GEMM rates on a grid of shapes, with operands
+    in cache and read from memory — a rank whose weights, gradients and Adam moments outgrow the
+    CPU's largest cache gets the second; scaled_dot_product_attention by sequence and head size;
+    LayerNorm, GeLU and an add at two sizes; a trivial op's dispatch), and the compute that
+    overlaps communication slowed as measured beside it (clusters._beside_communication: gloo's
+    thread and the loopback's system calls take the same cores), under the "sdpa" stack (the
+    course's GPT: scaled_dot_product_attention, one-kernel LayerNorm and GeLU) — against its
+    measured step, within 20 %.  What it took, each a microbenchmark, none fitted: attention at
+    its own measured rate (the GEMM rate of its size made it 3x too fast), GeLU at its own (an erf
+    per element: a third of a copy's bandwidth), the cold GEMM grid (single runs of the 8x256 GPT
+    0.80-0.87 before, 0.97-1.00 after), the ranks' rates averaged rather than the least of each
+    point (a best-of-three timing on shared cores), and the slowdown beside communication (1.5-2.1
+    measured on 2 ranks; multi-rank runs 0.72-0.80 before, 0.83-1.13 after).
 
     python benchmarks/projection_bench.py [--steps 10] [--only a|b|c|d]
 
@@ -179,15 +189,16 @@ def _stack(row):
         stack = STACKS["megatron-2021"]
     else:
         stack = STACKS["eager"]
-    if row["recompute"] == "selective" and stack.recompute != "selective":
-        stack = dataclasses.replace(stack, name=f"{stack.name}+selective", recompute="selective")
+    if row["recompute"] in ("selective", "op") and stack.recompute != row["recompute"]:
+        stack = dataclasses.replace(stack, name=f"{stack.name}+{row['recompute']}",
+                                    recompute=row["recompute"])
     return stack
 
 
 def _recompute(row):
     """project()'s ``recompute``: True for full recomputation, False for none, None (the stack's
-    policy: selective, see :func:`_stack`) for selective."""
-    return {"full": True, "none": False, "selective": None}[row["recompute"]]
+    policy, see :func:`_stack`) for selective and torchtitan's per-op selective ("op")."""
+    return {"full": True, "none": False, "selective": None, "op": None}[row["recompute"]]
 
 
 def _cluster_name(row) -> str:
@@ -207,7 +218,7 @@ def _plan(row) -> tuple[dict | None, str]:
         return None, "MegaScale's own method: parallel block, sliding-window attention, LAMB"
     if row["micro_batch"] is None or row["global_batch"] is None:
         return None, "micro-batch or global batch not published"
-    if row["recompute"] not in ("full", "none", "selective"):
+    if row["recompute"] not in ("full", "none", "selective", "op"):
         return None, "activation recomputation not published"
     dp, tp, pp = row["dp"], row["tp"] or 1, row["pp"] or 1
     vs = row["virtual_stages"] or 1

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["Event", "Tracer", "Comm", "ring_all_reduce", "backend_all_reduce", "all_reduce_coalesced",
-           "ring_sent_bytes", "loopback_tx_bytes"]
+           "ring_sent_bytes", "loopback_tx_bytes", "written_bytes"]
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the first names.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -33,6 +33,21 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def written_bytes() -> int | None:
+    """Bytes this process has written so far — to files, pipes and sockets alike — from the
+    kernel's count (Linux's /proc/self/io, ``wchar``).  Across some collectives of a CPU run it
+    is what this rank's backend handed its sockets, whatever else the machine sends; ``None``
+    where there is no /proc/self/io."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("wchar:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
 
 
 def loopback_tx_bytes() -> int | None:

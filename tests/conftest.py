@@ -4,7 +4,6 @@ import importlib.util
 import os
 import pathlib
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -164,33 +163,6 @@ def lesson_runs():
         for folder in LESSON_FOLDERS:
             _NBVAL_RUNS[folder] = nbval_start(folder, _NBVAL_DIR[0])
     return _NBVAL_RUNS
-
-
-@pytest.fixture
-def quiet_loopback():
-    """Pause the lessons' background runs (their ranks talk over loopback too) while a test counts
-    the bytes on the loopback interface; they go on where they were when it ends."""
-    from minitrain.runtime.watch import descendants
-
-    stopped: list[int] = []
-    for _ in range(2):  # twice: a rank forked while the first pass stopped the others
-        for proc, _report in _NBVAL_RUNS.values():
-            if proc.poll() is None:
-                for pid in [proc.pid, *descendants(proc.pid)]:
-                    if pid not in stopped:
-                        try:
-                            os.kill(pid, signal.SIGSTOP)
-                            stopped.append(pid)
-                        except ProcessLookupError:
-                            pass
-    try:
-        yield
-    finally:
-        for pid in stopped:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
 
 
 @pytest.fixture(scope="session")

@@ -485,6 +485,21 @@ def test_ten_thousand_cells_and_a_50_mb_output_are_graded(rows):
 # --------------------------------------------------------------------------------------------------
 
 
+def _sigint_default():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.fixture
+def ctrl_c():
+    """SIGINT raises KeyboardInterrupt in this process while the test runs, whatever disposition
+    pytest was started with (ignored, in a background job), and is put back afterwards."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def test_an_interrupted_run_keeps_its_rows_and_resume_finishes_the_rest(tmp_path):
     sealed_or_skip()
     folder = tmp_path / "class"
@@ -492,8 +507,12 @@ def test_an_interrupted_run_keeps_its_rows_and_resume_finishes_the_rest(tmp_path
     for name in ("00_a.ipynb", "00_b.ipynb"):
         (folder / name).write_text(json.dumps(notebook(SOLVED, CHECK)))
     out = tmp_path / "gradebook.csv"
+    # Ctrl-C as a terminal delivers it, even where this test was started with SIGINT ignored (a
+    # job a non-interactive shell put in the background): an ignored SIGINT is inherited, and
+    # Python then installs no KeyboardInterrupt handler
     proc = subprocess.Popen([sys.executable, "-m", "minitrain", "grade", str(folder), "--out",
-                             str(out), "--timeout", "60"], stderr=subprocess.PIPE, text=True)
+                             str(out), "--timeout", "60"], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_sigint_default)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and proc.poll() is None:
         if out.exists() and len(out.read_text().splitlines()) >= 2:  # a row, before the end
@@ -557,7 +576,7 @@ def test_a_sandbox_that_would_not_import_the_running_minitrain_is_refused_with_t
                             "checkers"), other
 
 
-def test_ctrl_c_during_a_boxs_cleanup_arrives_after_it_even_with_another_thread_running():
+def test_ctrl_c_during_a_boxs_cleanup_arrives_after_it_even_with_another_thread_running(ctrl_c):
     """A Ctrl-C held while a box starts or is cleaned up arrives when that is done. Blocking the
     signal instead sent it to another thread (tqdm's monitor), where CPython did not pass it on: the
     interrupted-run test once graded the whole class after its Ctrl-C."""

@@ -187,7 +187,7 @@ def test_a_large_models_mfu_is_plausible_and_eager_is_below_flash():
         assert sum(c.by_kind.values()) == pytest.approx(c.total_s)
     gpt = rank_compute(MODEL_SIZES["7b"], A100, STACKS["megatron-2021"], microbatches=4)
     assert gpt.recompute_s > 0.2 * gpt.forward_s  # full recomputation runs the blocks again
-    assert "QKV" in format_kernels(flash.kernels, H100)
+    assert "QKV" in format_kernels(gpt.kernels, A100) and "K dW" in format_kernels(flash.kernels, H100)
 
 
 def test_the_cpu_is_calibrated_and_prices_a_step():
@@ -233,3 +233,53 @@ def test_the_optimizer_steps_every_parameter_tensor_the_rank_holds():
     assert _held_tensors(llama, 32, True, True, 1) == 32 * 9 + 1 + 2  # embedding; norm, output
     step = rank_compute(PRESETS["tiny"], DEVICES["H100 SXM"]).kernels[-1]
     assert step.kind == "optimizer" and step.launches == 49
+
+
+def test_torchtitans_per_op_checkpointing_runs_every_other_product_and_the_elementwise_again():
+    """recompute="op": backward runs again the block's 2nd, 4th, 6th… matrix products (Llama's
+    Q, K, V, O, gate, up, down: K, O and up) and all its memory-bound kernels, not attention;
+    Llama's Q, K and V are three products whose FLOPs add up to the fused one's."""
+    cfg = MODEL_SIZES["llama3-8b"]
+    block = block_kernels(cfg, STACKS["sdpa"])
+    gemms = [k.name for k in block if k.kind == "gemm" and k.phase == "forward"]
+    assert gemms == ["Q", "K", "V", "attention out", "MLP gate", "MLP up", "MLP down"]
+    d, kv = cfg.d_model, cfg.kv_heads * cfg.head_dim
+    assert sum(k.flops for k in block if k.name in ("Q", "K", "V") and k.phase == "forward") \
+        == pytest.approx(2 * cfg.seq_len * d * (d + 2 * kv))
+    none = rank_compute(cfg, H100, STACKS["sdpa"], recompute="none", head=False, embed=False)
+    op = rank_compute(cfg, H100, STACKS["sdpa"], recompute="op", head=False, embed=False)
+    again = {k.name: k for k in op.kernels if k.phase == "forward"}
+    expected = sum(kernel_seconds(again[name], H100)[0] + kernel_seconds(again[name], H100)[1]
+                   for name in ("K", "attention out", "MLP up"))
+    expected += sum(sum(kernel_seconds(k, H100)) for k in block
+                    if k.phase == "forward" and k.kind == "memory")
+    assert op.recompute_s == pytest.approx(cfg.n_layer * expected, rel=1e-9)
+    assert op.forward_s == pytest.approx(none.forward_s) and none.recompute_s == 0
+    with pytest.raises(ValueError, match="unknown recompute 'half'; choose one of: none, "
+                                         "selective, op, full"):
+        rank_compute(cfg, H100, STACKS["sdpa"], recompute="half")
+
+
+def test_a_cpu_prices_attention_and_elementwise_ops_at_their_measured_rates():
+    """A CPU calibration's own rates: scaled_dot_product_attention's FLOP/s by (sequence, head
+    dimension), interpolated in their logs; a GeLU's and a LayerNorm's bytes/s at their size —
+    not the copy bandwidth nor the GEMM rate."""
+    cal = {"gemm": [[1e6, 1e10], [1e8, 5e10]], "bandwidth": 4e10, "op_overhead_s": 1e-6,
+           "ops": [["gelu", "forward", 1e5, 2e9], ["gelu", "forward", 1e7, 8e9],
+                   ["gelu", "backward", 1e5, 1e9], ["gelu", "backward", 1e7, 1e9]],
+           "attention": [[phase, s, h, rate] for phase in ("forward", "backward")
+                         for s, h, rate in ((32, 16, 1e9), (32, 64, 4e9), (128, 16, 4e9),
+                                            (128, 64, 16e9))]}
+    cpu = cpu_kernels(cal)
+    gelu = Kernel("gelu", "memory", "forward", bytes=1e6, op="gelu")
+    assert kernel_seconds(gelu, cpu)[0] == pytest.approx(1e6 / 5e9)  # halfway in log(bytes)
+    norm = Kernel("norm", "memory", "forward", bytes=1e6, op="norm")  # not measured: bandwidth
+    assert kernel_seconds(norm, cpu)[0] == pytest.approx(1e6 / 4e10)
+    attention = Kernel("attention", "attention", "backward", flops=1e9, seq=64, head_dim=32,
+                       impl="flash2")
+    assert kernel_seconds(attention, cpu)[0] == pytest.approx(1e9 / 4e9)  # the grid's middle
+    at_point = Kernel("attention", "attention", "forward", flops=1e9, seq=128, head_dim=16)
+    assert kernel_seconds(at_point, cpu)[0] == pytest.approx(1e9 / 4e9)
+    cfg = GPTConfig(vocab_size=13, seq_len=64, n_layer=1, n_head=4, d_model=128)
+    ops = {k.op for k in block_kernels(cfg, STACKS["sdpa"], precision="fp32")}
+    assert ops == {"", "norm", "gelu", "add"}

@@ -53,6 +53,24 @@ def coll(name, members, seconds):
 # --------------------------------------------------------------------------------------------------
 
 
+def test_compute_that_overlaps_a_collective_runs_on_the_sms_nccl_leaves():
+    """A span half overlapped by a collective is lengthened by half of sms/(sms - comm_sms) - 1;
+    a span nothing overlaps, and one beside a point-to-point message, keep their time."""
+    from minitrain.planning.projection import _overlap_stretch
+    c, p = ("c", (0,), 0), ("p", 0, 1, 0)
+    programs = {0: [issue(c), compute(1.0), wait(c), compute(1.0)],
+                1: [issue(p), compute(1.0), wait(p)]}
+    instances = {c: coll("x", (0,), 0.5), p: Instance("send", (1, 0), 0.0, seconds=0.5)}
+    programs[0].insert(0, wait(p))  # rank 0 receives the message first
+    programs[0].insert(0, issue(p))
+    out = replay(programs, instances, issue_cost=False)
+    stretch = _overlap_stretch(programs, instances, out, 1.25)
+    spans = [op for op in programs[0] if op.kind == "compute"]
+    assert stretch[id(spans[0])] == pytest.approx(1 + 0.25 * 0.5)
+    assert stretch.get(id(spans[1]), 1.0) == 1.0
+    assert stretch.get(id(programs[1][1]), 1.0) == 1.0
+
+
 def test_a_collective_starts_when_its_last_member_issues_it():
     key = ("c", (0, 1), 0)
     programs = {0: [compute(1.0), issue(key), wait(key), compute(0.5)],
@@ -466,12 +484,18 @@ def test_zero3_gathers_scale_unit_by_unit(clusters):
 
 
 def test_a_calibration_on_many_ranks_keeps_every_kernel_measurement(clusters):
-    """The slowest rank's calibration is kept (the step waits for it): each of its measured
-    lists whole, the GEMM grid of shapes with them."""
+    """The ranks' calibrations reduced to one: each of the measured lists whole (the GEMM grid of
+    shapes, the elementwise ops, attention's grid), every rate positive."""
     cal = calibrate_here(cluster=clusters(2))["kernels"]
-    assert set(cal) == {"gemm", "gemm_shapes", "bandwidth", "op_overhead_s", "dispatch"}
-    assert len(cal["gemm_shapes"]) == 27 and all(len(p) == 4 and p[3] > 0
-                                                for p in cal["gemm_shapes"])
+    assert set(cal) == {"gemm", "gemm_shapes", "gemm_shapes_cold", "cache_bytes", "bandwidth",
+                        "op_overhead_s", "dispatch", "ops", "attention"}
+    for key in ("gemm_shapes", "gemm_shapes_cold"):
+        assert len(cal[key]) == 27 and all(len(p) == 4 and p[3] > 0 for p in cal[key])
+    assert cal["cache_bytes"] > 0  # Linux says how large the CPU's cache is
+    assert {(p[0], p[1]) for p in cal["ops"]} == {(op, phase) for op in ("norm", "gelu", "add")
+                                                  for phase in ("forward", "backward")}
+    assert len(cal["ops"]) == 12 and all(p[3] > 0 for p in cal["ops"])
+    assert len(cal["attention"]) == 8 and all(p[3] > 0 for p in cal["attention"])
     assert set(cal["dispatch"]) == {"gemm", "memory", "attention", "optimizer"}
 
 
@@ -502,9 +526,15 @@ def test_train_adds_a_projection_beside_the_measurement(ddp_run):
     assert sum(p.time_by_kind.values()) == pytest.approx(p.step_time_s, rel=1e-9)
     for name in ("dgx-a100", "dgx-h100"):
         for stack in ("eager", "flash"):
+            # communication that takes no SMs: compute is the kernels' sum
+            free = replace(STACKS[stack], comm_sms=0)
+            q = project(ddp_run, name, "1.3b", stack=free)
+            kernels = kernel_compute(ddp_run, MODEL_SIZES["1.3b"], name, stack)
+            assert q.compute_s == pytest.approx(kernels, rel=1e-9)
+            # NCCL's SMs taken: the overlapped spans run on the rest, at most all of it slower
             q = project(ddp_run, name, "1.3b", stack=stack)
-            assert q.compute_s == pytest.approx(
-                kernel_compute(ddp_run, MODEL_SIZES["1.3b"], name, stack), rel=1e-9)
+            sms = get_cluster(name).device.kernels.sms
+            assert kernels < q.compute_s <= kernels * sms / (sms - STACKS[stack].comm_sms) + 1e-12
     assert project(ddp_run, "dgx-h100", "1.3b", stack="eager").mfu < p.mfu
     with pytest.raises(ValueError, match=r"unknown stack 'fast' \(did you mean 'flash'\?\); "
                                          "choose one of: eager"):
@@ -588,11 +618,14 @@ def test_every_lockstep_strategy_is_projected_by_train(strategy, world, options,
         assert p.hidden_comm_share == pytest.approx(1 - p.exposed_comm_s / p.comm_s,
                                                        abs=1e-9)
     # compute: each rank's kernels on the H100 (its optimizer step with them), the mean over
-    # ranks; MFU: the model FLOPs at peak
+    # ranks, the spans that overlapped communication on the SMs NCCL left them; MFU: the model
+    # FLOPs at peak
     device = get_cluster("dgx-h100").device
     target = MODEL_SIZES["1.3b"] if model == "tiny" else target_model("1.3b", MODELS[model])
     works = [rank_work(run.summary, target, r) for r in range(world)]
-    assert p.compute_s == pytest.approx(kernel_compute(run, target, "dgx-h100"), rel=1e-9)
+    kernels = kernel_compute(run, target, "dgx-h100")
+    slowest = device.kernels.sms / (device.kernels.sms - STACKS["flash"].comm_sms)
+    assert kernels * (1 - 1e-9) <= p.compute_s <= kernels * slowest * (1 + 1e-9)
     assert p.mfu == pytest.approx(sum(w.model_flops for w in works) / (
         p.step_time_s * world * device.peak_flops), rel=1e-9)
     # the summary is project()'s: equal micro-batches of GPipe and 1F1B with equal work (as

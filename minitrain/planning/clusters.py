@@ -380,8 +380,10 @@ def calibrate_here(ranks: int = 2, cluster=None) -> dict:
 def calibrate_rank(sizes=(4096, 65536, 1 << 20, 4 << 20), repeats: int = 3) -> dict:
     """This machine's numbers, measured with every rank at once (call it on every rank): the α-β of
     a ring all-reduce (lesson 01's fit, max over ranks), a small message's one-way time between
-    neighbours (``p2p_alpha``), each rank's FLOP rate on a 256x256 fp32 matrix product, and its
-    memory bandwidth on an 8 MB copy; ``cores`` and ``memory_gb`` from the operating system."""
+    neighbours (``p2p_alpha``), each rank's FLOP rate on a 256x256 fp32 matrix product, its
+    memory bandwidth on an 8 MB copy, how much slower it computes beside its collectives
+    (``overlap_slowdown``) and its kernels' rates; ``cores`` and ``memory_gb`` from the operating
+    system."""
     import torch
     import torch.distributed as dist
 
@@ -412,7 +414,8 @@ def calibrate_rank(sizes=(4096, 65536, 1 << 20, 4 << 20), repeats: int = 3) -> d
         k += 1
     memory_rate = 2 * x.numel() * 4 * k / (time.perf_counter() - start)
     p2p = _ping_pong(n) if n > 1 else 0.0
-    kernels = calibrate_kernels(repeats=2)  # every rank at once, as they computed in the run
+    overlap = _beside_communication(n)
+    kernels = calibrate_kernels(repeats=3)  # every rank at once, as they computed in the run
     rates = torch.tensor([flop_rate, memory_rate], dtype=torch.float64)
     if n > 1:
         dist.all_reduce(rates)
@@ -420,30 +423,67 @@ def calibrate_rank(sizes=(4096, 65536, 1 << 20, 4 << 20), repeats: int = 3) -> d
             "p2p_alpha": p2p,
             "flop_rate": rates[0].item() / n, "memory_rate": rates[1].item() / n,
             "memory_gb": _memory_gb(), "sizes": list(sizes), "seconds": t.tolist(),
-            "kernels": _slowest(kernels, n)}
+            "overlap_slowdown": overlap, "kernels": _ranks_mean(kernels, n)}
 
 
-def _slowest(kernels: dict, n: int) -> dict:
-    """Every rank's kernel calibration reduced to the slowest rank's (the step waits for it):
-    the least GEMM rate at each size and each shape, the least bandwidth, the greatest per-op
-    overheads."""
+def _beside_communication(n: int, messages: int = 12, size: int = 1 << 20) -> float:
+    """How much slower a rank computes while its collectives are in flight (the mean over ranks):
+    matrix products timed alone, then beside ``messages`` asynchronous all-reduces of ``size``
+    floats (every rank at once, both times).  On a CPU the collective's thread, its copies and
+    the loopback's system calls run on the cores the compute has; 1.0 on one rank."""
+    import torch
+    import torch.distributed as dist
+
+    if n == 1:
+        return 1.0
+    a, b = torch.randn(128, 128), torch.randn(128, 128)
+    buf = torch.zeros(size)
+    a @ b
+    dist.barrier()
+    start, k = time.perf_counter(), 0
+    while time.perf_counter() - start < 0.03:
+        a @ b
+        k += 1
+    alone = (time.perf_counter() - start) / k
+    dist.barrier()
+    works = [dist.all_reduce(buf, async_op=True) for _ in range(messages)]
+    start, k = time.perf_counter(), 0
+    while not all(w.is_completed() for w in works):
+        a @ b
+        k += 1
+    beside = (time.perf_counter() - start) / max(k, 1)
+    for w in works:
+        w.wait()
+    t = torch.tensor([max(1.0, beside / alone)], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item() / n
+
+
+def _ranks_mean(kernels: dict, n: int) -> dict:
+    """Every rank's kernel calibration reduced to one the replay prices every rank by: each
+    rate the ranks' harmonic mean (a kernel's time, the mean of theirs), the per-op overheads
+    their mean.  A mean, not the least rate point by point: each point is a best-of-few timing on
+    cores the ranks share, and the least of them at every point is a slower machine than any rank
+    ran on (the replay's waits already make the step the slowest rank's)."""
     import torch
     import torch.distributed as dist
 
     if n == 1:
         return kernels
     kinds = sorted(kernels.get("dispatch") or {})
-    lists = [key for key in ("gemm", "gemm_shapes") if kernels.get(key)]
-    # one MAX all-reduce: rates and bandwidth negated (their least is wanted), overheads as they are
-    values = [-p[-1] for key in lists for p in kernels[key]] + [-kernels["bandwidth"],
-                                                                 kernels["op_overhead_s"]]
+    lists = [key for key in ("gemm", "gemm_shapes", "gemm_shapes_cold", "ops", "attention")
+             if kernels.get(key)]
+    # one SUM all-reduce of times per unit (1/rate) and of overheads
+    values = [1 / p[-1] for key in lists for p in kernels[key]] + [1 / kernels["bandwidth"],
+                                                                  kernels["op_overhead_s"]]
     values += [kernels["dispatch"][k] for k in kinds]
     t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    reduced = iter(t.tolist())
-    out = {key: [[*p[:-1], -next(reduced)] for p in kernels[key]] for key in lists}
-    out.update(bandwidth=-next(reduced), op_overhead_s=next(reduced),
-               dispatch={k: next(reduced) for k in kinds})
+    dist.all_reduce(t)
+    reduced = iter((t / n).tolist())
+    out = {key: [[*p[:-1], 1 / next(reduced)] for p in kernels[key]] for key in lists}
+    out.update(bandwidth=1 / next(reduced), op_overhead_s=next(reduced),
+               dispatch={k: next(reduced) for k in kinds},
+               cache_bytes=kernels.get("cache_bytes", 0.0))
     return out
 
 

@@ -27,7 +27,7 @@ __all__ = ["DeviceKernels", "DEVICES", "GEMM_TILES", "Stack", "STACKS", "stack_n
            "default_stack", "Kernel",
            "Compute", "ADAM_BYTES", "gemm_seconds", "gemm_quantization", "kernel_seconds",
            "block_kernels", "head_kernels", "embed_kernels", "rank_compute", "format_kernels",
-           "cpu_kernels", "calibrate_kernels"]
+           "cpu_kernels", "calibrate_kernels", "for_working_set", "state_bytes", "RECOMPUTE"]
 
 #: Adam's update reads the fp32 weight, gradient and two moments and writes the weight and the two
 #: moments: 7 fp32 words per parameter (the same count as the projection's ``ADAM_BYTES``).
@@ -68,6 +68,14 @@ class DeviceKernels:
     dispatch: dict = field(default_factory=dict)  # CPU: seconds of dispatch per launch, by kind
     gemm_curve: tuple = ()
     gemm_grid: tuple = ()  # CPU: ((m, n, k, FLOP/s), ...) measured on a grid of shapes
+    # CPU: the same grid with its operands read from memory, not the cache; and the cache's size
+    gemm_grid_cold: tuple = ()
+    cache_bytes: float = 0.0
+    # CPU: ((op, phase, bytes, bytes/s), ...): an elementwise op's rate at a size, in the bytes the
+    # model counts for it (a GeLU computes an erf per element: far below a copy's bandwidth)
+    op_rates: tuple = ()
+    # CPU: ((phase, seq, head_dim, FLOP/s), ...): scaled_dot_product_attention's rate
+    attention_grid: tuple = ()
     source: str = ""
 
     def peak(self, precision: str = "bf16-mixed") -> float:
@@ -153,7 +161,9 @@ class Stack:
     "flash2" or "flash3" (one fused kernel: FlashAttention-2, or -3 where the GPU has it — a
     Hopper; elsewhere -2), the elementwise groups it ``fuses`` (of :data:`FUSIONS`), whether
     it trains with ``dropout``, its activation ``recompute`` ("none" | "selective": the attention
-    core again in backward, Korthikanti et al., 2022 | "full": each block's forward again),
+    core again in backward, Korthikanti et al., 2022 | "op": torchtitan's per-op selective
+    checkpointing, every other matrix product and the elementwise ops again | "full": each
+    block's forward again),
     ``tp_overlap`` (tensor-parallel communication hidden under GEMMs) and the SMs an overlapped
     NCCL kernel takes from the compute it overlaps (``comm_sms``)."""
 
@@ -258,6 +268,8 @@ class Kernel:
     launches: int = 1
     seq: int = 0
     impl: str = ""  # a fused attention kernel's implementation: "flash2" or "flash3"
+    head_dim: int = 0  # a fused attention kernel's
+    op: str = ""  # a memory-bound kernel's op where a CPU measures it: "norm", "gelu" or "add"
 
 
 def _gemm(name: str, phase: str, m: int, n: int, k: int, item: int, batch: int = 1) -> Kernel:
@@ -273,18 +285,21 @@ def _linear(name: str, tokens: int, n_in: int, n_out: int, item: int) -> list[Ke
             _gemm(name + " dW", "backward", n_in, n_out, tokens, item)]
 
 
-def _memory(name: str, nbytes: float, launches: int = 1) -> list[Kernel]:
+def _memory(name: str, nbytes: float, launches: int = 1, op: str = "") -> list[Kernel]:
     """A memory-bound op, forward and backward; its backward reads the output gradient and the
-    saved input(s) and writes the input gradient(s): taken as twice the forward's traffic."""
-    return [Kernel(name, "memory", "forward", bytes=nbytes, launches=launches),
-            Kernel(name, "memory", "backward", bytes=2 * nbytes, launches=launches)]
+    saved input(s) and writes the input gradient(s): taken as twice the forward's traffic.
+    ``op``: which of a CPU's measured elementwise ops it is (:data:`CPU_OPS`)."""
+    return [Kernel(name, "memory", "forward", bytes=nbytes, launches=launches, op=op),
+            Kernel(name, "memory", "backward", bytes=2 * nbytes, launches=launches, op=op)]
 
 
 def _norm(cfg: GPTConfig, stack: Stack, name: str, elems: float, item: int) -> list[Kernel]:
     """LayerNorm is one PyTorch kernel (read x, write y) even in eager; RMSNorm unfused is its
     ops: square, mean, multiply by the reciprocal root, multiply by the weight (7 passes' worth
     of traffic over 4 kernels); fused, one pass."""
-    if cfg.norm == "layernorm" or "norm" in stack.fuses:
+    if cfg.norm == "layernorm":
+        return _memory(name, 2 * elems * item, op="norm")
+    if "norm" in stack.fuses:
         return _memory(name, 2 * elems * item)
     return _memory(name + " (4 ops)", 7 * elems * item, launches=4)
 
@@ -293,7 +308,9 @@ def _residual(stack: Stack, name: str, elems: float, item: int) -> list[Kernel]:
     """Dropout (when the stack trains with it: a 1-byte mask written) and the residual add
     (read two, write one); fused into one pass or two kernels."""
     mask = elems if stack.dropout else 0
-    if "dropout-add" in stack.fuses or not stack.dropout:
+    if not stack.dropout:
+        return _memory(name, 3 * elems * item, op="add")
+    if "dropout-add" in stack.fuses:
         return _memory(name, 3 * elems * item + mask)
     return _memory("dropout + " + name, (2 + 3) * elems * item + mask, launches=2)
 
@@ -307,7 +324,7 @@ def _activation(cfg: GPTConfig, stack: Stack, elems: float, item: int) -> list[K
             return _memory("silu * up", 3 * elems * item)
         return _memory("silu, * up", (2 + 3) * elems * item, launches=2)
     if "gelu" in stack.fuses:
-        return _memory("gelu", 2 * elems * item)
+        return _memory("gelu", 2 * elems * item, op="gelu")
     return _memory("gelu (8 ops)", 8 * 2 * elems * item, launches=8)
 
 
@@ -334,9 +351,9 @@ def _attention_core(cfg: GPTConfig, stack: Stack, b: int, heads: int, kv_heads: 
         io = item * b * (2 * s_q * heads * hd + 2 * s_k * kv_heads * hd)
         name = f"attention ({stack.attention})"
         return [Kernel(name, "attention", "forward", flops, io, launches=cp, seq=s_q,
-                       impl=stack.attention),
+                       impl=stack.attention, head_dim=hd),
                 Kernel(name + " bwd", "attention", "backward", 2.5 * flops, 2 * io,
-                       launches=cp, seq=s_q, impl=stack.attention)]
+                       launches=cp, seq=s_q, impl=stack.attention, head_dim=hd)]
     scores, bh = b * heads * s_q * s_k, b * heads
     out: list[Kernel] = []
     if kv_heads < heads:  # grouped-query attention: K and V repeated to every query head
@@ -372,7 +389,11 @@ def block_kernels(cfg: GPTConfig, stack: Stack, *, micro_batch: int = 1, seq: in
     heads, kv_heads = cfg.n_head // tp, max(1, cfg.kv_heads // tp)
     q_w, kv_w, ff = heads * hd, kv_heads * hd, cfg.ff // tp
     out = _norm(cfg, stack, "norm 1", row_tokens * d, item)
-    out += _linear("QKV", tokens, d, q_w + 2 * kv_w, item)
+    if cfg.llama_fields():  # Llama's wq, wk, wv: three products
+        out += (_linear("Q", tokens, d, q_w, item) + _linear("K", tokens, d, kv_w, item)
+                + _linear("V", tokens, d, kv_w, item))
+    else:  # GPT's one fused product
+        out += _linear("QKV", tokens, d, q_w + 2 * kv_w, item)
     if cfg.positions == "rope":
         out += _rope(stack, tokens * (q_w + kv_w), item)
     out += _attention_core(cfg, stack, micro_batch, heads, kv_heads, s_q, seq, item, cp)
@@ -445,7 +466,7 @@ def embed_kernels(cfg: GPTConfig, stack: Stack, *, micro_batch: int = 1, seq: in
            Kernel("embedding grad", "memory", "backward",
                   bytes=(cfg.vocab_size // tp * cfg.d_model + 2 * act) * item, launches=2)]
     if cfg.positions == "learned":
-        out += _memory("+ positions", 3 * act * item)
+        out += _memory("+ positions", 3 * act * item, op="add")
     return out
 
 
@@ -528,6 +549,40 @@ def _grid_rate(grid: tuple, m: int, n: int, k: int) -> float:
     return math.exp(out)
 
 
+def _attention_rate(grid: tuple, phase: str, seq: int, head_dim: int) -> float:
+    """The CPU's measured attention rate for ``phase`` at (``seq``, ``head_dim``), interpolated
+    in log(seq) and log(head_dim) between the measured points (flat beyond them)."""
+    points = {(s, h): r for p, s, h, r in grid if p == phase}
+    seqs, dims = sorted({s for s, _ in points}), sorted({h for _, h in points})
+    out = 0.0
+    for s, ws in _log_weights(seqs, seq):
+        for h, wh in _log_weights(dims, head_dim):
+            out += ws * wh * math.log(points[s, h])
+    return math.exp(out)
+
+
+def _log_weights(values: list, x: float) -> list:
+    """((value, weight), ...): the two measured values around x and their weights, linear in
+    log(x); the end one alone beyond the ends."""
+    x = min(max(x, values[0]), values[-1])
+    hi = next(i for i, v in enumerate(values) if v >= x)
+    if values[hi] == x or hi == 0:
+        return [(values[hi], 1.0)]
+    w = math.log(x / values[hi - 1]) / math.log(values[hi] / values[hi - 1])
+    return [(values[hi - 1], 1 - w), (values[hi], w)]
+
+
+def _op_bandwidth(device: DeviceKernels, k: Kernel) -> float:
+    """A memory-bound kernel's bytes/s: on a CPU that measured its op, that op's rate at its
+    size (bytes per launch, interpolated in log(bytes)); else the achievable bandwidth."""
+    if k.op and device.op_rates:
+        curve = sorted((b, r) for op, phase, b, r in device.op_rates
+                       if op == k.op and phase == ("forward" if k.phase == "recompute" else k.phase))
+        if curve:
+            return _interpolate(curve, k.bytes / k.launches)
+    return device.achievable_bandwidth
+
+
 def _interpolate(table, x: float) -> float:
     """y at x from (x, y) points, linear in log(x), flat beyond the ends."""
     if x <= table[0][0]:
@@ -567,10 +622,13 @@ def kernel_seconds(k: Kernel, device: DeviceKernels, precision: str = "bf16-mixe
         phase = "forward" if k.phase == "recompute" else k.phase  # a forward, run again
         work = max(k.flops / _flash_rate(device, k.impl or "flash2", phase, k.seq, precision),
                    k.bytes / device.achievable_bandwidth)
-    elif k.kind == "attention":  # a CPU: the fused kernel at the GEMM rate of its size
+    elif k.kind == "attention" and device.attention_grid and k.head_dim:
+        phase = "forward" if k.phase == "recompute" else k.phase
+        work = k.flops / _attention_rate(device.attention_grid, phase, k.seq, k.head_dim)
+    elif k.kind == "attention":  # a CPU not measured so: the fused kernel at its size's GEMM rate
         work = k.flops / _cpu_rate(device, k.flops / k.launches)
     else:
-        work = k.bytes / device.achievable_bandwidth
+        work = k.bytes / _op_bandwidth(device, k)
     floor = k.launches * device.dispatch.get(k.kind, device.launch_s)
     if device.per_op:
         return work, floor
@@ -602,12 +660,26 @@ class Compute:
         return self.model_flops / (self.total_s * peak)
 
 
+#: What backward may run again of a block's forward (:func:`_recomputed`)
+RECOMPUTE = ("none", "selective", "op", "full")
+
+
 def _recomputed(kernels: list[Kernel], stack: Stack, recompute: str) -> list[Kernel]:
-    """The forward kernels backward runs again: all of a block's ("full"), its attention core's
-    ("selective"; nothing with FlashAttention, whose backward recomputes the scores already)."""
+    """The forward kernels backward runs again: all of a block's ("full"); its attention core's
+    ("selective", Korthikanti et al., 2022; nothing with FlashAttention, whose backward
+    recomputes the scores already); every other matrix product of the block (the second, the
+    fourth, ...) and every memory-bound kernel, the attention kernel's output saved ("op":
+    torchtitan's per-op selective checkpointing, torchtitan/distributed/activation_checkpoint.py,
+    which saves the output of every odd mm and of attention and recomputes the rest)."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"unknown recompute {recompute!r}; choose one of: {', '.join(RECOMPUTE)}")
     forward = [k for k in kernels if k.phase == "forward"]
     if recompute == "full":
         return forward
+    if recompute == "op":
+        gemms = [k for k in forward if k.kind == "gemm"]
+        again = {id(k) for k in gemms[1::2]}
+        return [k for k in forward if id(k) in again or k.kind == "memory"]
     if recompute == "selective" and not stack.fused_attention:
         return [k for k in forward if k.name.startswith("attention") and k.name != "attention out"]
     return []
@@ -623,7 +695,7 @@ def rank_compute(cfg: GPTConfig, device: DeviceKernels, stack: Stack | None = No
     sequences (``tokens_per_microbatch`` / ``micro_batch`` positions each; default the model's
     ``seq_len``) through its ``blocks`` blocks (default all), the head and embedding if it holds
     them, and the optimizer step over ``opt_params`` parameters (default: the rank's share of
-    what it holds).  ``recompute`` (default the stack's): "none" | "selective" | "full".
+    what it holds).  ``recompute`` (default the stack's): one of :data:`RECOMPUTE`.
     ``gemm``: what prices each matrix product (:func:`kernel_seconds`)."""
     stack = stack or default_stack(device)
     recompute = stack.recompute if recompute is None else recompute
@@ -667,6 +739,12 @@ def _held_params(cfg: GPTConfig, blocks: int, head: bool, embed: bool, tp: int, 
         block -= cfg.n_expert * cfg.mlp_params() * (1 - 1 / ep)
     return (blocks * block + (cfg.head_params() if head else 0)
             + (cfg.embed_params() if embed else 0)) / tp
+
+
+def state_bytes(cfg: GPTConfig, blocks: int, head: bool, embed: bool, tp: int, ep: int) -> float:
+    """Bytes of model states a rank keeps for its parameters: the weight, its gradient and
+    Adam's two moments, fp32 each (16 bytes a parameter)."""
+    return 16 * _held_params(cfg, blocks, head, embed, tp, ep)
 
 
 def _held_tensors(cfg: GPTConfig, blocks: int, head: bool, embed: bool, ep: int) -> int:
@@ -724,11 +802,46 @@ def cpu_kernels(calibration: dict, name: str = "this machine's CPU") -> DeviceKe
     return DeviceKernels(name, 0, rate, rate, rate, bw, bw, float(calibration["op_overhead_s"]),
                          per_op=True, gemm_curve=curve, tiles=(),
                          gemm_grid=tuple(tuple(p) for p in calibration.get("gemm_shapes") or ()),
+                         gemm_grid_cold=tuple(tuple(p) for p in
+                                              calibration.get("gemm_shapes_cold") or ()),
+                         cache_bytes=float(calibration.get("cache_bytes") or 0.0),
+                         op_rates=tuple(tuple(p) for p in calibration.get("ops") or ()),
+                         attention_grid=tuple(tuple(p) for p in calibration.get("attention") or ()),
                          dispatch={k: float(v) for k, v in
                                    (calibration.get("dispatch") or {}).items()},
                          source="measured here by calibrate_kernels(): GEMM rates by size, an "
                                 "8 MB copy, the dispatch time of a linear layer, an elementwise "
                                 "op and attention on tiny tensors, forward and backward")
+
+
+def for_working_set(device: DeviceKernels, state_bytes: float) -> DeviceKernels:
+    """The CPU ``device`` for a rank that keeps ``state_bytes`` of model states (weights,
+    gradients, Adam's moments): past the size of its largest cache, each GEMM reads operands the
+    rest of the step has pushed out of it, and runs at the rates measured with operands in
+    memory (``gemm_grid_cold``); within it, at the cached rates.  A GPU is returned as it is."""
+    if not device.per_op or not device.gemm_grid_cold or not device.cache_bytes:
+        return device
+    if state_bytes <= device.cache_bytes:
+        return device
+    return replace(device, gemm_grid=device.gemm_grid_cold)
+
+
+def cache_bytes() -> float:
+    """The size of this CPU's largest cache (Linux's /sys; 0 where it cannot be read)."""
+    import glob
+
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            with open(path) as f:
+                text = f.read().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return float(max(sizes, default=0))
 
 
 def _best_time(fn, repeats: int, budget_s: float = 2e-3) -> float:
@@ -773,6 +886,8 @@ def calibrate_kernels(repeats: int = 3) -> dict:
             for k in GRID:
                 a, b = torch.randn(m, k), torch.randn(k, n)
                 shapes.append((m, n, k, 2.0 * m * n * k / _best_time(lambda: a @ b, repeats)))
+    cache = cache_bytes()
+    cold = _cold_grid(repeats, cache) if cache else []
     src = torch.randn(2 << 20)  # 8 MB of fp32
     dst = torch.empty_like(src)
     bandwidth = 2 * src.numel() * 4 / _best_time(lambda: dst.copy_(src), repeats)
@@ -804,4 +919,96 @@ def calibrate_kernels(repeats: int = 3) -> dict:
     adam = torch.optim.Adam([weight])
     dispatch["optimizer"] = max(overhead, _best_time(adam.step, repeats))  # per tensor
     return {"gemm": [list(p) for p in gemm], "gemm_shapes": [list(p) for p in shapes],
-            "bandwidth": bandwidth, "op_overhead_s": overhead, "dispatch": dispatch}
+            "gemm_shapes_cold": [list(p) for p in cold], "cache_bytes": cache,
+            "bandwidth": bandwidth, "op_overhead_s": overhead, "dispatch": dispatch,
+            "ops": _calibrate_ops(repeats, overhead),
+            "attention": _calibrate_attention(repeats, overhead)}
+
+
+def _cold_grid(repeats: int, cache: float) -> list:
+    """[(m, n, k, FLOP/s), ...] on :data:`GRID` with every product's operands taken in turn from
+    a buffer twice the cache's size (at most 128 MB), so each call reads them from memory."""
+    import torch
+
+    pool = torch.full((int(min(max(2 * cache, 16 << 20), 128 << 20)) // 4,), 0.5)
+    out = []
+    for m in GRID:
+        for n in GRID:
+            for k in GRID:
+                size = m * k + k * n
+                slots, turn = max(1, pool.numel() // size), [0]
+
+                def product():
+                    at = (turn[0] % slots) * size
+                    turn[0] += 1
+                    return pool[at:at + m * k].view(m, k) @ pool[at + m * k:at + size].view(k, n)
+
+                out.append((m, n, k, 2.0 * m * n * k / _best_time(product, repeats)))
+    return out
+
+
+#: The elementwise ops a CPU calibration times (:func:`_calibrate_ops`), by the name a memory-bound
+#: :class:`Kernel`'s ``op`` gives, with the bytes per element the model counts for one forward
+#: (the backward twice that): LayerNorm reads and writes, GeLU too, an add reads two and writes one
+CPU_OPS = {"norm": 2, "gelu": 2, "add": 3}
+#: The sizes (fp32 elements) each op is timed at: the course's smallest activations and its
+#: largest MLP activations
+OP_SIZES = (1 << 14, 1 << 19)
+#: The (sequence, head dimension) grid a CPU's attention is timed on
+ATTENTION_GRID = ((32, 128), (16, 64))
+
+
+def _calibrate_ops(repeats: int, overhead: float) -> list:
+    """[(op, phase, bytes, bytes/s), ...] for each op of :data:`CPU_OPS` at each of
+    :data:`OP_SIZES`: forward the op, backward its autograd gradient (an add's backward is the
+    gradients' sum where the residual stream forks: an add), each less one op's dispatch, in the
+    bytes the model counts for it."""
+    import torch
+    import torch.nn.functional as F
+
+    out = []
+    for elems in OP_SIZES:
+        x = torch.randn(elems // 256, 256, requires_grad=True)
+        g = torch.randn(elems // 256, 256)
+        w = torch.ones(256, requires_grad=True)
+        b = torch.zeros(256, requires_grad=True)
+        forwards = {"norm": (lambda: F.layer_norm(x, (256,), w, b), (x, w, b)),
+                    "gelu": (lambda: F.gelu(x), (x,)),
+                    "add": (lambda: x + g, None)}
+        for op, (fn, inputs) in forwards.items():
+            nbytes = CPU_OPS[op] * elems * 4
+            forward = max(_best_time(fn, repeats) - overhead, overhead)
+            if inputs is None:
+                backward = forward
+            else:
+                y = fn()
+                backward = max(_best_time(lambda: torch.autograd.grad(
+                    y, inputs, g, retain_graph=True), repeats) - overhead, overhead)
+            out += [[op, "forward", nbytes, nbytes / forward],
+                    [op, "backward", 2 * nbytes, 2 * nbytes / backward]]
+    return out
+
+
+def _calibrate_attention(repeats: int, overhead: float) -> list:
+    """[(phase, seq, head_dim, FLOP/s), ...]: causal scaled_dot_product_attention (4 sequences,
+    4 heads) on :data:`ATTENTION_GRID`, forward and backward, at the FLOPs the model counts
+    (:func:`_attention_core`), each less one op's dispatch."""
+    import torch
+    import torch.nn.functional as F
+
+    out = []
+    for seq in ATTENTION_GRID[0]:
+        for hd in ATTENTION_GRID[1]:
+            q, k, v = (torch.randn(4, 4, seq, hd, requires_grad=True) for _ in range(3))
+            g = torch.randn(4, 4, seq, hd)
+
+            def forward():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+            flops = 4.0 * 4 * 4 * seq * seq * hd / 2
+            y = forward()
+            fwd = max(_best_time(forward, repeats) - overhead, overhead)
+            bwd = max(_best_time(lambda: torch.autograd.grad(y, (q, k, v), g, retain_graph=True),
+                                 repeats) - overhead, overhead)
+            out += [["forward", seq, hd, flops / fwd], ["backward", seq, hd, 2.5 * flops / bwd]]
+    return out

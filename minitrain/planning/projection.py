@@ -47,7 +47,7 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 
 from .clusters import ClusterSpec, get_cluster, parse
-from .kernels import Stack, gemm_seconds, rank_compute, stack_named
+from .kernels import Stack, for_working_set, gemm_seconds, rank_compute, stack_named, state_bytes
 from ..memory import GB
 from ..model import GPTConfig
 from ..record import Layout
@@ -341,6 +341,17 @@ class _Pricing:
         here = min(1.0, (device.cores or 1) / self.ranks_on_node[self.nodes[rank]])
         return measured / here
 
+    def overlap_slowdown(self) -> float:
+        """How much slower modelled compute runs while communication overlaps it: on a GPU the
+        stack's ``comm_sms`` taken from the device's SMs; on this machine's CPU as measured
+        beside its collectives (the calibration's ``overlap_slowdown``); 1 for measured compute,
+        whose spans already took it."""
+        if self.mode != "model" or not self.kernels:
+            return 1.0
+        if not self.spec.accelerator:
+            return float(self.spec.calibration.get("overlap_slowdown") or 1.0)
+        return self.stack.overlap_slowdown(self.spec.device.kernels)
+
     def cost(self, inst: Instance) -> float:
         n = len(inst.members) if inst.op in ("send", "recv") else self.degrees.get(
             _axis_of(inst, self.axes), len(inst.members))
@@ -374,10 +385,47 @@ def _replay_step(programs, events, window, scale: Scaler, pricing: _Pricing) -> 
     first = min(w[0] for w in window.values())
     offsets = ({r: w[0] - first for r, w in window.items()} if pricing.mode == "measured"
                else None)
-    out = replay(programs, instances, pricing.cost, pricing.compute(programs),
+    compute = pricing.compute(programs)
+    out = replay(programs, instances, pricing.cost, compute,
                  issue_cost=not pricing.spec.accelerator, start=offsets)
+    slowdown = pricing.overlap_slowdown()
+    if slowdown > 1.0:  # the compute that overlapped communication, on the SMs NCCL left it
+        stretch = _overlap_stretch(programs, instances, out, slowdown,
+                                   messages=not pricing.spec.accelerator)
+        out = replay(programs, instances, pricing.cost,
+                     lambda r, op: compute(r, op) * stretch.get(id(op), 1.0),
+                     issue_cost=not pricing.spec.accelerator, start=offsets)
     out["instances"], out["window"] = instances, window
     out["measured"] = max(w[1] for w in window.values()) - first
+    return out
+
+
+def _overlap_stretch(programs, instances: dict, replayed: dict, slowdown: float,
+                     messages: bool = False) -> dict:
+    """{id(compute op): factor}: each compute span of a replay lengthened by ``slowdown`` for the
+    share of it that ran while one of its rank's collectives was in flight (their kernels hold SMs
+    the compute then lacks; a pipeline's point-to-point messages, on a channel or two, are not
+    counted on a GPU — ``messages`` counts them: on a CPU every message takes the cores' time).  One pass: the spans are moved by the
+    lengthening, which a second replay with these factors takes in."""
+    out = {}
+    for r, prog in programs.items():
+        busy = sorted(span for key, span in replayed["comm"].items()
+                      if (messages or key[0] == "c") and r in instances[key].members
+                      and span[1] > span[0])
+        merged: list = []
+        for a, b in busy:
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        segments = (s for s in replayed["ranks"][r]["segments"] if s["kind"] == "compute")
+        for op in (op for op in prog if op.kind == "compute"):
+            seg = next(segments)
+            length = seg["end"] - seg["start"]
+            if length <= 0 or not merged:
+                continue
+            shared = sum(max(0.0, min(b, seg["end"]) - max(a, seg["start"])) for a, b in merged)
+            out[id(op)] = 1.0 + (slowdown - 1.0) * shared / length
     return out
 
 
@@ -620,7 +668,8 @@ def _kernel_compute(summary, spec: ClusterSpec, target: GPTConfig, work: dict, p
     sp = bool((summary.options or {}).get("sequence_parallel"))
     out = {}
     for r, w in work.items():
-        c = rank_compute(target, device, stack, tokens_per_microbatch=micro_batch * target.seq_len,
+        state = state_bytes(target, w.blocks, w.head, w.embed, w.tp, lay.ep)
+        c = rank_compute(target, for_working_set(device, state), stack, tokens_per_microbatch=micro_batch * target.seq_len,
                          micro_batch=micro_batch, microbatches=microbatches, blocks=w.blocks,
                          head=w.head, embed=w.embed, tp=w.tp, cp=lay.cp, sp=sp, ep=lay.ep,
                          opt_params=w.opt_params, precision=precision, recompute=policy,

@@ -138,6 +138,10 @@ def test_a_passing_check_prints_only_its_verdict(capsys):
     # the checker's wrong answers live in tests/answers/lesson00.py
     check("zero_bytes_per_device", zero_right)
     assert capsys.readouterr().out == verdict("zero_bytes_per_device") + "\n"
+    # what a check prints (and nbval's diff shows a student who has not passed) names what was
+    # checked, never the answer: none of the formulas
+    for formula in ("4Ψ", "12Ψ", "14Ψ", "16Ψ", "/N"):
+        assert formula not in verdict("zero_bytes_per_device")
 
 
 def test_other_right_answers_pass_too():

@@ -45,9 +45,15 @@ def test_the_teachers_command_fails_a_blank_check_and_passes_a_solved_one(tmp_pa
     blank, solved = _exercise("lessons"), _exercise("solutions")
     wrong = json.loads(json.dumps(blank))
     wrong["cells"][0]["source"] = "def zero_bytes_per_device(psi, n, stage):\n    return 16 * psi / n"
+    # solved, on a busy machine: a notice on stderr in the check cell is not compared
+    noisy = json.loads(json.dumps(solved))
+    lines = "".join(noisy["cells"][1]["source"]).split("\n", 1)
+    noisy["cells"][1]["source"] = (lines[0] + "\nimport sys; print('minitrain: ranks were slow to "
+                                   "start', file=sys.stderr)\n" + lines[1])
     students = {"00_blank.ipynb": blank, "00_solved.ipynb": solved, "00_wrong.ipynb": wrong,
                 # saved after a failed run: its stored ✗ line is not what nbval expects
                 "00_blank_saved.ipynb": _saved_after(blank, "✗ zero_bytes_per_device: not written yet"),
+                "00_solved_noisy.ipynb": noisy,
                 # saved after a pass: still passes
                 "00_solved_saved.ipynb": _saved_after(solved, verdict("zero_bytes_per_device"))}
     folder = tmp_path / "student"

@@ -485,6 +485,28 @@ def test_ten_thousand_cells_and_a_50_mb_output_are_graded(rows):
 # --------------------------------------------------------------------------------------------------
 
 
+def test_grading_works_with_tmpdir_inside_a_private_folder(tmp_path):
+    """TMPDIR in a folder only its owner can enter (0700): the folders staged for the sandbox's
+    user go where that user can reach them, and the notebook is graded (every notebook was
+    refused with "bwrap: Can't find source path ...: Permission denied" and a chmod of the venv
+    as the fix)."""
+    sealed_or_skip()
+    private = tmp_path / "private"
+    private.mkdir()
+    os.chmod(private, 0o700)
+    folder = tmp_path / "class"
+    folder.mkdir()
+    (folder / "00_a.ipynb").write_text(json.dumps(notebook(SOLVED, CHECK)))
+    out = tmp_path / "gradebook.csv"
+    done = subprocess.run([sys.executable, "-m", "minitrain", "grade", str(folder), "--out",
+                           str(out), "--timeout", "60"], capture_output=True, text=True,
+                          timeout=240, env={**os.environ, "TMPDIR": str(private)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = next(csv.DictReader(out.open()))
+    assert row["status"] == "graded" and row["zero_bytes_per_device"] == "pass", row
+    assert list(private.iterdir()) == []  # nothing left behind
+
+
 def _sigint_default():
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 

@@ -342,6 +342,36 @@ def _uninterrupted():
                 os.kill(os.getpid(), held[0])
 
 
+def _reachable_by_all(path: str) -> bool:
+    """Whether any user can reach into ``path``: it and every folder above it let others pass
+    (o+x)."""
+    import stat
+
+    path = os.path.abspath(path)
+    while True:
+        try:
+            if not os.stat(path).st_mode & stat.S_IXOTH:
+                return False
+        except OSError:
+            return False
+        if path == os.path.dirname(path):
+            return True
+        path = os.path.dirname(path)
+
+
+def _stage_parent() -> str:
+    """Where root stages the folders the sandbox user (nobody) reads: the temporary folder
+    (``TMPDIR``) where nobody can reach it, else the first of /tmp, /var/tmp and /dev/shm that
+    anyone can.  A TMPDIR inside a private folder (0700) would hide the staging from nobody."""
+    for parent in (tempfile.gettempdir(), "/tmp", "/var/tmp", "/dev/shm"):
+        if os.path.isdir(parent) and os.access(parent, os.W_OK) and _reachable_by_all(parent):
+            return parent
+    raise RuntimeError(f"no folder to stage the sandbox's files in that its user can reach: "
+                       f"TMPDIR ({tempfile.gettempdir()}) or a folder above it is private, and "
+                       "so are /tmp, /var/tmp and /dev/shm; point TMPDIR at a folder every user "
+                       "can enter (chmod o+x on it and the folders above it)")
+
+
 # run by root, in a mount namespace of its own: bind each folder Python needs onto a folder that
 # nobody can reach (pairs of source and target, up to "--"), then run the rest
 _STAGE = ('while [ "$#" -gt 0 ] && [ "$1" != -- ]; do mount --bind "$1" "$2" || exit 98; shift 2; '
@@ -381,7 +411,8 @@ class Box:
             if self.sealed:
                 sources = {}
                 if os.geteuid() == 0:  # bind what Python needs onto folders nobody can reach
-                    self.stage = tempfile.mkdtemp(prefix=f"minitrain-stage-{os.getpid()}-")
+                    self.stage = tempfile.mkdtemp(prefix=f"minitrain-stage-{os.getpid()}-",
+                                                  dir=_stage_parent())
                     os.chmod(self.stage, 0o755)
                     mounts = []
                     for n, path in enumerate(_needed()):

@@ -53,14 +53,16 @@
     CPU's largest cache gets the second; scaled_dot_product_attention by sequence and head size;
     LayerNorm, GeLU and an add at two sizes; a trivial op's dispatch), and the compute that
     overlaps communication slowed as measured beside it (clusters._beside_communication: gloo's
-    thread and the loopback's system calls take the same cores), under the "sdpa" stack (the
+    thread and the loopback's system calls take the same cores) for the part of each message's
+    time that grows with its bytes (its copies; not its latency), under the "sdpa" stack (the
     course's GPT: scaled_dot_product_attention, one-kernel LayerNorm and GeLU) — against its
     measured step, within 20 %.  What it took, each a microbenchmark, none fitted: attention at
     its own measured rate (the GEMM rate of its size made it 3x too fast), GeLU at its own (an erf
     per element: a third of a copy's bandwidth), the cold GEMM grid (single runs of the 8x256 GPT
     0.80-0.87 before, 0.97-1.00 after), the ranks' rates averaged rather than the least of each
     point (a best-of-three timing on shared cores), and the slowdown beside communication (1.5-2.1
-    measured on 2 ranks; multi-rank runs 0.72-0.80 before, 0.83-1.13 after).
+    measured on 2 ranks; multi-rank runs 0.72-0.80 before, 0.84-1.08 after, zero3 1.16-1.26
+    until only the bytes' share of a message's time counted).
 
     python benchmarks/projection_bench.py [--steps 10] [--only a|b|c|d]
 

@@ -352,6 +352,11 @@ class _Pricing:
             return float(self.spec.calibration.get("overlap_slowdown") or 1.0)
         return self.stack.overlap_slowdown(self.spec.device.kernels)
 
+    def bytes_share(self, inst: Instance) -> float:
+        """The share of ``inst``'s time that grows with its bytes (its β part, not its α)."""
+        full = self.cost(inst)
+        return 1.0 - self.cost(replace(inst, bytes=0.0)) / full if full > 0 else 0.0
+
     def cost(self, inst: Instance) -> float:
         n = len(inst.members) if inst.op in ("send", "recv") else self.degrees.get(
             _axis_of(inst, self.axes), len(inst.members))
@@ -391,7 +396,9 @@ def _replay_step(programs, events, window, scale: Scaler, pricing: _Pricing) -> 
     slowdown = pricing.overlap_slowdown()
     if slowdown > 1.0:  # the compute that overlapped communication, on the SMs NCCL left it
         stretch = _overlap_stretch(programs, instances, out, slowdown,
-                                   messages=not pricing.spec.accelerator)
+                                   messages=not pricing.spec.accelerator,
+                                   busy=None if pricing.spec.accelerator else
+                                   (lambda key: pricing.bytes_share(instances[key])))
         out = replay(programs, instances, pricing.cost,
                      lambda r, op: compute(r, op) * stretch.get(id(op), 1.0),
                      issue_cost=not pricing.spec.accelerator, start=offsets)
@@ -401,31 +408,28 @@ def _replay_step(programs, events, window, scale: Scaler, pricing: _Pricing) -> 
 
 
 def _overlap_stretch(programs, instances: dict, replayed: dict, slowdown: float,
-                     messages: bool = False) -> dict:
+                     messages: bool = False, busy=None) -> dict:
     """{id(compute op): factor}: each compute span of a replay lengthened by ``slowdown`` for the
     share of it that ran while one of its rank's collectives was in flight (their kernels hold SMs
     the compute then lacks; a pipeline's point-to-point messages, on a channel or two, are not
-    counted on a GPU — ``messages`` counts them: on a CPU every message takes the cores' time).  One pass: the spans are moved by the
-    lengthening, which a second replay with these factors takes in."""
+    counted on a GPU — ``messages`` counts them: on a CPU every message takes the cores' time).
+    ``busy(key)``: the share of a communication's time that takes the compute's resources (on a
+    CPU, the part of its time that grows with its bytes: the copies, not the latency; default
+    all).  One pass: the spans are moved by the lengthening, which a second replay with these
+    factors takes in."""
     out = {}
     for r, prog in programs.items():
-        busy = sorted(span for key, span in replayed["comm"].items()
-                      if (messages or key[0] == "c") and r in instances[key].members
-                      and span[1] > span[0])
-        merged: list = []
-        for a, b in busy:
-            if merged and a <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], b)
-            else:
-                merged.append([a, b])
+        spans = [(a, b, busy(key) if busy else 1.0) for key, (a, b) in replayed["comm"].items()
+                 if (messages or key[0] == "c") and r in instances[key].members and b > a]
         segments = (s for s in replayed["ranks"][r]["segments"] if s["kind"] == "compute")
         for op in (op for op in prog if op.kind == "compute"):
             seg = next(segments)
             length = seg["end"] - seg["start"]
-            if length <= 0 or not merged:
+            if length <= 0 or not spans:
                 continue
-            shared = sum(max(0.0, min(b, seg["end"]) - max(a, seg["start"])) for a, b in merged)
-            out[id(op)] = 1.0 + (slowdown - 1.0) * shared / length
+            shared = sum(w * max(0.0, min(b, seg["end"]) - max(a, seg["start"]))
+                         for a, b, w in spans)
+            out[id(op)] = 1.0 + (slowdown - 1.0) * min(shared, length) / length
     return out
 
 

@@ -682,6 +682,27 @@ def test_a_pipeline_projection_reports_its_bubble_and_redraws_its_timeline(clust
     assert 0 < summary["bubble"] < 1
 
 
+def test_a_stack_that_overlaps_tensor_parallel_communication_hides_it(clusters):
+    """The "flash" stack's tp_overlap: each tensor-parallel all-reduce runs beside the compute
+    after it (Megatron's --tp-comm-overlap), on the SMs NCCL leaves; without it (the same stack
+    but tp_overlap off) each is waited for where it was issued."""
+    run = train(strategy="tensor", world_size=2, steps=2, batch_size=8, cluster=clusters(2),
+                record_events=True)
+    on = project(run, "dgx-h100", "1.3b", degrees={"tp": 8}, stack="flash")
+    off = project(run, "dgx-h100", "1.3b", degrees={"tp": 8},
+                  stack=replace(STACKS["flash"], tp_overlap=False))
+    assert on.exposed_comm_s < 0.5 * off.exposed_comm_s
+    assert on.step_time_s < off.step_time_s and on.hidden_comm_share > off.hidden_comm_share
+    assert on.compute_s > off.compute_s  # the overlapped compute ran on fewer SMs
+    parts = on.compute_s + on.exposed_comm_s + on.bubble_s + on.idle_s
+    assert parts == pytest.approx(on.step_time_s)
+    # on this machine's CPU (measured compute) nothing is moved
+    local = train(strategy="tensor", world_size=2, steps=2, batch_size=8, cluster=clusters(2),
+                  project="local")
+    assert project(local, "local", stack="flash").step_time_s == pytest.approx(
+        project(local, "local", stack=replace(STACKS["flash"], tp_overlap=False)).step_time_s)
+
+
 def test_even_gives_a_pipelines_equal_micro_batches_equal_time(clusters):
     """even=True: every forward of a rank gets the same share of its FLOPs (equal micro-batches),
     so on the cluster the first stage's forwards take the same time; the ranks' compute is kept."""

@@ -352,6 +352,12 @@ class _Pricing:
             return float(self.spec.calibration.get("overlap_slowdown") or 1.0)
         return self.stack.overlap_slowdown(self.spec.device.kernels)
 
+    def tp_overlap(self) -> bool:
+        """Whether the tensor-parallel collectives run beside the compute that follows them (a
+        stack with ``tp_overlap``, its compute modelled on GPUs)."""
+        return (self.mode == "model" and bool(self.kernels) and self.spec.accelerator
+                and self.stack.tp_overlap and "tp" in self.axes.values())
+
     def bytes_share(self, inst: Instance) -> float:
         """The share of ``inst``'s time that grows with its bytes (its β part, not its α)."""
         full = self.cost(inst)
@@ -387,6 +393,8 @@ def _replay_step(programs, events, window, scale: Scaler, pricing: _Pricing) -> 
             if old is None or nbytes > old.bytes:
                 instances[key] = Instance(e["op"], members, nbytes, repeat, e["group"], e["tag"])
     drop_unmatched(programs, instances)
+    if pricing.tp_overlap():
+        programs = _tp_overlapped(programs, instances, pricing.axes)
     first = min(w[0] for w in window.values())
     offsets = ({r: w[0] - first for r, w in window.items()} if pricing.mode == "measured"
                else None)
@@ -404,6 +412,29 @@ def _replay_step(programs, events, window, scale: Scaler, pricing: _Pricing) -> 
                      issue_cost=not pricing.spec.accelerator, start=offsets)
     out["instances"], out["window"] = instances, window
     out["measured"] = max(w[1] for w in window.values()) - first
+    return out
+
+
+def _tp_overlapped(programs: dict, instances: dict, axes: dict) -> dict:
+    """``programs`` with each tensor-parallel collective that the rank waited for at once waited
+    for only after the compute span that follows it: the collective runs beside that compute,
+    as Megatron-LM's --tp-comm-overlap and PyTorch's asynchronous tensor parallelism run it
+    (the GEMM split into chunks, each chunk's communication beside the next chunk's product)."""
+    out = {}
+    for r, prog in programs.items():
+        ops, i = [], 0
+        while i < len(prog):
+            op = prog[i]
+            if (op.kind == "issue" and op.key[0] == "c" and i + 2 < len(prog)
+                    and prog[i + 1].kind == "wait" and prog[i + 1].key == op.key
+                    and prog[i + 2].kind == "compute"
+                    and _axis_of(instances[op.key], axes) == "tp"):
+                ops += [op, prog[i + 2], prog[i + 1]]
+                i += 3
+                continue
+            ops.append(op)
+            i += 1
+        out[r] = ops
     return out
 
 

@@ -157,8 +157,8 @@ MEDIAN_LIMIT = 0.10
 #: a pipeline of more stages than this is not recorded: its run would need too many ranks for
 #: this machine (pp x tp 2 x dp 2)
 MAX_PP = 16
-#: nor a run of more ranks than this
-MAX_RANKS = 32
+#: nor a run of more ranks than this (48: BLOOM's dp 2 x tp 2 x pp 12, about 70 s to record here)
+MAX_RANKS = 48
 #: optimizer steps each recorded run takes: the first is warm-up, the other two are replayed
 PUBLISHED_STEPS = 3
 
@@ -270,6 +270,9 @@ def _plan(row) -> tuple[dict | None, str]:
                      "not 2.04)")
     if "500W" in row["gpu"]:
         notes.append("torchtitan's H100s are 500 W HBM2e parts, the preset an SXM5 at 700 W")
+    if row["independent_group"].startswith("BigScience"):
+        notes.append("Jean Zay's Omni-Path priced as the preset's InfiniBand; BLOOM's ALiBi and "
+                     "embedding LayerNorm priced as GPT-2's learned positions")
     if row["independent_group"].startswith("MosaicML"):
         notes.append("MPT priced as GPT-2 (learned positions, biases); MPT has ALiBi, no biases")
     return dict(strategy=strategy, world_size=world, batch_size=batch, options=options,

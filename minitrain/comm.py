@@ -210,7 +210,8 @@ _inside = threading.local()
 
 
 class _TracedWork:
-    """Wraps an async ``Work`` handle; the event is recorded once, when it is waited on.
+    """Wraps an async ``Work`` handle, waited on once however often ``wait()`` is called; the
+    event is recorded then.
 
     Its end time is when the op really completed where the backend tells (collectives: the work's
     future), else when it was waited on (gloo's point-to-point) — so timelines show true overlap.
@@ -231,7 +232,10 @@ class _TracedWork:
     def wait(self):
         if self.wait_start is None:
             self.wait_start = time.perf_counter()
-        if self._work is not None:
+        if self._work is not None and not self._done:
+            # the backend's handle is waited on once: gloo's reduce-scatter copies its result
+            # into the output at every wait(), which would undo what was done to the output
+            # after the first (NCCL's would not) — so the same code runs alike on both
             self._work.wait()
         if not self._done:
             self._done = True

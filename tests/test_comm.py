@@ -151,3 +151,22 @@ def test_ring_model_bytes():
     assert ring_sent_bytes("reduce", 10, 4, rank=0, root=0) == 0
     with pytest.raises(ValueError, match="unknown op"):
         ring_sent_bytes("alltoall", 10, 2)
+
+
+def _waited_twice():
+    comm = Comm()
+    out = torch.zeros(2)
+    work = comm.reduce_scatter(out, torch.ones(2 * comm.size) * (comm.rank + 1), async_op=True)
+    work.wait()
+    first = out.tolist()
+    out.div_(2)  # what is done to the output after the wait stays
+    work.wait()
+    return first, out.tolist()
+
+
+def test_a_handle_waited_on_twice_leaves_what_was_done_after_the_first_wait(clusters):
+    """gloo's reduce-scatter copies its result into the output at every wait() of torch's handle
+    (NCCL's does not): Comm's handle waits on it once, so code that changes the output after its
+    wait (a ZeRO-2 end_of_backward) runs alike on CPUs and GPUs."""
+    for first, after in clusters(2).run(_waited_twice):
+        assert first == [3.0, 3.0] and after == [1.5, 1.5]

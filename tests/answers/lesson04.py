@@ -292,6 +292,15 @@ def z2_end_of_backward_if_launched(buckets):
             bucket.work.wait()
 
 
+def z2_end_dividing_again(buckets):
+    """Waits, then divides each shard by N once more (grad_ready already did): a second wait by
+    the strategy once put gloo's result back, so it trained right on CPUs and wrong on GPUs."""
+    n = __import__("torch.distributed").distributed.get_world_size()
+    for bucket in buckets:
+        bucket.work.wait()
+        bucket.grad_shard.div_(n)
+
+
 def z2_on_the_last_view(bucket, i, grad, comm):
     torch.mul(grad, 1.0 / comm.size, out=bucket.views[i])
     if i == len(bucket.views) - 1:
@@ -315,6 +324,7 @@ ANSWERS = {
         ((z2_fill_only, z2_launch_at_the_end), "nothing overlapped: all 7 reduce-scatters started after backward ended"),
         ((z2_grad_ready, z2_never_waits), "reduce-scatter was launched but never waited for"),
         ((z2_on_the_last_view, z2_end_of_backward), "do not wait for one particular view"),
+        ((z2_grad_ready, z2_end_dividing_again), "divided by N = 2 once more"),
         ((z2_only_rank_0_scatters, z2_end_of_backward_if_launched),
          "(line 4 of your z2_end_of_backward_if_launched: bucket.work.wait())"),
     ]),

@@ -193,6 +193,10 @@ def _shard_values(zero, reference, where, n, r) -> str | None:
             return (f"{where}: bucket {zero.buckets.index(b)}'s gradient shard is N = {n} times the "
                     "mean (the sum over the ranks): the reduce-scatter sums, so divide each "
                     "gradient by comm.size as you put it in its bucket")
+        if n > 1 and torch.allclose(got * n, want, rtol=1e-4, atol=1e-7):
+            return (f"{where}: bucket {zero.buckets.index(b)}'s gradient shard is the mean "
+                    f"divided by N = {n} once more: each gradient is divided once, as it goes "
+                    "into its bucket; after the wait the shard is the mean already")
         if not torch.allclose(got, want, rtol=1e-4, atol=1e-7):
             full = b.layout.flatten([grads[id(p)] for p in b.layout.params])
             size = hi - lo

@@ -56,13 +56,9 @@
     thread and the loopback's system calls take the same cores) for the part of each message's
     time that grows with its bytes (its copies; not its latency), under the "sdpa" stack (the
     course's GPT: scaled_dot_product_attention, one-kernel LayerNorm and GeLU) — against its
-    measured step, within 20 %.  What it took, each a microbenchmark, none fitted: attention at
-    its own measured rate (the GEMM rate of its size made it 3x too fast), GeLU at its own (an erf
-    per element: a third of a copy's bandwidth), the cold GEMM grid (single runs of the 8x256 GPT
-    0.80-0.87 before, 0.97-1.00 after), the ranks' rates averaged rather than the least of each
-    point (a best-of-three timing on shared cores), and the slowdown beside communication (1.5-2.1
-    measured on 2 ranks; multi-rank runs 0.72-0.80 before, 0.84-1.08 after, zero3 1.16-1.26
-    until only the bytes' share of a message's time counted).
+    measured step, within 20 %.  Each rate is the median of three timings (a step runs at the
+    machine's typical speed, not at its quietest moment); the ranks' rates are averaged.  Run
+    it on an otherwise idle machine: its steps are timed here, and (b) runs last for that reason.
 
     python benchmarks/projection_bench.py [--steps 10] [--only a|b|c|d]
 

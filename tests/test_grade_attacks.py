@@ -487,9 +487,8 @@ def test_ten_thousand_cells_and_a_50_mb_output_are_graded(rows):
 
 def test_grading_works_with_tmpdir_inside_a_private_folder(tmp_path):
     """TMPDIR in a folder only its owner can enter (0700): the folders staged for the sandbox's
-    user go where that user can reach them, and the notebook is graded (every notebook was
-    refused with "bwrap: Can't find source path ...: Permission denied" and a chmod of the venv
-    as the fix)."""
+    user go where that user can reach them, and the notebook is graded (staged under TMPDIR,
+    bubblewrap could not read them: "Can't find source path ...: Permission denied")."""
     sealed_or_skip()
     private = tmp_path / "private"
     private.mkdir()

@@ -462,7 +462,7 @@ def _beside_communication(n: int, messages: int = 12, size: int = 1 << 20) -> fl
 def _ranks_mean(kernels: dict, n: int) -> dict:
     """Every rank's kernel calibration reduced to one the replay prices every rank by: each
     rate the ranks' harmonic mean (a kernel's time, the mean of theirs), the per-op overheads
-    their mean.  A mean, not the least rate point by point: each point is a best-of-few timing on
+    their mean.  A mean, not the least rate point by point: each point is a few timings on
     cores the ranks share, and the least of them at every point is a slower machine than any rank
     ran on (the replay's waits already make the step the slowest rank's)."""
     import torch

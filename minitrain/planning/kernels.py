@@ -534,17 +534,10 @@ def _grid_rate(grid: tuple, m: int, n: int, k: int) -> float:
     shape lets it be — a thin one is slower than a square one of the same FLOPs."""
     axes = [sorted({p[i] for p in grid}) for i in range(3)]
     rate = {tuple(p[:3]): p[3] for p in grid}
-    corners = []
-    for values, x in zip(axes, (m, n, k)):
-        x = min(max(x, values[0]), values[-1])
-        hi = next(i for i, v in enumerate(values) if v >= x)
-        lo = max(0, hi - 1) if values[hi] > x else hi
-        w = 0.0 if lo == hi else math.log(x / values[lo]) / math.log(values[hi] / values[lo])
-        corners.append(((values[lo], 1 - w), (values[hi], w)))
     out = 0.0
-    for (a, wa) in corners[0]:
-        for (b, wb) in corners[1]:
-            for (c, wc) in corners[2]:
+    for a, wa in _log_weights(axes[0], m):
+        for b, wb in _log_weights(axes[1], n):
+            for c, wc in _log_weights(axes[2], k):
                 out += wa * wb * wc * math.log(rate[a, b, c])
     return math.exp(out)
 
@@ -572,12 +565,17 @@ def _log_weights(values: list, x: float) -> list:
     return [(values[hi - 1], 1 - w), (values[hi], w)]
 
 
+def _run_as(k: Kernel) -> str:
+    """The phase whose measured rate a kernel runs at: a recomputed kernel is a forward again."""
+    return "forward" if k.phase == "recompute" else k.phase
+
+
 def _op_bandwidth(device: DeviceKernels, k: Kernel) -> float:
     """A memory-bound kernel's bytes/s: on a CPU that measured its op, that op's rate at its
     size (bytes per launch, interpolated in log(bytes)); else the achievable bandwidth."""
     if k.op and device.op_rates:
         curve = sorted((b, r) for op, phase, b, r in device.op_rates
-                       if op == k.op and phase == ("forward" if k.phase == "recompute" else k.phase))
+                       if op == k.op and phase == _run_as(k))
         if curve:
             return _interpolate(curve, k.bytes / k.launches)
     return device.achievable_bandwidth
@@ -619,12 +617,10 @@ def kernel_seconds(k: Kernel, device: DeviceKernels, precision: str = "bf16-mixe
         m, n, kk = k.shape
         work = gemm(device, m, n, kk, k.batch, precision)
     elif k.kind == "attention" and device.flash:
-        phase = "forward" if k.phase == "recompute" else k.phase  # a forward, run again
-        work = max(k.flops / _flash_rate(device, k.impl or "flash2", phase, k.seq, precision),
+        work = max(k.flops / _flash_rate(device, k.impl or "flash2", _run_as(k), k.seq, precision),
                    k.bytes / device.achievable_bandwidth)
     elif k.kind == "attention" and device.attention_grid and k.head_dim:
-        phase = "forward" if k.phase == "recompute" else k.phase
-        work = k.flops / _attention_rate(device.attention_grid, phase, k.seq, k.head_dim)
+        work = k.flops / _attention_rate(device.attention_grid, _run_as(k), k.seq, k.head_dim)
     elif k.kind == "attention":  # a CPU not measured so: the fused kernel at its size's GEMM rate
         work = k.flops / _cpu_rate(device, k.flops / k.launches)
     else:
@@ -883,12 +879,11 @@ def calibrate_kernels(repeats: int = 3) -> dict:
     for m, n, k in [(s, s, s) for s in (32, 64, 128, 256, 512)] + [(1, 512, 512), (2048, 64, 64)]:
         a, b = torch.randn(m, k), torch.randn(k, n)
         gemm.append((2.0 * m * n * k, 2.0 * m * n * k / _typical_time(lambda: a @ b, repeats)))
-    shapes = []
-    for m in GRID:
-        for n in GRID:
-            for k in GRID:
-                a, b = torch.randn(m, k), torch.randn(k, n)
-                shapes.append((m, n, k, 2.0 * m * n * k / _typical_time(lambda: a @ b, repeats)))
+    def cached(m, n, k):
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        return lambda: a @ b
+
+    shapes = _shape_grid(cached, repeats)
     cache = cache_bytes()
     cold = _cold_grid(repeats, cache) if cache else []
     src = torch.randn(2 << 20)  # 8 MB of fp32
@@ -928,26 +923,31 @@ def calibrate_kernels(repeats: int = 3) -> dict:
             "attention": _calibrate_attention(repeats, overhead)}
 
 
+def _shape_grid(product, repeats: int) -> list:
+    """[(m, n, k, FLOP/s), ...] for every m×n×k of :data:`GRID`; ``product(m, n, k)`` returns the
+    call that multiplies an m×k by a k×n matrix."""
+    return [(m, n, k, 2.0 * m * n * k / _typical_time(product(m, n, k), repeats))
+            for m in GRID for n in GRID for k in GRID]
+
+
 def _cold_grid(repeats: int, cache: float) -> list:
-    """[(m, n, k, FLOP/s), ...] on :data:`GRID` with every product's operands taken in turn from
-    a buffer twice the cache's size (at most 128 MB), so each call reads them from memory."""
+    """:func:`_shape_grid` with every product's operands taken in turn from a buffer twice the
+    cache's size (at most 128 MB), so each call reads them from memory."""
     import torch
 
     pool = torch.full((int(min(max(2 * cache, 16 << 20), 128 << 20)) // 4,), 0.5)
-    out = []
-    for m in GRID:
-        for n in GRID:
-            for k in GRID:
-                size = m * k + k * n
-                slots, turn = max(1, pool.numel() // size), [0]
 
-                def product():
-                    at = (turn[0] % slots) * size
-                    turn[0] += 1
-                    return pool[at:at + m * k].view(m, k) @ pool[at + m * k:at + size].view(k, n)
+    def rotating(m, n, k):
+        size = m * k + k * n
+        slots, turn = max(1, pool.numel() // size), [0]
 
-                out.append((m, n, k, 2.0 * m * n * k / _typical_time(product, repeats)))
-    return out
+        def product():
+            at = (turn[0] % slots) * size
+            turn[0] += 1
+            return pool[at:at + m * k].view(m, k) @ pool[at + m * k:at + size].view(k, n)
+        return product
+
+    return _shape_grid(rotating, repeats)
 
 
 #: The elementwise ops a CPU calibration times (:func:`_calibrate_ops`), by the name a memory-bound

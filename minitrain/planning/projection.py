@@ -403,10 +403,10 @@ def _replay_step(programs, events, window, scale: Scaler, pricing: _Pricing) -> 
                  issue_cost=not pricing.spec.accelerator, start=offsets)
     slowdown = pricing.overlap_slowdown()
     if slowdown > 1.0:  # the compute that overlapped communication, on the SMs NCCL left it
+        busy = None if pricing.spec.accelerator else {
+            key: pricing.bytes_share(inst) for key, inst in instances.items()}
         stretch = _overlap_stretch(programs, instances, out, slowdown,
-                                   messages=not pricing.spec.accelerator,
-                                   busy=None if pricing.spec.accelerator else
-                                   (lambda key: pricing.bytes_share(instances[key])))
+                                   messages=not pricing.spec.accelerator, busy=busy)
         out = replay(programs, instances, pricing.cost,
                      lambda r, op: compute(r, op) * stretch.get(id(op), 1.0),
                      issue_cost=not pricing.spec.accelerator, start=offsets)
@@ -444,13 +444,13 @@ def _overlap_stretch(programs, instances: dict, replayed: dict, slowdown: float,
     share of it that ran while one of its rank's collectives was in flight (their kernels hold SMs
     the compute then lacks; a pipeline's point-to-point messages, on a channel or two, are not
     counted on a GPU — ``messages`` counts them: on a CPU every message takes the cores' time).
-    ``busy(key)``: the share of a communication's time that takes the compute's resources (on a
+    ``busy``: {key: the share of a communication's time that takes the compute's resources} (on a
     CPU, the part of its time that grows with its bytes: the copies, not the latency; default
     all).  One pass: the spans are moved by the lengthening, which a second replay with these
     factors takes in."""
     out = {}
     for r, prog in programs.items():
-        spans = [(a, b, busy(key) if busy else 1.0) for key, (a, b) in replayed["comm"].items()
+        spans = [(a, b, busy[key] if busy else 1.0) for key, (a, b) in replayed["comm"].items()
                  if (messages or key[0] == "c") and r in instances[key].members and b > a]
         segments = (s for s in replayed["ranks"][r]["segments"] if s["kind"] == "compute")
         for op in (op for op in prog if op.kind == "compute"):

@@ -13,8 +13,8 @@ Clusters of Workstations"; Li et al., 2020, "PyTorch Distributed").
 from __future__ import annotations
 
 import itertools
+import os
 import threading
-import time
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -23,8 +23,14 @@ from functools import cached_property
 import torch
 import torch.distributed as dist
 
+from .device import group_device, now, taint_of
+
+#: The environment variable that sends every point-to-point message with tag 0 (see
+#: :meth:`Comm.wire_tag`).
+P2P_TAG0_ENV = "MINITRAIN_P2P_TAG0"
+
 __all__ = ["Event", "Tracer", "Comm", "ring_all_reduce", "backend_all_reduce", "all_reduce_coalesced",
-           "ring_sent_bytes", "loopback_tx_bytes", "written_bytes"]
+           "ring_sent_bytes", "loopback_tx_bytes", "written_bytes", "P2P_TAG0_ENV"]
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the first names.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -136,7 +142,7 @@ class Tracer:
 
     events: list[Event] = field(default_factory=list)
     enabled: bool = True
-    t0: float = field(default_factory=time.perf_counter)
+    t0: float = field(default_factory=now)
     #: while ``recording`` (:func:`minitrain.planning.recording.recording` sets it, for the
     #: projection): (time, kind, value) marks — "step"/"step_end" around each training step, and the
     #: forwards', backwards' and optimizer steps' edges — and the calls made through
@@ -162,13 +168,13 @@ class Tracer:
     def mark(self, kind: str, value=None) -> None:
         """Note an instant (a step's start, an optimizer step's end...) while recording."""
         if self.recording and self.enabled:
-            self.marks.append((time.perf_counter(), kind, value))
+            self.marks.append((now(), kind, value))
 
     def clear(self) -> None:
         self.events.clear()
         self.marks.clear()
         self.untraced.clear()
-        self.t0 = time.perf_counter()
+        self.t0 = now()
 
     def export(self) -> dict:
         """Everything recorded, as plain data (what :mod:`minitrain.planning.projection` replays)."""
@@ -213,25 +219,29 @@ class _TracedWork:
     """Wraps an async ``Work`` handle, waited on once however often ``wait()`` is called; the
     event is recorded then.
 
-    Its end time is when the op really completed where the backend tells (collectives: the work's
-    future), else when it was waited on (gloo's point-to-point) — so timelines show true overlap.
+    Its end time is when the op really completed where the backend tells (gloo's collectives: the
+    work's future completes when the data has arrived), else when it was waited on (gloo's
+    point-to-point; NCCL, whose futures complete when the work is queued, and whose ``wait()``
+    makes the current stream wait: :func:`minitrain.device.now` then reads the time the
+    collective was done) — so timelines show true overlap.
     """
 
-    def __init__(self, work, on_done):
+    def __init__(self, work, on_done, host_future: bool = True):
         self._work, self._on_done, self._done, self._end = work, on_done, False, None
         self.end: float | None = None  # when the op completed, once waited on
         self.wait_start: float | None = None  # when wait() was first called
-        try:
-            work.get_future().add_done_callback(self._completed)
-        except (AttributeError, RuntimeError):
-            pass
+        if host_future:
+            try:
+                work.get_future().add_done_callback(self._completed)
+            except (AttributeError, RuntimeError):
+                pass
 
     def _completed(self, _fut) -> None:
-        self._end = time.perf_counter()
+        self._end = now()
 
     def wait(self):
         if self.wait_start is None:
-            self.wait_start = time.perf_counter()
+            self.wait_start = now()
         if self._work is not None and not self._done:
             # the backend's handle is waited on once: gloo's reduce-scatter copies its result
             # into the output at every wait(), which would undo what was done to the output
@@ -239,7 +249,7 @@ class _TracedWork:
             self._work.wait()
         if not self._done:
             self._done = True
-            returned = time.perf_counter()
+            returned = now()
             self.end = self._end if self._end is not None else returned
             self._on_done(self.end, self.wait_start, returned)
         return True
@@ -270,6 +280,8 @@ class Comm:
         self.size = dist.get_world_size(group)
         self.ranks = tuple(range(dist.get_world_size()) if group is None
                            else dist.get_process_group_ranks(group))
+        #: where this group's tensors must live: the rank's GPU under NCCL, else the CPU
+        self.device = group_device(group)
 
     def sub(self, group, name: str) -> "Comm":
         """A communicator over ``group`` that records into the same tracer."""
@@ -295,47 +307,119 @@ class Comm:
 
     # -- recording ----------------------------------------------------------------------------------
 
-    def _traced(self, op, nbytes, call, *, peer=None, root=0, async_op=False, tag="", channel=0):
-        start = time.perf_counter()
-        sent = ring_sent_bytes(op, nbytes, self.size, self.rank, root)
-        ident = self.tracer.next_id()
-        returned = [None]
+    def _check(self, op: str, *tensors: torch.Tensor) -> None:
+        """Every tensor of a call is on this group's device, and none was made without one
+        (:class:`minitrain.device.HostTaint`, a CPU test mode): on NCCL a CPU tensor would stop
+        the run."""
+        for t in tensors:
+            if t.device.type != self.device.type:
+                raise ValueError(
+                    f"{op} on group {self.name!r}: a tensor on {t.device}, but this group's "
+                    f"backend runs on {self.device.type}; make it with device=comm.device (or "
+                    f".to(comm.device) first)")
+            where = taint_of(t)
+            if where is not None:
+                from .device import HostTensorError
+                raise HostTensorError(
+                    f"{op} on group {self.name!r}: the tensor was made without a device ({where}); "
+                    "on a GPU it would be a CPU tensor handed to NCCL; give its factory "
+                    "device=comm.device")
 
-        def done(end, wait_start=None, wait_end=None):
+    def _record(self, op, nbytes, *, peer=None, root=0, async_op=False, tag="", channel=0,
+                sent=None):
+        """The start of a traced call: returns ``done(end, wait_start, wait_end, returned)``,
+        which records its event."""
+        start = now()
+        if sent is None:
+            sent = ring_sent_bytes(op, nbytes, self.size, self.rank, root)
+        ident = self.tracer.next_id()
+
+        def done(end, wait_start=None, wait_end=None, returned=None):
             self.tracer.record(Event(
                 op=op, bytes=nbytes, sent_bytes=sent, start=start, end=end, peer=peer, id=ident,
                 group=self.name if self.traced else "untraced",
                 tag=tag or ("" if self.traced else "untraced"), async_op=async_op,
-                returned=returned[0], wait_start=wait_start, wait_end=wait_end, ranks=self.ranks,
+                returned=returned, wait_start=wait_start, wait_end=wait_end, ranks=self.ranks,
                 channel=channel, root=root, traced=self.traced))
+        return done
 
+    def _traced(self, op, nbytes, call, *, peer=None, root=0, async_op=False, tag="", channel=0,
+                tensors=(), sent=None):
+        self._check(op, *tensors)
+        done = self._record(op, nbytes, peer=peer, root=root, async_op=async_op, tag=tag,
+                            channel=channel, sent=sent)
         _inside.depth = getattr(_inside, "depth", 0) + 1  # what the calls below do is this event
         try:
             work = call()
         finally:
             _inside.depth -= 1
         if async_op:
-            returned[0] = time.perf_counter()
-            return _TracedWork(work, done)
-        done(time.perf_counter())
+            returned = now()
+            return _TracedWork(work, lambda end, ws, we: done(end, ws, we, returned),
+                               host_future=self.device.type == "cpu")
+        done(now())
         return None
 
     # -- point to point -----------------------------------------------------------------------------
 
+    def wire_tag(self, channel: int) -> int:
+        """The tag a message on ``channel`` goes with.  NCCL ignores tags: it matches a pair's
+        messages in the order they were posted.  ``MINITRAIN_P2P_TAG0=1`` sends every message
+        with tag 0, so that gloo matches the same way and a CPU run shows what NCCL would do."""
+        return 0 if os.environ.get(P2P_TAG0_ENV, "") not in ("", "0") else channel
+
+    def exchange(self, sends=(), recvs=(), tag: str = "") -> list:
+        """Post point-to-point sends and receives together, as one batch
+        (``torch.distributed.batch_isend_irecv``): ``sends`` and ``recvs`` are ``(tensor, peer)``
+        or ``(tensor, peer, channel)`` with group ranks.  Returns one handle per message, sends
+        first; ``wait()`` each.
+
+        NCCL runs a pair's messages in the order they were posted, on one stream: a rank that
+        sends and then receives waits for its peer to receive first, and two peers that both send
+        first wait for each other once a message outgrows NCCL's buffers.  Posted as one batch,
+        the sends and receives run together, so every exchange in the package goes through
+        here."""
+        items = [("send", *m) for m in sends] + [("recv", *m) for m in recvs]
+        if not items:
+            return []
+        ops, dones = [], []
+        for kind, t, peer, *rest in items:
+            channel = rest[0] if rest else 0
+            self._check(kind, t)
+            ops.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, t,
+                                  self.global_rank(peer), self.group, self.wire_tag(channel)))
+            dones.append(self._record(kind, _nbytes(t), peer=peer, async_op=True, tag=tag,
+                                      channel=channel))
+        _inside.depth = getattr(_inside, "depth", 0) + 1
+        try:
+            works = dist.batch_isend_irecv(ops)
+        finally:
+            _inside.depth -= 1
+        returned = now()
+        host = self.device.type == "cpu"
+        return [_TracedWork(w, (lambda d: lambda end, ws, we: d(end, ws, we, returned))(d),
+                            host_future=host) for w, d in zip(works, dones)]
+
     def send(self, tensor: torch.Tensor, dst: int, tag: str = "", channel: int = 0) -> None:
-        """Blocking send to group rank ``dst``.  ``channel`` is the wire tag: a receive on one
-        channel never matches a message sent on another (``tag`` is only the trace's label)."""
+        """Blocking send to group rank ``dst``.  ``channel`` is the wire tag (see
+        :meth:`wire_tag`); ``tag`` is only the trace's label.  The package's own exchanges use
+        :meth:`exchange`; this and :meth:`recv`, :meth:`isend`, :meth:`irecv` are MPI's calls, as
+        a learner writes them."""
         self._traced("send", _nbytes(tensor), lambda: dist.send(
-            tensor, self.global_rank(dst), group=self.group, tag=channel), peer=dst, tag=tag,
-            channel=channel)
+            tensor, self.global_rank(dst), group=self.group, tag=self.wire_tag(channel)),
+            peer=dst, tag=tag, channel=channel, tensors=(tensor,))
 
     def recv(self, tensor: torch.Tensor, src: int | None, tag: str = "", channel: int = 0) -> int:
         """Blocking receive from group rank ``src`` — or, with ``src=None``, from whichever rank's
-        message on ``channel`` comes first (a parameter server's inbox).  Returns the sender."""
+        message on ``channel`` comes first (a parameter server's inbox; gloo only: NCCL has no
+        receive from any source).  Returns the sender."""
+        if src is None and self.device.type != "cpu":
+            raise ValueError("a receive from any source (src=None) needs gloo: NCCL matches a "
+                             "message only with a named sender; name src, or run on gloo")
         sender = []
         self._traced("recv", _nbytes(tensor), lambda: sender.append(dist.recv(
             tensor, None if src is None else self.global_rank(src), group=self.group,
-            tag=channel)), peer=src, tag=tag, channel=channel)
+            tag=self.wire_tag(channel))), peer=src, tag=tag, channel=channel, tensors=(tensor,))
         got = sender[0] if sender and sender[0] is not None and sender[0] >= 0 else src
         if src is None and self.group is not None:
             got = dist.get_group_rank(self.group, got)
@@ -345,30 +429,31 @@ class Comm:
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: str = "", channel: int = 0):
         return self._traced("send", _nbytes(tensor), lambda: dist.isend(
-            tensor, self.global_rank(dst), group=self.group, tag=channel), peer=dst,
-            async_op=True, tag=tag, channel=channel)
+            tensor, self.global_rank(dst), group=self.group, tag=self.wire_tag(channel)),
+            peer=dst, async_op=True, tag=tag, channel=channel, tensors=(tensor,))
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: str = "", channel: int = 0):
         return self._traced("recv", _nbytes(tensor), lambda: dist.irecv(
-            tensor, self.global_rank(src), group=self.group, tag=channel), peer=src,
-            async_op=True, tag=tag, channel=channel)
+            tensor, self.global_rank(src), group=self.group, tag=self.wire_tag(channel)),
+            peer=src, async_op=True, tag=tag, channel=channel, tensors=(tensor,))
 
     # -- collectives --------------------------------------------------------------------------------
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False, tag: str = ""):
         return self._traced("broadcast", _nbytes(tensor), lambda: dist.broadcast(
             tensor, self.global_rank(src), group=self.group, async_op=async_op),
-            root=src, async_op=async_op, tag=tag)
+            root=src, async_op=async_op, tag=tag, tensors=(tensor,))
 
     def reduce(self, tensor: torch.Tensor, dst: int = 0, op=dist.ReduceOp.SUM, tag: str = ""):
         return self._traced("reduce", _nbytes(tensor), lambda: dist.reduce(
             tensor, self.global_rank(dst), op=op, group=self.group),
-            root=dst, tag=tag)
+            root=dst, tag=tag, tensors=(tensor,))
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False,
                    tag: str = ""):
         return self._traced("all_reduce", _nbytes(tensor), lambda: dist.all_reduce(
-            tensor, op=op, group=self.group, async_op=async_op), async_op=async_op, tag=tag)
+            tensor, op=op, group=self.group, async_op=async_op), async_op=async_op, tag=tag,
+            tensors=(tensor,))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
                        async_op: bool = False, tag: str = ""):
@@ -377,7 +462,8 @@ class Comm:
             raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected "
                              f"output.numel() x world size = {output.numel() * self.size}; pad it")
         return self._traced("reduce_scatter", _nbytes(input), lambda: _reduce_scatter_single(
-            output, input, op=op, group=self.group, async_op=async_op), async_op=async_op, tag=tag)
+            output, input, op=op, group=self.group, async_op=async_op), async_op=async_op, tag=tag,
+            tensors=(output, input))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
                    tag: str = ""):
@@ -386,7 +472,20 @@ class Comm:
             raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
                              f"input.numel() x world size = {input.numel() * self.size}")
         return self._traced("all_gather", _nbytes(output), lambda: _all_gather_single(
-            output, input, group=self.group, async_op=async_op), async_op=async_op, tag=tag)
+            output, input, group=self.group, async_op=async_op), async_op=async_op, tag=tag,
+            tensors=(output, input))
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
+                   input_splits: list[int], tag: str = "") -> torch.Tensor:
+        """``torch.distributed.all_to_all_single`` with uneven splits (rows to and from each
+        rank); returns ``output``.  Traced as its payload (``input``'s bytes) and what this rank
+        sends: every row but its own."""
+        row = input[0].numel() * input.element_size() if input.shape[0] else 0
+        sent = (sum(input_splits) - input_splits[self.rank]) * row
+        self._traced("all_to_all", _nbytes(input), lambda: dist.all_to_all_single(
+            output, input, output_splits, input_splits, group=self.group), tag=tag,
+            tensors=(output, input), sent=sent)
+        return output
 
     def barrier(self) -> None:
         self._traced("barrier", 0, lambda: dist.barrier(group=self.group))
@@ -445,9 +544,9 @@ def ring_all_reduce(tensor: torch.Tensor, comm: Comm, record: list | None = None
     2(N-1)/N of the tensor in total, whatever N is: that is why the ring is bandwidth-optimal.
 
     Pipelined, as NCCL and gloo do: each chunk travels as ``pieces`` sub-chunks (default: about
-    2 MiB each, one for small tensors).  The receives of a step are posted before they are needed,
-    and piece j of step s+1 is sent as soon as piece j of step s has arrived and been added, so
-    sending, receiving and adding overlap instead of taking turns.
+    2 MiB each, one for small tensors).  Piece j of step s+1 is sent, and its receive posted, in
+    one exchange (:meth:`Comm.exchange`) as soon as piece j of step s has arrived and been added,
+    so sending, receiving and adding overlap instead of taking turns.
 
     ``record``, if given, receives this rank's chunks after every step (the ring widget of
     lesson 01 draws them).
@@ -466,16 +565,23 @@ def ring_all_reduce(tensor: torch.Tensor, comm: Comm, record: list | None = None
     scratch = [[torch.empty_like(p) for p in parts[0]] for _ in range(2)]  # incoming partial sums
     _snapshot(record, "start", 0, None, None, chunks)
 
-    def post_recv(t: int, j: int):
+    def into_of(t: int, j: int) -> torch.Tensor:
         recv_i = (send_of[t] - 1) % n
         # partial sums land in scratch (then added); finished pieces straight in place, unless a
         # snapshot of the step before must not see them yet
-        into = (scratch[t % 2][j][:parts[recv_i][j].numel()]
+        return (scratch[t % 2][j][:parts[recv_i][j].numel()]
                 if steps[t][0] == "reduce-scatter" or record is not None else parts[recv_i][j])
-        return comm.irecv(into, left, tag="ring", channel=j), into
 
-    sends = [comm.isend(p, right, tag="ring", channel=j) for j, p in enumerate(parts[send_of[0]])]
-    recvs = [post_recv(0, j) for j in range(k)]
+    def post(t: int, js) -> list:
+        """Step t's pieces js: each sent right and received from the left in one exchange."""
+        intos = [into_of(t, j) for j in js]
+        works = comm.exchange([(parts[send_of[t]][j], right, j) for j in js],
+                              [(into, left, j) for into, j in zip(intos, js)], tag="ring")
+        sends.extend(works[:len(js)])
+        return list(zip(works[len(js):], intos))
+
+    sends: list = []
+    recvs = post(0, range(k))
     for t, (phase, s) in enumerate(steps):
         recv_i = (send_of[t] - 1) % n
         following = []
@@ -486,13 +592,11 @@ def ring_all_reduce(tensor: torch.Tensor, comm: Comm, record: list | None = None
                 parts[recv_i][j].add_(into)
             elif into is not parts[recv_i][j]:
                 parts[recv_i][j].copy_(into)
-            if t + 1 < len(steps):  # piece j of the next step is ready: the one just received
-                if record is None:
-                    following.append(post_recv(t + 1, j))
-                sends.append(comm.isend(parts[send_of[t + 1]][j], right, tag="ring", channel=j))
+            if t + 1 < len(steps) and record is None:
+                following += post(t + 1, [j])  # piece j of the next step: the one just received
         if record is not None:
             _snapshot(record, phase, s, send_of[t], recv_i, chunks)
-            following = [post_recv(t + 1, j) for j in range(k)] if t + 1 < len(steps) else []
+            following = post(t + 1, range(k)) if t + 1 < len(steps) else []
         recvs = following
     for work in sends:
         work.wait()

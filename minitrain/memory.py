@@ -17,7 +17,7 @@ import torch
 
 __all__ = [
     "DTYPE_BYTES", "RECIPES", "bytes_per_param", "model_state_bytes", "activation_bytes_per_layer",
-    "memory_per_device", "ledger", "ActivationMeter", "rss_bytes", "GB",
+    "memory_per_device", "ledger", "allocator_peak", "ActivationMeter", "rss_bytes", "GB",
 ]
 
 GB = 1e9  # the ZeRO paper and the lessons use decimal gigabytes
@@ -151,6 +151,10 @@ def ledger(model: torch.nn.Module | None = None, optimizer: torch.optim.Optimize
     "device": {kind: bytes}, "host": {kind: bytes}, "by_state": {state key: bytes}}`` —
     ``by_state`` splits the optimizer's tensors by their key in ``optimizer.state[p]`` (``master``,
     ``exp_avg``, ``exp_avg_sq``, ...: lesson 07 shows the 4 + 4 + 4 bytes apart).
+    ``"allocator_peak"`` is, where the parameters are on a GPU, the most the CUDA caching
+    allocator has held for this process's tensors (``torch.cuda.max_memory_allocated``: the ledger
+    counts what the tensors hold now; the allocator's peak adds temporaries and fragmentation);
+    ``None`` on a CPU.
 
     ``extra`` (``{kind: [tensors]}``) counts tensors held outside ``.grad`` and ``optimizer.state``
     — ZeRO's gradient shards, parameter shards, offloaded master weights.  ``host`` names the
@@ -186,7 +190,15 @@ def ledger(model: torch.nn.Module | None = None, optimizer: torch.optim.Optimize
         "device": {k: out[k] - on_host.get(k, 0) for k in out},
         "host": on_host,
         "by_state": dict(by_state),
+        "allocator_peak": allocator_peak(params),
     }
+
+
+def allocator_peak(tensors=()) -> int | None:
+    """``torch.cuda.max_memory_allocated`` of the GPU the first CUDA tensor of ``tensors`` is on;
+    ``None`` when none is on a GPU."""
+    cuda = next((t.device for t in tensors if t is not None and t.is_cuda), None)
+    return None if cuda is None else int(torch.cuda.max_memory_allocated(cuda))
 
 
 class ActivationMeter:

@@ -16,7 +16,6 @@ import math
 import os
 import statistics
 import sys
-import time
 
 import torch.distributed as dist
 
@@ -31,6 +30,7 @@ from .record import RunResult, RunSummary
 from .strategies import (ConfigError, FreeRunning, Seams, Strategy, TrainConfig, check_strategy,
                          get_strategy)
 from .strategies.options import did_you_mean
+from .device import now
 
 __all__ = ["run_rank", "train", "check_config", "fit", "Diverged", "add_projection",
            "check_projection_config"]
@@ -77,9 +77,9 @@ def fit(strategy: Strategy, data, on_step=None, callbacks=()) -> tuple[list[floa
         x, y = data.batch(step, cfg.batch_size)
         for c in callbacks:
             c.begin(step)
-        t0 = time.perf_counter()
+        t0 = now()
         loss = strategy.train_step(x, y)
-        times.append(time.perf_counter() - t0)
+        times.append(now() - t0)
         for c in callbacks:
             c.end(step, loss)
         losses.append(loss)
@@ -192,7 +192,8 @@ def train(cfg: TrainConfig | None = None, *, cluster: Cluster | None = None, on_
                                  "world_size")
             result = cluster.run(run_rank, *args)[0]
         else:
-            with Cluster(cfg.world_size, cfg.backend, timeout=cfg.timeout) as c:
+            backend = cfg.backend or ("gloo" if get_strategy(cfg.strategy).nccl_refusal else None)
+            with Cluster(cfg.world_size, backend, timeout=cfg.timeout) as c:
                 result = c.run(run_rank, *args)[0]
     return add_projection(result, project, as_model, stack)
 
@@ -208,6 +209,12 @@ def check_projection_config(cfg: TrainConfig, project: str | None, as_model=None
     if stack is not None and project is None:
         raise ConfigError("--stack needs --project CLUSTER (the stack prices the projected "
                           "kernels); e.g. --project dgx-h100 --stack eager")
+    if project is not None and str(project).lower() in ("local", "binder") and (
+            cfg.backend == "nccl"):
+        raise ConfigError(f"--project {project} re-times the run on this machine's CPU from a "
+                          "calibration of its CPU kernels and loopback; a run on GPUs (--backend "
+                          "nccl) is not that machine: project it on a named cluster "
+                          "(minitrain clusters) or run it with --backend gloo")
     try:
         if stack is not None:
             from .planning.kernels import stack_named

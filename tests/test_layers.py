@@ -4,7 +4,8 @@ back to where it started.
 
 The layers, lowest first — each may import from itself and below (docs/architecture.md draws them):
 
-1. the core's vocabulary: ``model``, ``data``, ``memory``, ``precision``, ``comm``, ``record``
+1. the core's vocabulary: ``model``, ``data``, ``memory``, ``precision``, ``device``, ``comm``,
+   ``record``
 2. ``runtime/``: starting and watching ranks (launch, worker, watch, rank folders, diagnostics,
    shipping, torchrun)
 3. ``parallel/``: the techniques, one per file (imports only the vocabulary)
@@ -27,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "minitrain"
 
 LAYERS = [
-    ("model", "data", "memory", "precision", "comm", "record"),
+    ("model", "data", "memory", "precision", "device", "comm", "record"),
     ("runtime",),
     ("parallel",),
     ("planning",),

@@ -17,6 +17,7 @@ import math
 import torch
 
 from ..comm import Comm
+from ..device import on_device
 from .errors import ParameterError
 
 __all__ = ["Compressor", "TopK", "Int8", "Sign", "PowerSGD", "ErrorFeedback", "parse_compressor",
@@ -109,12 +110,8 @@ class Int8(Compressor):
         return [((n,), torch.int8), ((1,), torch.float32)]
 
 
-_BITS = 2 ** torch.arange(8, dtype=torch.uint8)  # bit i of byte j holds the sign of entry 8j + i
-_SIGNS = ((torch.arange(256).unsqueeze(1) & _BITS).ne(0).float() * 2 - 1)  # byte → its 8 signs ±1
-
-
-def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t if device.type == "cpu" else t.to(device)
+_BITS = 2 ** torch.arange(8, dtype=torch.uint8, device="cpu")  # bit i of byte j holds the sign of entry 8j + i
+_SIGNS = ((torch.arange(256, device="cpu").unsqueeze(1) & _BITS).ne(0).float() * 2 - 1)  # byte → its 8 signs ±1
 
 
 class Sign(Compressor):
@@ -125,12 +122,12 @@ class Sign(Compressor):
         n = x.numel()
         bits = torch.zeros(math.ceil(n / 8) * 8, dtype=torch.uint8, device=x.device)
         bits[:n] = x >= 0
-        packed = (bits.view(-1, 8) * _on(_BITS, x.device)).sum(1, dtype=torch.uint8)
+        packed = (bits.view(-1, 8) * on_device(_BITS, x.device)).sum(1, dtype=torch.uint8)
         return [packed, x.abs().mean().reshape(1)]
 
     def decompress(self, payload, n):
         packed, scale = payload
-        signs = _on(_SIGNS, packed.device).index_select(0, packed.int())  # a table look-up per byte
+        signs = on_device(_SIGNS, packed.device).index_select(0, packed.int())  # a table look-up per byte
         return signs.reshape(-1)[:n] * scale.float()
 
     def layout(self, n):
@@ -177,7 +174,7 @@ class PowerSGD(Compressor):
         q = self._q.get(key)
         if q is None or q.shape != (cols, r):
             gen = torch.Generator().manual_seed(self.seed)
-            q = self._q[key] = torch.randn(cols, r, generator=gen).to(m.device)
+            q = self._q[key] = torch.randn(cols, r, generator=gen, device="cpu").to(m.device)
         return q
 
     def compress(self, x, key=None):

@@ -59,11 +59,12 @@ def block_attention(q, k, v, pos_q, pos_k):
 
 
 def _exchange(comm: Comm, tensor: torch.Tensor, channel: int, tag: str):
-    """Post: send ``tensor`` to the right neighbour, receive the left one's into a new buffer."""
+    """Post, in one exchange: send ``tensor`` to the right neighbour, receive the left one's into a
+    new buffer (each rank sends and receives at once: posted apart, two neighbours that both sent
+    first would wait for each other on NCCL)."""
     right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
     incoming = torch.empty_like(tensor)
-    works = [comm.isend(tensor, right, tag=tag, channel=channel),
-             comm.irecv(incoming, left, tag=tag, channel=channel)]
+    works = comm.exchange([(tensor, right, channel)], [(incoming, left, channel)], tag=tag)
     return incoming, works
 
 
@@ -80,6 +81,7 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, positions, comm, online_softmax_merge):
         n, r = comm.size, comm.rank
         merge = online_softmax_merge or merge_attention
+        positions = positions.to(q.device)  # the masks are built beside the scores
         kv = torch.stack([k, v]).contiguous()
         out = lse = None
         for s in range(n):
@@ -147,8 +149,9 @@ def balanced_layout(seq_len: int, n: int) -> tuple[int, torch.Tensor]:
     """
     padded = 2 * n * math.ceil(seq_len / (2 * n))
     c = padded // (2 * n)
-    rows = [torch.cat([torch.arange(r * c, (r + 1) * c),
-                       torch.arange((2 * n - 1 - r) * c, (2 * n - r) * c)]) for r in range(n)]
+    rows = [torch.cat([torch.arange(r * c, (r + 1) * c, device="cpu"),  # a host table
+                       torch.arange((2 * n - 1 - r) * c, (2 * n - r) * c, device="cpu")])
+            for r in range(n)]
     return padded, torch.stack(rows)
 
 
@@ -211,7 +214,7 @@ def ring_work(positions: torch.Tensor) -> list[list[int]]:
 def contiguous_layout(seq_len: int, n: int) -> tuple[int, torch.Tensor]:
     """The naive split (rank r holds the r-th 1/N of the sequence), for comparison."""
     padded = n * math.ceil(seq_len / n)
-    return padded, torch.arange(padded).view(n, -1)
+    return padded, torch.arange(padded, device="cpu").view(n, -1)  # a host table
 
 
 def ring_bytes_per_layer(batch: int, local_tokens: int, d_model: int, n: int,

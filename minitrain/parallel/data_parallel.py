@@ -11,7 +11,6 @@ on.  Both wrap a module as PyTorch's do.
 
 from __future__ import annotations
 
-import time
 import typing
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -22,6 +21,7 @@ import torch.nn as nn
 from ..comm import Comm
 from .compression import as_error_feedback, compressed_all_reduce
 from .flat import Done, FlatUnit, Slot, bucket_caps, copy_into_bucket, make_buckets
+from ..device import now
 
 __all__ = ["NaiveDataParallel", "DistributedDataParallel", "BucketHooks", "BucketComm",
            "average_gradients", "launch_when_full", "wait_for_buckets", "broadcast_module",
@@ -136,7 +136,7 @@ class BucketComm:
         self.work = None
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
-        self.launched_at = time.perf_counter()
+        self.launched_at = now()
         self.work = self.reduce(tensor, self.index, async_op)
         return self.work if async_op else None
 
@@ -230,7 +230,7 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         self._forward_end = None
         out = self.module(*args, **kwargs)
-        self._forward_end = time.perf_counter()
+        self._forward_end = now()
         return out
 
     @contextmanager
@@ -249,7 +249,7 @@ class DistributedDataParallel(nn.Module):
         """The first gradient of a backward: fresh buckets, and the end-of-backward callback."""
         self._in_backward = True
         self._got = set()
-        self._step = dict(backward_start=self._forward_end or time.perf_counter(), ready={},
+        self._step = dict(backward_start=self._forward_end or now(), ready={},
                           buckets=[])
         for s, c in zip(self.slots, self.comms):
             s.ready.clear()
@@ -274,13 +274,13 @@ class DistributedDataParallel(nn.Module):
     def _hook(self, s: Slot, i: int, grad: torch.Tensor) -> None:
         self.hooks.grad_ready(s, i, grad, self.comms[s.index])
         if self.timeline is not None:
-            self._step["ready"][self._names[self._pos[id(s.unit.params[i])]]] = time.perf_counter()
+            self._step["ready"][self._names[self._pos[id(s.unit.params[i])]]] = now()
 
     @torch.no_grad()
     def _end_backward(self) -> None:
         self._in_backward = False
         slots = self.slots
-        self._step["backward_end"] = time.perf_counter()
+        self._step["backward_end"] = now()
         used = self._agree_on_unused()
         if self.find_unused_parameters:  # every rank the same hooks, in bucket order
             for s in slots:
@@ -292,9 +292,9 @@ class DistributedDataParallel(nn.Module):
             end = c.work.end if c.work is not None else None  # when the sum completed
             self._step["buckets"].append(dict(index=s.index, bytes=s.unit.nbytes,
                                               start=c.launched_at or self._step["backward_end"],
-                                              end=end or time.perf_counter()))
+                                              end=end or now()))
             self._copy_back(s, used)
-        self._step["synced"] = time.perf_counter()
+        self._step["synced"] = now()
         if self.timeline is not None:
             self.timeline.append(self._step)
 
@@ -323,7 +323,7 @@ class DistributedDataParallel(nn.Module):
                     f"{' ...' if len(names) > 5 else ''}; pass find_unused_parameters=True to "
                     "DistributedDataParallel, or freeze them (requires_grad=False)")
             return {}
-        used = torch.ones(len(self._params))
+        used = torch.ones(len(self._params), device=self.comm.device)
         for s, i in missing:
             used[self._pos[id(s.unit.params[i])]] = 0
         self.comm.all_reduce(used, tag="unused-map")

@@ -15,7 +15,6 @@ assignment never travels — by the rule one process applies (:func:`~minitrain.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ..comm import Comm
@@ -28,17 +27,19 @@ __all__ = ["all_to_all", "all_to_all_reference", "AllToAll", "ExpertParallelMoE"
 def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
                input_splits: list[int], comm: Comm, tag: str = "all_to_all") -> torch.Tensor:
     """Rank r sends rows ``input[sum(input_splits[:p]) : ...+input_splits[p]]`` to every rank p and
-    receives rank p's rows for it into ``output`` at ``sum(output_splits[:p])`` — from isend/irecv,
-    every transfer posted at once; its own rows copied.  Returns ``output``."""
+    receives rank p's rows for it into ``output`` at ``sum(output_splits[:p])`` — from sends and
+    receives, every transfer posted at once in one exchange (each pair sends at most one message
+    each way, so messages match in order); its own rows copied.  Returns ``output``."""
     r = comm.rank
     ins, outs = input.split(input_splits), output.split(output_splits)
-    works = []
+    sends, recvs = [], []
     for step in range(1, comm.size):  # a shifted order, so no rank waits on one peer first
         dst, src = (r + step) % comm.size, (r - step) % comm.size
         if input_splits[dst]:
-            works.append(comm.isend(ins[dst].contiguous(), dst, tag=tag, channel=4))
+            sends.append((ins[dst].contiguous(), dst, 4))
         if output_splits[src]:
-            works.append(comm.irecv(outs[src], src, tag=tag, channel=4))
+            recvs.append((outs[src], src, 4))
+    works = comm.exchange(sends, recvs, tag=tag)
     outs[r].copy_(ins[r])
     for w in works:
         w.wait()
@@ -48,9 +49,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: list[in
 def all_to_all_reference(output, input, output_splits, input_splits, comm: Comm, tag=""):
     """``torch.distributed.all_to_all_single``: the library's all-to-all (what :func:`all_to_all`
     is checked and timed against)."""
-    dist.all_to_all_single(output, input.contiguous(), output_splits, input_splits,
-                           group=comm.group)
-    return output
+    return comm.all_to_all(output, input.contiguous(), output_splits, input_splits, tag=tag)
 
 
 class AllToAll(torch.autograd.Function):

@@ -18,13 +18,13 @@ Memory Optimizations Toward Training Trillion Parameter Models" (the flat, padde
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from .errors import ParameterError
+from ..device import now
 
 __all__ = ["FlatUnit", "make_buckets", "bucket_caps", "MIB",
            "DEFAULT_BUCKET_MB", "FIRST_BUCKET_BYTES", "GradientReducer", "OneInFlightReducer",
@@ -182,12 +182,12 @@ class Done:
     """A finished work handle, for a collective that already ran (blocking) when it was launched.
 
     A work handle, wherever the techniques take or give one (``launch``'s, ``bucket.work``, a hook's
-    gather), has ``wait()`` and ``end``: when its collective completed (``time.perf_counter()``),
+    gather), has ``wait()`` and ``end``: when its collective completed (:func:`minitrain.device.now`),
     known once it has been waited for, else None.  :class:`minitrain.comm.Comm`'s asynchronous
     calls return such handles; this one is done from the start."""
 
     def __init__(self, end: float | None = None):
-        self.end = time.perf_counter() if end is None else end
+        self.end = now() if end is None else end
 
     def wait(self) -> bool:
         return True
@@ -256,7 +256,7 @@ class GradientReducer:
             return
         self.in_backward = True
         self._next = 0
-        self._step = dict(backward_start=time.perf_counter(), buckets=[])
+        self._step = dict(backward_start=now(), buckets=[])
         self._arrived = {s.index: set() for s in self.slots}
         for s in self.slots:
             s.ready.clear()
@@ -298,7 +298,7 @@ class GradientReducer:
     def _launch(self, s: Slot) -> None:
         if s.buffer is None:  # no gradient reached this unit: it contributes zeros
             self._allocate(s)
-        s.launched_at = time.perf_counter()
+        s.launched_at = now()
         s.work = self.launch(s)
 
     def _finish(self, s: Slot) -> None:
@@ -312,14 +312,14 @@ class GradientReducer:
     def _note(self, s: Slot) -> None:
         """The timeline's bar of slot ``s`` (its collective done): launched, completed."""
         if self.timeline is not None and s.launched_at is not None:
-            end = s.work.end or time.perf_counter()
+            end = s.work.end or now()
             self._step["buckets"].append(dict(index=s.index, bytes=s.unit.nbytes,
                                               start=s.launched_at, end=end))
 
     @torch.no_grad()
     def _end_backward(self) -> None:
         self.in_backward = False
-        self._step["backward_end"] = time.perf_counter()
+        self._step["backward_end"] = now()
         if self.hooks is not None:
             self._end_with_hooks()
         else:

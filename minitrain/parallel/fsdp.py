@@ -14,7 +14,6 @@ compute.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +25,7 @@ from .data_parallel import broadcast_module, comm_for
 from .flat import Done, FlatUnit, OneInFlightReducer
 from .fsdp_unit import MOMENTS, Unit, _Unit, all_gather_unit, zero3_hook
 from .zero import master_shard
+from ..device import now
 
 __all__ = ["FullyShardedDataParallel", "MixedPrecisionPolicy", "MOMENTS", "Unit", "zero3_hook",
            "default_units", "all_gather_unit"]
@@ -219,12 +219,12 @@ class FullyShardedDataParallel(nn.Module):
         """Before a forward or backward that uses ``u``: "before <phase>" (offering ``ahead``) unless
         a running forward or backward already holds it gathered."""
         if u.refs == 0:
-            issued, start = u.pending, time.perf_counter()
+            issued, start = u.pending, now()
             if issued is not None:  # a hook started this gather ahead: it began then
                 start = u.issued_at
             self._call(u, f"before {phase}", ahead=ahead)
             end = issued.end if issued is not None else None
-            self._event(u, "gather", start, end or time.perf_counter())
+            self._event(u, "gather", start, end or now())
             if not u.gathered:
                 raise RuntimeError(
                     f"unit {u.name!r} is about to run its {phase} with its parameters not "
@@ -239,7 +239,7 @@ class FullyShardedDataParallel(nn.Module):
         if u.refs == 0:
             u.show(False)
             self._call(u, "after forward")
-            self._event(u, "free", time.perf_counter())
+            self._event(u, "free", now())
 
     def _ahead(self, u: _Unit, order: list[int]) -> list[_Unit]:
         """The units the ``prefetch`` modules after ``u`` in ``order`` need (not ``u``'s own)."""
@@ -263,13 +263,13 @@ class FullyShardedDataParallel(nn.Module):
         ahead = self._ahead(u, self._order)
         for k in u.needs:
             self._acquire(self.units[k], "forward", ahead)
-        u.compute_start = time.perf_counter()
+        u.compute_start = now()
         dtype = self.policy.param_dtype
         if dtype is not None:  # FSDP2's cast_forward_inputs
             return _map_tensors(args, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
     def _after_forward(self, u: _Unit, out):
-        self._event(u, "compute", u.compute_start, time.perf_counter())
+        self._event(u, "compute", u.compute_start, now())
         if torch.is_grad_enabled():
             out = _map_tensors(out, lambda t: _BeforeBackward.apply(self, u, t)
                                if t.requires_grad else t)
@@ -286,7 +286,7 @@ class FullyShardedDataParallel(nn.Module):
             ahead = self._ahead(u, (self._running or self._order)[::-1])
             for k in u.needs:
                 self._acquire(self.units[k], "backward", ahead)
-            u.compute_start = time.perf_counter()
+            u.compute_start = now()
 
     def _launch(self, slot):
         """``u``'s gradient is in (or backward ended with ``u`` gathered): its backward is done —
@@ -294,12 +294,12 @@ class FullyShardedDataParallel(nn.Module):
         u = self._sharded[slot.index]
         if u.held_for_backward:
             u.held_for_backward = False
-            self._event(u, "compute", u.compute_start, time.perf_counter())
+            self._event(u, "compute", u.compute_start, now())
         u.refs = 0  # a unit that needed it (a tied weight) has finished its backward already
         u.show(False)
         slot.out = torch.empty(u.shard.numel(), dtype=slot.buffer.dtype, device=u.shard.device)
         work = self._call(u, "after backward", slot.buffer, slot.out)
-        self._event(u, "free", time.perf_counter())
+        self._event(u, "free", now())
         return work if work is not None else Done()
 
     def _finish(self, slot) -> None:

@@ -9,13 +9,13 @@ Models" (stage 3); prefetch as in Zhao et al., 2023, "PyTorch FSDP".
 
 from __future__ import annotations
 
-import time
 
 import torch
 import torch.nn as nn
 
 from ..comm import Comm
 from .flat import FlatUnit
+from ..device import now
 
 __all__ = ["MOMENTS", "Unit", "zero3_hook", "all_gather_unit"]
 
@@ -157,7 +157,7 @@ class Unit:
     @pending.setter
     def pending(self, work) -> None:
         self._unit.pending = work
-        self._unit.issued_at = time.perf_counter() if work is not None else None
+        self._unit.issued_at = now() if work is not None else None
         self._unit.issued_from = self.shard if work is not None else None
 
     def allocate(self) -> None:

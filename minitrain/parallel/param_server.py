@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from ..comm import Comm
+from ..device import now
 from .compression import as_error_feedback
 from .errors import ParameterError
 from .flat import FlatUnit
@@ -103,7 +104,8 @@ class ParameterServer:
         self.on_round = None  # called with (round, mean loss) after every W applied gradients
         self.sent_to: dict[int, torch.Tensor] = {}  # worker -> the weights it last pulled (DC-ASGD)
         self.outbox: list = []  # replies in flight: (work, tensor kept alive until sent)
-        self.t0 = time.perf_counter()
+        self.t0 = now()
+        self.device = self.params[0].device if self.params else comm.device
 
     # -- messages -----------------------------------------------------------------------------------
 
@@ -113,23 +115,24 @@ class ParameterServer:
         weights = self.unit.flatten()
         if self.consistency.delay_comp:
             self.sent_to[worker] = weights
-        version = torch.tensor([float(self.version)], dtype=torch.float64)
+        version = torch.tensor([float(self.version)], dtype=torch.float64, device=self.device)
         self.outbox = [(w, t) for w, t in self.outbox if not w.is_completed()]
         for t, tag in ((version, "pull:version"), (weights, "pull")):
             self.outbox.append((self.comm.isend(t, worker, tag=tag, channel=PARAMS), t))
 
     def recv_header(self, worker: int | None) -> tuple[int, int, int, float]:
-        header = torch.zeros(3, dtype=torch.float64)
+        header = torch.zeros(3, dtype=torch.float64, device=self.device)
         src = self.comm.recv(header, worker, tag="push:header", channel=HEADER)
         clock, used, loss = header.tolist()
         return src, int(clock), int(used), loss
 
     def recv_grad(self, worker: int) -> torch.Tensor:
         if self.compressor is None:
-            g = torch.empty(self.numel)
+            g = torch.empty(self.numel, device=self.device)
             self.comm.recv(g, worker, tag="push", channel=GRAD)
             return g
-        payload = [torch.empty(shape, dtype=dtype) for shape, dtype in self.compressor.layout(self.numel)]
+        payload = [torch.empty(shape, dtype=dtype, device=self.device)
+                   for shape, dtype in self.compressor.layout(self.numel)]
         for part in payload:
             self.comm.recv(part, worker, tag=f"push:{self.compressor.name}", channel=GRAD)
         return self.compressor.decompress(payload, self.numel)
@@ -161,7 +164,7 @@ class ParameterServer:
         applied_to = self.version - 1
         self.log.append(dict(version=applied_to, worker=worker, clock=clock, version_used=used,
                              staleness=applied_to - used, loss=loss,
-                             time=time.perf_counter() - self.t0))
+                             time=now() - self.t0))
         w = len(self.workers)
         if self.on_round is not None and len(self.log) % w == 0:
             self.on_round(len(self.log) // w - 1, sum(e["loss"] for e in self.log[-w:]) / w)
@@ -247,21 +250,22 @@ class Worker:
         self.wait_s = 0.0
 
     def pull(self) -> None:
-        t0 = time.perf_counter()
+        t0 = now()
         for i, (s, unit) in enumerate(zip(self.servers, self.units)):
-            version = torch.zeros(1, dtype=torch.float64)
+            version = torch.zeros(1, dtype=torch.float64, device=self.comm.device)
             self.comm.recv(version, s, tag="pull:version", channel=PARAMS)
-            weights = torch.empty(unit.total)
+            weights = torch.empty(unit.total, device=self.comm.device)
             self.comm.recv(weights, s, tag="pull", channel=PARAMS)
             unit.unflatten(weights)
             self.versions[i] = int(version.item())
-        self.wait_s += time.perf_counter() - t0
+        self.wait_s += now() - t0
 
     def push(self, clock: int, loss: float) -> None:
         if self.delay_s:
             time.sleep(self.delay_s)  # a slow worker (a busy machine, a straggler GPU)
         for i, (s, unit) in enumerate(zip(self.servers, self.units)):
-            header = torch.tensor([clock, self.versions[i], loss], dtype=torch.float64)
+            header = torch.tensor([clock, self.versions[i], loss], dtype=torch.float64,
+                                  device=self.comm.device)
             self.comm.send(header, s, tag="push:header", channel=HEADER)
             g = unit.flatten([p.grad for p in unit.params])  # no gradient: zeros
             if self.ef is None:

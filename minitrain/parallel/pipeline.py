@@ -11,7 +11,6 @@ chunks per rank, virtual stage s runs on rank s % P.
 
 from __future__ import annotations
 
-import time
 
 import torch
 import torch.nn as nn
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..comm import Comm
+from ..device import now
 from ..memory import ActivationMeter
 from ..model import GPT, loss_fn
 from .schedules import Action, Table, split_layers
@@ -165,12 +165,14 @@ _stage_step = stage_step  # the default, under a name PipelineExecutor's paramet
 class PipelineExecutor:
     """Runs this rank's row of ``table`` for one batch, and records what really happened.
 
-    Activations go to the next stage and their gradients back with non-blocking sends, posted as
-    soon as the stage's output exists (handles kept; their buffers are never reused within a step,
-    so they are waited only at its end); every receive the row needs is posted, into its own
-    buffer, before the barrier that starts the step and waited where the action needs it — so a
-    send never waits for its receive to be posted (gloo's point-to-point is a rendezvous: the data
-    goes straight out only once the receiver's "ready" notice has arrived).  ``timeline`` holds,
+    Activations go to the next stage and their gradients back with non-blocking sends.  After each
+    action, the sends it made and the receive the next action needs are posted together, in one
+    exchange (:meth:`~minitrain.comm.Comm.exchange`, as PyTorch's pipelining and Megatron-LM post
+    them): NCCL runs a pair's messages in the order they were posted, so a rank that posted all its
+    receives first would wait on them before its sends could go, and so would its peer.  Send
+    handles are kept (their buffers are never reused within a step) and waited at its end; a
+    message on the same channel matches in posting order, so no tag is needed to tell one
+    micro-batch's from another's.  ``timeline`` holds,
     after :meth:`step`, one ``{"rank", "action", "ready", "start", "end", "send"}`` per action:
     seconds after rank 0 left that barrier (one clock for all ranks of a host; ranks on different
     hosts have different clocks, so there only each rank's own times compare).  ``ready`` is when
@@ -222,20 +224,32 @@ class PipelineExecutor:
             return True, a.stage + 1
         return None
 
-    def _post_receives(self, shapes: list[tuple], dtype) -> None:
-        self.inbox = {}
-        for a in self.row:
-            need = self._needs(a)
-            if need is None or need[1] % self.P == self.comm.rank:
-                continue  # nothing to receive, or it comes from this rank (self.local)
-            buf = torch.empty(shapes[a.microbatch], dtype=dtype, device=self.device)
-            work = self.comm.irecv(buf, need[1] % self.P, tag="pp",
-                                   channel=self._channel(need[0], a.microbatch, a.stage))
-            self.inbox[a] = (buf, work)
+    def _post(self, a: Action | None):
+        """Post the sends queued so far and the receive action ``a`` needs, in one exchange; the
+        receive's (buffer, handle), or None when ``a`` takes nothing from another rank."""
+        need = self._needs(a) if a is not None else None
+        recvs = []
+        if need is not None and need[1] % self.P != self.comm.rank:
+            buf = torch.empty(self.shapes[a.microbatch], dtype=self.dtype, device=self.device)
+            recvs = [(buf, need[1] % self.P, self._channel(need[0], a.microbatch, a.stage))]
+        if not recvs and not self.outgoing:
+            return None
+        posted = now()
+        works = self.comm.exchange([m[:3] for m in self.outgoing], recvs, tag="pp")
+        returned = now()
+        if self.outgoing:  # what posting this action's sends took (a receive alone: nothing)
+            self.sending += returned - posted
+        for (t, dst, _, grad, m, stage), work in zip(self.outgoing, works):
+            self.sends.append((work, t))
+            self.messages.append({"rank": self.comm.rank, "to": dst, "grad": grad, "microbatch": m,
+                                  "stage": stage, "posted": posted - self.t0,
+                                  "returned": returned - self.t0})
+        self.outgoing = []
+        return (recvs[0][0], works[-1]) if recvs else None
 
-    def _receive(self, a: Action) -> torch.Tensor:
-        if a in self.inbox:
-            buf, work = self.inbox.pop(a)
+    def _receive(self, a: Action, posted) -> torch.Tensor:
+        if posted is not None:
+            buf, work = posted
             work.wait()
             return buf
         return self.local.pop((a.kind == "F", a.microbatch, a.stage))
@@ -244,15 +258,8 @@ class PipelineExecutor:
         dst = stage % self.P
         if dst == self.comm.rank:  # the next virtual stage lives here too (e.g. one rank)
             self.local[(not grad, m, stage)] = t
-        else:
-            posted = time.perf_counter()
-            work = self.comm.isend(t, dst, tag="pp", channel=self._channel(grad, m, stage))
-            returned = time.perf_counter()
-            self.sends.append((work, t))
-            self.sending += returned - posted
-            self.messages.append({"rank": self.comm.rank, "to": dst, "grad": grad, "microbatch": m,
-                                  "stage": stage, "posted": posted - self.t0,
-                                  "returned": returned - self.t0})
+        else:  # posted after the action, with the next action's receive (:meth:`_post`)
+            self.outgoing.append((t, dst, self._channel(grad, m, stage), grad, m, stage))
 
     # -- the actions
 
@@ -290,12 +297,12 @@ class PipelineExecutor:
             layer.weight_grad(a.microbatch)
         self.held.pop((a.microbatch, a.stage))
 
-    def _input(self, a: Action):
+    def _input(self, a: Action, posted):
         if a.kind == "F" and a.stage == 0:
             return self.xs[a.microbatch]
         if self._needs(a) is None:
             return None
-        t = self._receive(a)
+        t = self._receive(a, posted)
         return t.requires_grad_() if a.kind == "F" else t
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -303,29 +310,30 @@ class PipelineExecutor:
         the stages' ``.grad``.  Returns the batch's mean loss (the same float on every rank)."""
         self.xs, self.ys = torch.tensor_split(x, self.M), torch.tensor_split(y, self.M)
         self.batch = x.shape[0]
-        self._post_receives([self.activation_shape(len(t), x.shape[1]) for t in self.xs], self.dtype)
-        self.saved, self.local, self.sends, self.losses = {}, {}, [], []
+        self.shapes = [self.activation_shape(len(t), x.shape[1]) for t in self.xs]
+        self.saved, self.local, self.sends, self.outgoing, self.losses = {}, {}, [], [], []
         run = {"F": self._forward, "B": self._backward, "I": self._backward, "W": self._weights}
         self.t0 = t0 = self._common_t0()
-        self.timeline, self.messages = [], []
-        for a in self.row:
-            ready = time.perf_counter()
-            inp = self._input(a)  # waiting for a message is idle time, not the action's
-            start, self.sending = time.perf_counter(), 0.0
+        self.timeline, self.messages, self.sending = [], [], 0.0
+        posted = self._post(self.row[0] if self.row else None)
+        for i, a in enumerate(self.row):
+            ready = now()
+            inp = self._input(a, posted)  # waiting for a message is idle time, not the action's
+            start, self.sending = now(), 0.0
             run[a.kind](a, inp)
+            posted = self._post(self.row[i + 1] if i + 1 < len(self.row) else None)
             self.timeline.append({"rank": self.comm.rank, "action": a, "ready": ready - t0,
-                                  "start": start - t0, "end": time.perf_counter() - t0,
-                                  "send": self.sending})
+                                  "start": start - t0, "end": now() - t0, "send": self.sending})
         for work, _ in self.sends:
             work.wait()
         return self._global_loss()
 
     def _common_t0(self) -> float:
         """After a barrier, rank 0's clock reading, for every rank: one time origin for the step.
-        (``perf_counter`` is the machine's monotonic clock, shared by the ranks of one host;
-        each rank's own reading after the barrier could differ by milliseconds.)"""
+        (:func:`~minitrain.device.now` reads the machine's monotonic clock, shared by the ranks
+        of one host; each rank's own reading after the barrier could differ by milliseconds.)"""
         self.comm.untraced.barrier()
-        t0 = torch.tensor([time.perf_counter()], dtype=torch.float64)
+        t0 = torch.tensor([now()], dtype=torch.float64, device=self.device)
         self.comm.untraced.broadcast(t0, 0)
         return t0.item()
 

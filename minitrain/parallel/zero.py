@@ -13,7 +13,6 @@ one dtype; fp16 loss scaling is not supported (an overflow verdict would need ev
 
 from __future__ import annotations
 
-import time
 
 import torch
 
@@ -21,6 +20,7 @@ from ..comm import Comm
 from ..precision import MixedPrecisionOptimizer
 from .data_parallel import comm_for
 from .flat import FlatUnit, GradientReducer, SlotHooks, bucket_caps, make_buckets
+from ..device import now
 
 __all__ = ["zero1_step", "master_shard", "shard_optimizer", "HostOffload", "ZeroRedundancyOptimizer",
            "Zero2Optimizer", "reduce_scatter_when_full", "wait_for_shards", "ShardComm"]
@@ -203,7 +203,7 @@ class ShardComm:
         self.size, self.rank = comm.size, comm.rank
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
-        self.slot.launched_at = time.perf_counter()
+        self.slot.launched_at = now()
         return self.comm.reduce_scatter(output, input, async_op=async_op,
                                         tag=f"grad-bucket{self.slot.index}")
 

@@ -39,11 +39,11 @@ import difflib
 import math
 import os
 import re
-import time
 from dataclasses import asdict, dataclass, field, replace
 
 from .costmodel import collective_seconds, ring_steps, ring_volume
 from .kernels import DEVICES, DeviceKernels, cpu_kernels
+from ..device import now
 
 __all__ = ["Device", "Link", "Host", "ClusterSpec", "PRESETS", "cluster_names", "get_cluster",
            "local_cluster", "calibrate_rank", "calibrate_here", "describe"]
@@ -392,31 +392,31 @@ def calibrate_rank(sizes=(4096, 65536, 1 << 20, 4 << 20), repeats: int = 3) -> d
 
     n = dist.get_world_size()
     mine = time_all_reduce(list(sizes), repeats) if n > 1 else [0.0] * len(sizes)
-    t = torch.tensor(mine, dtype=torch.float64)
+    t = torch.tensor(mine, dtype=torch.float64, device="cpu")
     if n > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         alpha, beta = fit_alpha_beta(list(sizes), t.tolist(), n)
     else:
         alpha, beta = 0.0, 1e-10
-    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    a, b = torch.randn(256, 256, device="cpu"), torch.randn(256, 256, device="cpu")
     a @ b
     if n > 1:
         dist.barrier()
-    start, k = time.perf_counter(), 0
-    while time.perf_counter() - start < 0.2:
+    start, k = now(), 0
+    while now() - start < 0.2:
         a @ b
         k += 1
-    flop_rate = 2 * 256 ** 3 * k / (time.perf_counter() - start)
-    x, y = torch.empty(2 << 20), torch.empty(2 << 20)
-    start, k = time.perf_counter(), 0
-    while time.perf_counter() - start < 0.05:
+    flop_rate = 2 * 256 ** 3 * k / (now() - start)
+    x, y = torch.empty(2 << 20, device="cpu"), torch.empty(2 << 20, device="cpu")
+    start, k = now(), 0
+    while now() - start < 0.05:
         y.copy_(x)
         k += 1
-    memory_rate = 2 * x.numel() * 4 * k / (time.perf_counter() - start)
+    memory_rate = 2 * x.numel() * 4 * k / (now() - start)
     p2p = _ping_pong(n) if n > 1 else 0.0
     overlap = _beside_communication(n)
     kernels = calibrate_kernels(repeats=3)  # every rank at once, as they computed in the run
-    rates = torch.tensor([flop_rate, memory_rate], dtype=torch.float64)
+    rates = torch.tensor([flop_rate, memory_rate], dtype=torch.float64, device="cpu")
     if n > 1:
         dist.all_reduce(rates)
     return {"ranks": n, "cores": os.cpu_count() or 1, "alpha": alpha, "beta": beta,
@@ -436,25 +436,25 @@ def _beside_communication(n: int, messages: int = 12, size: int = 1 << 20) -> fl
 
     if n == 1:
         return 1.0
-    a, b = torch.randn(128, 128), torch.randn(128, 128)
-    buf = torch.zeros(size)
+    a, b = torch.randn(128, 128, device="cpu"), torch.randn(128, 128, device="cpu")
+    buf = torch.zeros(size, device="cpu")
     a @ b
     dist.barrier()
-    start, k = time.perf_counter(), 0
-    while time.perf_counter() - start < 0.03:
+    start, k = now(), 0
+    while now() - start < 0.03:
         a @ b
         k += 1
-    alone = (time.perf_counter() - start) / k
+    alone = (now() - start) / k
     dist.barrier()
     works = [dist.all_reduce(buf, async_op=True) for _ in range(messages)]
-    start, k = time.perf_counter(), 0
+    start, k = now(), 0
     while not all(w.is_completed() for w in works):
         a @ b
         k += 1
-    beside = (time.perf_counter() - start) / max(k, 1)
+    beside = (now() - start) / max(k, 1)
     for w in works:
         w.wait()
-    t = torch.tensor([max(1.0, beside / alone)], dtype=torch.float64)
+    t = torch.tensor([max(1.0, beside / alone)], dtype=torch.float64, device="cpu")
     dist.all_reduce(t)
     return t.item() / n
 
@@ -477,7 +477,7 @@ def _ranks_mean(kernels: dict, n: int) -> dict:
     values = [1 / p[-1] for key in lists for p in kernels[key]] + [1 / kernels["bandwidth"],
                                                                   kernels["op_overhead_s"]]
     values += [kernels["dispatch"][k] for k in kinds]
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device="cpu")
     dist.all_reduce(t)
     reduced = iter((t / n).tolist())
     out = {key: [[*p[:-1], 1 / next(reduced)] for p in kernels[key]] for key in lists}
@@ -495,20 +495,20 @@ def _ping_pong(n: int, rounds: int = 20) -> float:
 
     r = dist.get_rank()
     peer = r ^ 1
-    buf = torch.zeros(16)
+    buf = torch.zeros(16, device="cpu")
     if peer >= n:
         dist.barrier()
         return 0.0
     times = []
     for _ in range(rounds):
-        t = time.perf_counter()
+        t = now()
         if r % 2 == 0:
             dist.send(buf, peer)
             dist.recv(buf, peer)
         else:
             dist.recv(buf, peer)
             dist.send(buf, peer)
-        times.append(time.perf_counter() - t)
+        times.append(now() - t)
     dist.barrier()
     times.sort()
     return times[len(times) // 2] / 2

@@ -9,13 +9,13 @@ Communication Operations in MPICH"; the article "大语言模型LLM分布式训�
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..comm import Comm
+from ..device import now
 
 __all__ = ["time_all_reduce", "fit_alpha_beta", "predict", "bus_bandwidth", "crossover_bytes",
            "plot_alpha_beta", "ring_steps", "ring_volume", "collective_seconds", "compute_seconds"]
@@ -31,14 +31,14 @@ def time_all_reduce(sizes_bytes: list[int], repeats: int = 5) -> list[float]:
     comm = Comm()
     times = []
     for size in sizes_bytes:
-        x = torch.ones(max(1, size // 4))
+        x = torch.ones(max(1, size // 4), device="cpu")
         comm.all_reduce(x)  # warm-up: connections, allocation
         samples = []
         for _ in range(repeats):
             dist.barrier()
-            t0 = time.perf_counter()
+            t0 = now()
             comm.all_reduce(x)
-            samples.append(time.perf_counter() - t0)
+            samples.append(now() - t0)
         times.append(min(samples))
     return times
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import difflib
 import math
-import time
 from dataclasses import dataclass, field, replace
 
 from ..model import GPTConfig, training_flops
+from ..device import now
 
 __all__ = ["DeviceKernels", "DEVICES", "GEMM_TILES", "Stack", "STACKS", "stack_named",
            "default_stack", "Kernel",
@@ -845,15 +845,15 @@ def _typical_time(fn, repeats: int, budget_s: float = 2e-3) -> float:
     ``budget_s`` (a single short call is mostly the clock's and the scheduler's noise).  The
     median, not the best: a training step's kernels run at the machine's typical speed, and on a
     shared machine the best of a few timings is the moment nothing else ran."""
-    t0 = time.perf_counter()
+    t0 = now()
     fn()  # warm-up, and the size of one call
-    calls = max(1, min(1000, int(budget_s / max(time.perf_counter() - t0, 1e-7))))
+    calls = max(1, min(1000, int(budget_s / max(now() - t0, 1e-7))))
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = now()
         for _ in range(calls):
             fn()
-        times.append((time.perf_counter() - t0) / calls)
+        times.append((now() - t0) / calls)
     times.sort()
     return times[len(times) // 2]
 
@@ -877,25 +877,25 @@ def calibrate_kernels(repeats: int = 3) -> dict:
 
     gemm = []
     for m, n, k in [(s, s, s) for s in (32, 64, 128, 256, 512)] + [(1, 512, 512), (2048, 64, 64)]:
-        a, b = torch.randn(m, k), torch.randn(k, n)
+        a, b = torch.randn(m, k, device="cpu"), torch.randn(k, n, device="cpu")
         gemm.append((2.0 * m * n * k, 2.0 * m * n * k / _typical_time(lambda: a @ b, repeats)))
     def cached(m, n, k):
-        a, b = torch.randn(m, k), torch.randn(k, n)
+        a, b = torch.randn(m, k, device="cpu"), torch.randn(k, n, device="cpu")
         return lambda: a @ b
 
     shapes = _shape_grid(cached, repeats)
     cache = cache_bytes()
     cold = _cold_grid(repeats, cache) if cache else []
-    src = torch.randn(2 << 20)  # 8 MB of fp32
+    src = torch.randn(2 << 20, device="cpu")  # 8 MB of fp32
     dst = torch.empty_like(src)
     bandwidth = 2 * src.numel() * 4 / _typical_time(lambda: dst.copy_(src), repeats)
-    x = torch.ones(1, requires_grad=True)
+    x = torch.ones(1, requires_grad=True, device="cpu")
 
     def tiny():
         (x * 2).backward()
 
     overhead = _typical_time(tiny, repeats) / 2
-    h = torch.randn(2, 4, 8, requires_grad=True)
+    h = torch.randn(2, 4, 8, requires_grad=True, device="cpu")
     linear = torch.nn.Linear(8, 8)
 
     def bare():
@@ -912,8 +912,8 @@ def calibrate_kernels(repeats: int = 3) -> dict:
                   "attention": (attention, 2)}
     dispatch = {kind: max(overhead, (_typical_time(fn, repeats) - base) / kernels)
                 for kind, (fn, kernels) in per_kernel.items()}
-    weight = torch.nn.Parameter(torch.randn(8))
-    weight.grad = torch.randn(8)
+    weight = torch.nn.Parameter(torch.randn(8, device="cpu"))
+    weight.grad = torch.randn(8, device="cpu")
     adam = torch.optim.Adam([weight])
     dispatch["optimizer"] = max(overhead, _typical_time(adam.step, repeats))  # per tensor
     return {"gemm": [list(p) for p in gemm], "gemm_shapes": [list(p) for p in shapes],
@@ -935,7 +935,7 @@ def _cold_grid(repeats: int, cache: float) -> list:
     cache's size (at most 128 MB), so each call reads them from memory."""
     import torch
 
-    pool = torch.full((int(min(max(2 * cache, 16 << 20), 128 << 20)) // 4,), 0.5)
+    pool = torch.full((int(min(max(2 * cache, 16 << 20), 128 << 20)) // 4,), 0.5, device="cpu")
 
     def rotating(m, n, k):
         size = m * k + k * n
@@ -971,10 +971,10 @@ def _calibrate_ops(repeats: int, overhead: float) -> list:
 
     out = []
     for elems in OP_SIZES:
-        x = torch.randn(elems // 256, 256, requires_grad=True)
-        g = torch.randn(elems // 256, 256)
-        w = torch.ones(256, requires_grad=True)
-        b = torch.zeros(256, requires_grad=True)
+        x = torch.randn(elems // 256, 256, requires_grad=True, device="cpu")
+        g = torch.randn(elems // 256, 256, device="cpu")
+        w = torch.ones(256, requires_grad=True, device="cpu")
+        b = torch.zeros(256, requires_grad=True, device="cpu")
         forwards = {"norm": (lambda: F.layer_norm(x, (256,), w, b), (x, w, b)),
                     "gelu": (lambda: F.gelu(x), (x,)),
                     "add": (lambda: x + g, None)}
@@ -1002,8 +1002,8 @@ def _calibrate_attention(repeats: int, overhead: float) -> list:
     out = []
     for seq in ATTENTION_GRID[0]:
         for hd in ATTENTION_GRID[1]:
-            q, k, v = (torch.randn(4, 4, seq, hd, requires_grad=True) for _ in range(3))
-            g = torch.randn(4, 4, seq, hd)
+            q, k, v = (torch.randn(4, 4, seq, hd, requires_grad=True, device="cpu") for _ in range(3))
+            g = torch.randn(4, 4, seq, hd, device="cpu")
 
             def forward():
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -8,9 +8,9 @@ the absolute times do not.
 
 from __future__ import annotations
 
-import time
 
 import torch.distributed as dist
+from ..device import now
 
 __all__ = ["alternate"]
 
@@ -24,9 +24,9 @@ def alternate(kinds: list[str], step, data, batch: int, steps: int, warmup: int 
         x, y = data.batch(i, batch)
         for kind in (kinds if i % 2 == 0 else kinds[::-1]):
             dist.barrier()
-            t0 = time.perf_counter()
+            t0 = now()
             result = step(kind, x, y)
-            elapsed = time.perf_counter() - t0
+            elapsed = now() - t0
             out[kind]["results"].append(result)
             if i >= warmup:
                 out[kind]["times"].append(elapsed)

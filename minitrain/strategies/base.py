@@ -273,6 +273,9 @@ class Strategy(abc.ABC):
     precisions: tuple[str, ...] = ("fp32",)
     recomputes: bool = True  # honours --checkpoint-activations (recomputation, lesson 07)
     seams: tuple[str, ...] = ()  # the names of the seams it honours (an instance's: its Seams)
+    # why it cannot run on NCCL ("": it can); refused before any process starts, and it runs on
+    # gloo when no backend is named
+    nccl_refusal: str = ""
     checkpointer: Checkpointer | str = ("it has no checkpointer yet (see Checkpointer in "
                                         "minitrain/strategies/base.py)")
 

@@ -52,6 +52,8 @@ def check_common(cls: type[Strategy], cfg: TrainConfig, seams: Seams | None = No
                           f"shorter timeout fails runs that are fine) to {MAX_TIMEOUT_S:g} s (a week: "
                           f"a collective that waits longer is stuck), got {cfg.timeout:g}")
     _check_precision(cls, cfg)
+    if cfg.backend == "nccl" and cls.nccl_refusal:
+        raise ConfigError(f"{cls.name} cannot run on NCCL: {cls.nccl_refusal}; use --backend gloo")
     if cfg.backend == "nccl" and torch.cuda.device_count() < cfg.world_size:
         raise ConfigError(f"--backend nccl needs {cfg.world_size} GPUs, found "
                           f"{torch.cuda.device_count()}; use --backend gloo")

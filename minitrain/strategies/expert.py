@@ -115,7 +115,7 @@ class ExpertParallel(Lockstep):
         self.comm.all_reduce(loss, tag="loss")
         blocks = [b.mlp for b in self.model.blocks]
         self.routing.append([m.tokens_per_expert for m in blocks])
-        dropped = torch.tensor([sum(m.dropped for m in blocks)])
+        dropped = torch.tensor([sum(m.dropped for m in blocks)], device=self.comm.device)
         self.comm.untraced.all_reduce(dropped)
         self.dropped.append(int(dropped))
         return loss.item()

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from ..data import shard
+from ..device import now
 from ..parallel.compression import as_error_feedback, parse_compressor
 from ..parallel.flat import FlatUnit
 from ..parallel.param_server import FINAL, Consistency, ParameterServer, Worker, partition
@@ -79,6 +79,9 @@ class _ParameterServerStrategy(FreeRunning):
     mode = "sync"
     options = PSOptions
     seams = ("topk_error_feedback",)
+    nccl_refusal = ("a server receives from whichever worker sends first (a receive from any "
+                    "source, matched by tag); NCCL has neither: it matches a pair's messages in "
+                    "the order they were posted, from a named peer")
     checkpointer = ("the parameter server's ranks do not step in lockstep (a server applies "
                     "whichever worker's gradient comes first), so no step has one consistent state "
                     "to save; use ddp or zero1-3 for checkpoints")
@@ -110,6 +113,9 @@ class _ParameterServerStrategy(FreeRunning):
         check_compression(cfg)
 
     def __init__(self, cfg, comm, seams=None):
+        if comm.device.type != "cpu":  # a cluster started on NCCL and handed in
+            raise ConfigError(f"{self.name} cannot run on NCCL: {self.nccl_refusal}; start the "
+                              "cluster with backend='gloo'")
         super().__init__(cfg, comm, seams)
         o = cfg.options
         self.n_servers = o.servers
@@ -137,13 +143,13 @@ class _ParameterServerStrategy(FreeRunning):
         self.crash = parse_crash_worker(o.crash_worker)  # fault injection for tests and the lesson
 
     def run(self, data, on_step=None):
-        t0 = time.perf_counter()
+        t0 = now()
         if self.is_server:
             self.role.on_round = on_step  # progress as rounds of W gradients are applied
             losses = self.losses_per_round(self.role.serve(self.cfg.steps))
         else:
             losses = self.work(data)
-        seconds = (time.perf_counter() - t0) / self.cfg.steps
+        seconds = (now() - t0) / self.cfg.steps
         return losses, [seconds] * self.cfg.steps
 
     def work(self, data) -> list[float]:
@@ -154,7 +160,8 @@ class _ParameterServerStrategy(FreeRunning):
             if self.crash == (w, clock):
                 os._exit(3)  # simulate a worker dying mid-run (the launcher must report it)
             x, y = data.batch(clock, self.cfg.batch_size)
-            losses.append(self.role.step(clock, shard(x, w, n), shard(y, w, n), self.meter))
+            x, y = shard(x, w, n).to(self.device), shard(y, w, n).to(self.device)
+            losses.append(self.role.step(clock, x, y, self.meter))
             if clock + 1 < self.cfg.steps:
                 self.role.pull()
         return losses
@@ -177,7 +184,7 @@ class _ParameterServerStrategy(FreeRunning):
         full = list(full_model.parameters())
         for s in range(1, self.n_servers):
             unit = FlatUnit([full[k] for k in self.keys[s]])
-            weights = torch.empty(unit.total)
+            weights = torch.empty(unit.total, device=self.comm.device)
             self.comm.recv(weights, s, channel=FINAL)
             unit.unflatten(weights)
         FlatUnit([full[k] for k in self.keys[0]]).unflatten(self.role.unit.flatten())

@@ -283,7 +283,7 @@ class ThreeD(Lockstep):
     def close(self) -> None:
         """Free the mesh's groups once every rank is done with them (a notebook that runs the
         strategy again builds new ones)."""
-        dist.barrier(group=self.comm.group)
+        self.comm.untraced.barrier()
         self.mesh.destroy()
 
 

@@ -80,7 +80,7 @@ def main() -> None:
     print(f"{'ranks':>5s} {'compress':>11s} {'step ms':>8s} {'time x':>7s} {'KiB sent/step':>14s} "
           f"{'bytes ÷':>8s} {'loss':>7s}")
     for n in args.ranks:
-        with Cluster(n, threads=1) as cluster:
+        with Cluster(n, backend="gloo", threads=1) as cluster:
             res = cluster.run(run_all, args.model, specs, args.steps, args.batch_size,
                               args.bucket_mb)
         step_ms = {s: statistics.median(max(ts) for ts in zip(*(r[s]["times"] for r in res))) * 1e3

@@ -56,7 +56,7 @@ def main() -> None:
           f"{args.rounds} rounds x {args.steps} steps each")
     print(f"{'ranks':>5s} {'minitrain ms':>13s} {'PyTorch ms':>11s} {'ratio':>6s} {'overlap':>8s}")
     for n in (2, 4):
-        with Cluster(n, threads=1) as cluster:
+        with Cluster(n, backend="gloo", threads=1) as cluster:
             per = {"minitrain": [], "torch": []}
             overlap = []
             for _ in range(args.rounds):

@@ -37,12 +37,12 @@ def kib(pid: int, field: str) -> int:
 def measure(world_size: int, method: str, repeats: int) -> dict:
     starts = []
     for _ in range(repeats):
-        c = Cluster(world_size, start_method=method, threads=1)
+        c = Cluster(world_size, backend="gloo", start_method=method, threads=1)
         t0 = time.perf_counter()
         c.start()
         starts.append(time.perf_counter() - t0)
         c.close()
-    with Cluster(world_size, start_method=method, threads=1) as c:
+    with Cluster(world_size, backend="gloo", start_method=method, threads=1) as c:
         c.run(all_reduce_cell)
         calls = []
         for _ in range(20):

@@ -276,7 +276,7 @@ def main() -> None:
         if n > cfg.n_layer:
             print(f"skipping {n} ranks: more stages than the {cfg.n_layer} blocks of {args.model}")
             continue
-        with Cluster(n, threads=1, timeout=300) as cluster:
+        with Cluster(n, backend="gloo", threads=1, timeout=300) as cluster:
             for m in args.microbatches:
                 if args.batch_size % m:
                     print(f"skipping M={m}: batch {args.batch_size} does not split into {m}")

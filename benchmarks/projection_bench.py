@@ -108,7 +108,7 @@ def _clusters():
 
     def get(n: int) -> Cluster:
         if n not in live:
-            live[n] = Cluster(n, timeout=60, threads=1)
+            live[n] = Cluster(n, backend="gloo", timeout=60, threads=1)
         return live[n].start()
     return get, live
 

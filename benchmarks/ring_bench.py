@@ -50,7 +50,7 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{'ranks':>5} {'MiB':>5} {'ring ms':>9} {'gloo ms':>9} {'ratio':>6} {'ring GB/s':>10} {'gloo GB/s':>10}")
     for n in args.ranks:
-        with Cluster(n, threads=1) as cluster:
+        with Cluster(n, backend="gloo", threads=1) as cluster:
             for mib in args.sizes:
                 res = cluster.run(timings, mib, args.reps, args.pieces)
                 med = {k: statistics.median(max(ts) for ts in zip(*(r[k] for r in res)))

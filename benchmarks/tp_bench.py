@@ -164,7 +164,7 @@ def main() -> None:
         if cfg.n_head % n:
             print(f"skipping {n} ranks: {cfg.n_head} heads do not split over {n}")
             continue
-        with Cluster(n, threads=1, timeout=300) as cluster:
+        with Cluster(n, backend="gloo", threads=1, timeout=300) as cluster:
             res = compare(cluster, args.model, args.batch_size, args.steps, args.rounds)
         med, err = res["median_s"], res["loss_error"]
         print(f"{n:2d} {med['minitrain'] * 1e3:13.1f} {med['torch'] * 1e3:11.1f} "

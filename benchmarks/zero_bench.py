@@ -119,7 +119,7 @@ def main() -> None:
     mb = 1 / 2 ** 20
     for n in (2, 4):
         per = {k: [] for k in KINDS}
-        with Cluster(n, threads=1) as cluster:
+        with Cluster(n, backend="gloo", threads=1) as cluster:
             for _ in range(args.rounds):
                 res = cluster.run(step_times, args.model, args.steps, args.batch_size, KINDS)
                 for k in KINDS:
@@ -134,7 +134,7 @@ def main() -> None:
               ", ".join(f"{k} {v:.0%}" for k, v in hidden.items() if v is not None))
         rss = {"zero3": [], "fsdp2": []}
         for k in ("zero3", "fsdp2", "fsdp2", "zero3"):  # fresh ranks each; the lower of two tries
-            with Cluster(n, threads=1) as cluster:
+            with Cluster(n, backend="gloo", threads=1) as cluster:
                 rss[k].append(max(cluster.run(peak_rss, args.model, args.steps, args.batch_size, k)))
         rss = {k: min(v) for k, v in rss.items()}
         print(f"{n} ranks: rank 0's model states between steps (MiB), peak RSS growth (max rank)")

@@ -303,6 +303,8 @@ def format_summary(result) -> str:
             where = (f"params {_kb(b['parameters'])}, grads {_kb(b['gradients'])}, "
                      f"optimizer {_kb(b['optimizer_states'])}, activations peak "
                      f"{_kb(b['activations_peak'])}")
+        if mem.get("allocator_peak") is not None:  # a GPU: what its allocator held at most
+            where += f"; the GPU allocator's peak {_kb(mem['allocator_peak'])}"
         lines.append(f"rank {rank}: {where}; sent {_kb(sent)} in "
                      f"{comm.get('total', {}).get('calls', 0)} calls")
     return "\n".join(lines)

@@ -56,9 +56,11 @@ class ArithmeticData:
         return encode(text[: self.seq_len + 1])
 
     def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The global batch of ``step``: inputs and next-token targets, each (batch_size, seq_len)."""
+        """The global batch of ``step``: inputs and next-token targets, each (batch_size, seq_len),
+        in host memory (as a data loader's: each strategy moves its shard to its device)."""
         rng = random.Random(f"{self.seed}:{step}")
-        rows = torch.tensor([self.row(rng) for _ in range(batch_size)], dtype=torch.long)
+        rows = torch.tensor([self.row(rng) for _ in range(batch_size)], dtype=torch.long,
+                            device="cpu")
         return rows[:, :-1], rows[:, 1:]
 
     def prompts(self, n: int, seed: int = 12345) -> list[tuple[str, str]]:
@@ -81,9 +83,9 @@ class ArithmeticData:
     @torch.no_grad()
     def complete(self, model, prompts: list[str]) -> list[str]:
         """Greedy completions of prompts up to and including the first ';'."""
-        out = []
+        out, device = [], next(model.parameters()).device
         for prompt in prompts:
-            ids = torch.tensor([encode(prompt)])
+            ids = torch.tensor([encode(prompt)], device=device)
             full = decode(model.generate(ids, new_tokens=5, stop=_INDEX[";"])[0])
             tail = full[len(prompt):]
             out.append(tail[: tail.index(";") + 1] if ";" in tail else tail)

@@ -386,7 +386,8 @@ class GPT(nn.Module):
                 p.fill_(1.0)
             else:
                 std = resid_std if name.endswith("proj.weight") else 0.02
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+                # drawn on the host from one seeded generator: the same weights on any device
+                p.copy_(torch.randn(p.shape, generator=gen, device="cpu") * std)
 
     def num_params(self) -> int:
         """Parameters counted once (a tied weight is one parameter)."""

@@ -172,7 +172,7 @@ def clusters():
 
     def get(n: int) -> Cluster:
         if n not in live:
-            live[n] = Cluster(n, timeout=20, threads=1)
+            live[n] = Cluster(n, backend="gloo", timeout=20, threads=1)
         return live[n].start()
 
     yield get

@@ -273,7 +273,7 @@ clusters = {}
 
 def cluster_of(n):
     if n not in clusters:
-        clusters[n] = Cluster(n).start()
+        clusters[n] = Cluster(n, backend="gloo").start()
     return clusters[n]
 
 display(errors)

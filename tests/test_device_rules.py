@@ -25,8 +25,9 @@ from minitrain.model import PRESETS
 ROOT = Path(__file__).resolve().parents[1] / "minitrain"
 
 #: where every tensor must be made on a device: the techniques, the strategies, the communicator,
-#: the one loop and the calibration of this machine
-DEVICE_SCOPE = ["parallel", "strategies", "comm.py", "device.py", "train.py",
+#: the core's vocabulary, the one loop and the calibration of this machine
+DEVICE_SCOPE = ["parallel", "strategies", "comm.py", "device.py", "train.py", "model.py", "data.py",
+                "memory.py", "precision.py",
                 "planning/costmodel.py", "planning/clusters.py", "planning/kernels.py"]
 
 
@@ -360,3 +361,34 @@ def test_one_clock():
                 found.append(f"{_where(path, node)} time.{node.attr}")
     assert not found, (f"timers other than minitrain.device.now: {', '.join(found)}; on a GPU "
                        "they read when the work was queued, not when it was done")
+
+
+# -- what refuses NCCL, and memory as the GPU sees it ------------------------------------------------
+
+@pytest.mark.parametrize("strategy", ["ps-sync", "ps-async"])
+def test_the_parameter_server_refuses_nccl_with_its_reason(strategy):
+    from minitrain.strategies.options import ConfigError
+    from minitrain.train import TrainConfig, check_config
+    cfg = TrainConfig(strategy=strategy, world_size=3, backend="nccl")
+    with pytest.raises(ConfigError, match="cannot run on NCCL: a server receives from whichever "
+                                          "worker sends first.*use --backend gloo"):
+        check_config(cfg)
+
+
+def test_a_local_projection_of_a_gpu_run_is_refused():
+    from minitrain.strategies.options import ConfigError
+    from minitrain.train import TrainConfig, check_projection_config
+    cfg = TrainConfig(strategy="ddp", world_size=2, backend="nccl")
+    with pytest.raises(ConfigError, match="not that machine"):
+        check_projection_config(cfg, "local")
+    check_projection_config(cfg.with_(backend="gloo"), "local")
+
+
+def test_the_ledger_has_no_allocator_peak_on_a_cpu():
+    from minitrain.memory import allocator_peak, ledger
+    model = torch.nn.Linear(4, 4)
+    assert ledger(model)["allocator_peak"] is None
+    assert allocator_peak(list(model.parameters())) is None
+    if torch.cuda.is_available():
+        model.cuda()
+        assert ledger(model)["allocator_peak"] == torch.cuda.max_memory_allocated()

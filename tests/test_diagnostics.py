@@ -47,7 +47,7 @@ def sleeps_while_the_other_returns():
 
 @pytest.fixture(scope="module")
 def two():
-    with Cluster(2, timeout=20) as c:
+    with Cluster(2, backend="gloo", timeout=20) as c:
         yield c
 
 
@@ -72,7 +72,7 @@ def test_a_skipped_collective_is_named_within_seconds(two):
 
 
 def test_a_wrong_ring_peer_is_named_within_seconds():
-    with Cluster(3, timeout=20) as c:
+    with Cluster(3, backend="gloo", timeout=20) as c:
         t0 = time.monotonic()
         with pytest.raises(Deadlock) as info:
             c.run(wrong_ring_peer)
@@ -90,7 +90,7 @@ def test_a_rank_that_is_only_slow_is_not_a_deadlock(two):
 
 
 def test_when_every_rank_waits_their_lines_are_shown_and_kept(capsys):
-    with Cluster(2, timeout=11) as c:
+    with Cluster(2, backend="gloo", timeout=11) as c:
         with pytest.raises(CollectiveTimeout) as info:
             c.run(both_receive_first)
     err = capsys.readouterr().err
@@ -116,7 +116,7 @@ def test_every_failing_rank_is_kept(two):
 
 
 def test_a_timeout_is_reported_before_a_peer_that_went_away():
-    c = Cluster(2, timeout=5)
+    c = Cluster(2, backend="gloo", timeout=5)
     peer = c._error(0, "RuntimeError", "Connection closed by peer [127.0.0.1]:1", "", False)
     timeout = c._error(1, "RuntimeError", "Timed out waiting 5000ms for recv", "", True)
     cause = c._error(1, "ValueError", "shapes differ", "", False)
@@ -165,7 +165,7 @@ def test_a_learners_destroy_process_group_is_refused_and_repaired(two):
 
 
 def test_a_subprocess_a_rank_started_goes_with_it():
-    with Cluster(1) as c:
+    with Cluster(1, backend="gloo") as c:
         pid = c.run(lambda: subprocess.Popen(["sleep", "60"]).pid)[0]
         assert pid_alive(pid)
     deadline = time.monotonic() + 5
@@ -176,7 +176,7 @@ def test_a_subprocess_a_rank_started_goes_with_it():
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="needs Linux /proc")
 def test_a_second_cluster_does_not_hold_the_first_ones_socket():
-    with Cluster(1) as first, Cluster(1) as second:
+    with Cluster(1, backend="gloo") as first, Cluster(1, backend="gloo") as second:
         fd = first._listen_fd
         mine = os.readlink(f"/proc/self/fd/{fd}")
 

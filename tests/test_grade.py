@@ -27,7 +27,7 @@ def skips_the_all_reduce():
         dist.all_reduce(t)
     return t.tolist()
 
-with Cluster(2, timeout=20) as cluster:
+with Cluster(2, backend="gloo", timeout=20) as cluster:
     cluster.run(skips_the_all_reduce)"""
 
 

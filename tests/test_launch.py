@@ -65,7 +65,7 @@ def fail_on_rank_one():
 
 
 def test_a_rank_that_raises_is_named_quickly_and_cleaned_up():
-    c = Cluster(3, timeout=60)
+    c = Cluster(3, backend="gloo", timeout=60)
     c.start()
     pids = list(c.pids)
     t0 = time.perf_counter()
@@ -105,14 +105,14 @@ def test_ranks_that_do_not_start_are_forked_again(monkeypatch, capsys):
 
     monkeypatch.setattr(worker_module, "_die_with_parent", first_rank_2_hangs)
     monkeypatch.setattr(launch_module, "FORK_STARTUP_S", 2.0)
-    with Cluster(3, timeout=30) as c:
+    with Cluster(3, backend="gloo", timeout=30) as c:
         assert [r[2] for r in c.run(rank_and_sum)] == [6.0] * 3
     assert stuck.value == 2  # stuck the first time, started the second
     assert "starting them again" in capsys.readouterr().err
 
 
 def test_a_killed_rank_is_reported_and_the_rest_stopped():
-    with Cluster(2, timeout=60) as c:
+    with Cluster(2, backend="gloo", timeout=60) as c:
         pids = list(c.pids)
         t0 = time.perf_counter()
         with pytest.raises(RankError, match=r"rank 1 failed: .*killed by signal 9"):
@@ -130,7 +130,7 @@ def test_a_collective_that_never_completes_times_out_clearly():
         else:
             time.sleep(30)
 
-    with Cluster(2, timeout=1.5) as c:
+    with Cluster(2, backend="gloo", timeout=1.5) as c:
         t0 = time.perf_counter()
         with pytest.raises(CollectiveTimeout) as info:
             c.run(only_rank_zero_reduces)
@@ -141,7 +141,7 @@ def test_a_collective_that_never_completes_times_out_clearly():
 
 
 def test_a_call_that_runs_too_long_is_stopped():
-    with Cluster(2, timeout=30) as c:
+    with Cluster(2, backend="gloo", timeout=30) as c:
         with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not finish"):
             c.run(time.sleep, 30, timeout=1)
         assert c.run(lambda: 7) == [7, 7]
@@ -149,7 +149,7 @@ def test_a_call_that_runs_too_long_is_stopped():
 
 def test_spawned_ranks_work_too():
     """spawn is what macOS, Windows and CUDA runs use; cloudpickle makes lambdas work there too."""
-    with Cluster(2, start_method="spawn", timeout=30) as c:
+    with Cluster(2, backend="gloo", start_method="spawn", timeout=30) as c:
         base = 10
         assert c.run(lambda: dist.get_rank() + base) == [10, 11]
 
@@ -173,8 +173,8 @@ def test_forked_ranks_do_not_hang_after_the_parent_used_its_thread_pool():
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "1"
     with pytest.raises(ValueError, match="start_method='spawn'"):
-        Cluster(1, threads=2, start_method="fork")
-    assert Cluster(1, threads=2, start_method="spawn").threads == 2
+        Cluster(1, backend="gloo", threads=2, start_method="fork")
+    assert Cluster(1, backend="gloo", threads=2, start_method="spawn").threads == 2
 
 
 def test_forked_ranks_share_what_a_first_optimizer_step_imports(clusters):
@@ -188,14 +188,14 @@ def test_forked_ranks_share_what_a_first_optimizer_step_imports(clusters):
 
 
 def test_launch_is_a_one_shot_cluster():
-    assert launch(rank_and_sum, 2) == [(0, 2, 3.0), (1, 2, 3.0)]
+    assert launch(rank_and_sum, 2, backend="gloo") == [(0, 2, 3.0), (1, 2, 3.0)]
 
 
 def test_bad_arguments_are_refused_before_spawning():
     with pytest.raises(ValueError, match="world_size must be a positive int"):
-        Cluster(0)
+        Cluster(0, backend="gloo")
     with pytest.raises(ValueError, match="timeout must be > 0"):
-        Cluster(2, timeout=0)
+        Cluster(2, backend="gloo", timeout=0)
     with pytest.raises(ValueError, match="backend must be 'gloo' or 'nccl'"):
         Cluster(2, backend="mpi")
 
@@ -232,7 +232,7 @@ def test_functions_defined_in_a_notebook_run_on_the_ranks(tmp_path):
     nb.cells = [
         nbformat.v4.new_code_cell("import torch, torch.distributed as dist\n"
                                   "from minitrain import Cluster\n"
-                                  "cluster = Cluster(2, timeout=20).start()"),
+                                  "cluster = Cluster(2, backend='gloo', timeout=20).start()"),
         nbformat.v4.new_code_cell("def defined_in_the_notebook(x):\n"
                                   "    t = torch.tensor([x * (dist.get_rank() + 1.0)])\n"
                                   "    dist.all_reduce(t)\n"
@@ -287,7 +287,7 @@ def test_what_a_dead_rank_started_goes_with_it():
 
     import tempfile
     path = os.path.join(tempfile.mkdtemp(), "child.pid")
-    c = Cluster(2, timeout=30)
+    c = Cluster(2, backend="gloo", timeout=30)
     try:
         with pytest.raises(RankError, match="rank 1 failed: the process exited with code 3"):
             c.run(start_a_child_and_die, path)
@@ -304,7 +304,7 @@ def test_what_a_dead_rank_started_goes_with_it():
 LEFT_OPEN = """
 import sys
 from minitrain import Cluster
-c = Cluster(2)
+c = Cluster(2, backend="gloo")
 c.run(lambda: 1)
 sys.modules["__main__"].keep = [c]
 keep.append(keep)  # a cycle holds it, as a notebook's namespace can: never collected
@@ -329,7 +329,7 @@ def test_a_cluster_left_open_at_exit_leaves_nothing_in_the_temporary_folder(tmp_
 HOLD_OPEN = """
 import time
 from minitrain import Cluster
-c = Cluster(2).start()
+c = Cluster(2, backend="gloo").start()
 print(c.folder, flush=True)
 time.sleep(600)
 """
@@ -352,7 +352,7 @@ def test_a_killed_parents_rank_files_are_reaped_at_the_next_start(tmp_path, monk
         time.sleep(0.5)  # its ranks die with it (PR_SET_PDEATHSIG)
         assert os.path.isdir(folders[0])  # nobody closed it
         monkeypatch.setattr(tempfile, "tempdir", str(tmp))
-        with Cluster(1) as c:  # the next start
+        with Cluster(1, backend="gloo") as c:  # the next start
             mine = c.folder
             assert mine.startswith(str(tmp))
             assert not os.path.exists(folders[0])

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import linecache
 import os
+import re
 import traceback
 from dataclasses import dataclass
 
-__all__ = ["Frame", "RankState", "frames_of", "op_of", "user_frame", "LaunchError", "RankError",
-           "CollectiveTimeout", "Deadlock", "format_error", "format_states"]
+__all__ = ["Frame", "RankState", "frames_of", "op_of", "user_frame", "TIMEOUT_PATTERNS",
+           "is_timeout", "backend_op", "LaunchError", "RankError", "CollectiveTimeout", "Deadlock",
+           "format_error", "format_states"]
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # minitrain/
 _TORCH = os.sep + "torch" + os.sep
@@ -112,6 +114,57 @@ class RankState:
 
     def stack(self) -> str:
         return "".join(traceback.format_list([(f.file, f.line, f.name, f.code) for f in self.frames]))
+
+
+#: What a backend says when a collective or point-to-point op did not complete within the process
+#: group's timeout: regular expressions, case ignored.  :func:`is_timeout` matches them against a
+#: rank's exception message and against the native stderr of a rank that died.
+TIMEOUT_PATTERNS = (
+    # gloo: "[.../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 1000ms for recv
+    # operation to complete", and any other "timed out" (a store's, a work waited on with a
+    # timeout).  Not NCCL's "Some NCCL operations have failed or timed out. ...": NCCL logs that
+    # line for any failed work, a CUDA error as well as a timeout.
+    r"(?<!failed or )timed out",
+    # NCCL's watchdog, in the rank's log and in the c10::DistBackendError it raises (in wait(), or
+    # from the watchdog thread, which ends the process: "terminate called after throwing an
+    # instance of 'c10::DistBackendError' what(): [PG ID 0 PG GUID 0(default_pg) Rank 0] Process
+    # group watchdog thread terminated with exception: [Rank 0] Watchdog caught collective
+    # operation timeout: WorkNCCL(SeqNum=1, OpType=ALLREDUCE, NumelIn=1, NumelOut=1,
+    # Timeout(ms)=1000) ran for 1004 milliseconds before timing out.").  Not "NCCL communicator
+    # was aborted on rank 0.": that follows any abort, after a timeout or another error.
+    r"Watchdog caught collective operation timeout",
+    # NCCL's watchdog, the line it logs after the one above: "[PG ID 0 PG GUID 0(default_pg)
+    # Rank 0] Timeout at NCCL work: 1, last enqueued NCCL work: 1, last completed NCCL work: 0."
+    r"Timeout at NCCL work",
+)
+# Not a bare "timeout": every WorkNCCL in a message (an error's too) reads "Timeout(ms)=...".
+_TIMEOUT = re.compile("|".join(f"(?:{p})" for p in TIMEOUT_PATTERNS), re.IGNORECASE)
+
+#: NCCL's name of an op (a WorkNCCL's ``OpType=``) -> the ``torch.distributed`` call
+_NCCL_OPS = {"ALLREDUCE": "all_reduce", "ALLREDUCE_COALESCED": "all_reduce_coalesced",
+             "BROADCAST": "broadcast", "REDUCE": "reduce", "ALLGATHER": "all_gather",
+             "_ALLGATHER_BASE": "all_gather_into_tensor", "GATHER": "gather",
+             "SCATTER": "scatter", "REDUCE_SCATTER": "reduce_scatter",
+             "_REDUCE_SCATTER_BASE": "reduce_scatter_tensor", "ALLTOALL": "all_to_all",
+             "ALLTOALL_BASE": "all_to_all_single", "SEND": "send", "RECV": "recv",
+             "BARRIER": "barrier"}
+
+
+def is_timeout(text: str) -> bool:
+    """Whether ``text`` (an exception's message, a dead rank's stderr) says that a collective or
+    point-to-point op timed out, under gloo or NCCL: one of :data:`TIMEOUT_PATTERNS` matches."""
+    return bool(_TIMEOUT.search(text or ""))
+
+
+def backend_op(text: str) -> str:
+    """The op a backend's timeout names: gloo's transport op (``recv`` in "Timed out waiting
+    1000ms for recv operation"), NCCL's as a ``torch.distributed`` call (``all_reduce`` for
+    ``OpType=ALLREDUCE``); ``""`` when it names none."""
+    m = re.search(r"waiting \d+ms for (\w+) operation", text or "")
+    if m:
+        return m.group(1)
+    m = re.search(r"OpType=(\w+)", text or "")
+    return _NCCL_OPS.get(m.group(1), m.group(1).lower()) if m else ""
 
 
 class LaunchError(RuntimeError):

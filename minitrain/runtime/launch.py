@@ -35,7 +35,7 @@ from .rankfolder import new_folder, reap_stale_folders, remove_folder
 from .diagnostics import CollectiveTimeout, Deadlock, LaunchError, RankError, format_states
 from .torchrun import TORCHRUN_VARS, choose_backend, init_from_env, launched_by_torchrun
 from .watch import (ALL_WAITING_S, HEARTBEAT_S, REPORT_AFTER_S, STUCK_S, Watch, descendants,
-                    died, native_tail, raised)
+                    died, native_end, native_tail, raised)
 from .worker import stderr_file, worker_main
 
 __all__ = ["descendants", "threads_per_rank", "Cluster", "launch", "init_from_env",
@@ -138,8 +138,9 @@ class Cluster:
       down (the other ranks may be stuck in a collective) and restarted on the next ``run``;
     * a rank that dies (e.g. SIGKILL) → :class:`RankError` within the poll interval;
     * a collective that never completes → the process group's ``timeout`` fires inside the rank and
-      comes back as :class:`CollectiveTimeout`; a ``run(..., timeout=s)`` wall-clock limit is a
-      second guard;
+      comes back as :class:`CollectiveTimeout` (under NCCL the watchdog ends the rank, and its
+      stderr, which says why, makes it the same :class:`CollectiveTimeout`); a ``run(...,
+      timeout=s)`` wall-clock limit is a second guard;
     * the ranks die with the parent (``PR_SET_PDEATHSIG`` on Linux), so no orphan is left behind —
       strictly, with the parent *thread* that started them, so start a Cluster from the main thread;
     * each rank leads a process group of its own: what it starts (a subprocess) is stopped with it
@@ -451,9 +452,15 @@ class Cluster:
         proc = self._procs[rank]
         self._stop_group(proc)  # what it started goes with it (before it is reaped)
         proc.join(1.0)  # reap it, so the exit code is known
-        rss = self._watching.rss.get(rank) if getattr(self, "_watching", None) else None
-        native = native_tail(stderr_file(self.folder, rank)) if self.folder else ""
-        return died(rank, proc.exitcode, proc.pid, native, rss)
+        watching = getattr(self, "_watching", None)
+        rss = watching.rss.get(rank) if watching else None
+        path = stderr_file(self.folder, rank) if self.folder else None
+        native = native_tail(path) if path else ""
+        # NCCL's watchdog ends a rank whose collective timed out (worker.py): its stderr says so,
+        # and it comes back as a CollectiveTimeout, as gloo's timeout does
+        return died(rank, proc.exitcode, proc.pid, native, rss, timeout_s=self.timeout,
+                    frames=watching.frames.get(rank, ()) if watching else (),
+                    stderr=native_end(path) if path else "")
 
     def _error(self, rank: int, name: str, text: str, tb: str, timed_out: bool,
                frames: tuple = (), args: tuple = ()) -> RankError:

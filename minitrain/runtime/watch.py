@@ -20,10 +20,11 @@ import threading
 import time
 import traceback
 
-from .diagnostics import CollectiveTimeout, RankError, RankState, frames_of, op_of
+from .diagnostics import (CollectiveTimeout, RankError, RankState, backend_op, frames_of,
+                          is_timeout, op_of)
 
 __all__ = ["descendants", "HEARTBEAT_S", "REPORT_AFTER_S", "STUCK_S", "IDLE_CPU", "ALL_WAITING_S", "heartbeat",
-           "Watch", "native_tail", "abort_reason", "rss_of", "raised", "died"]
+           "Watch", "native_end", "native_tail", "abort_reason", "rss_of", "raised", "died"]
 
 #: a rank reports where its main thread is every HEARTBEAT_S while a task has run REPORT_AFTER_S
 HEARTBEAT_S, REPORT_AFTER_S = 0.5, 1.0
@@ -161,16 +162,21 @@ class Watch:
         return out
 
 
-def native_tail(path: str, lines: int = 40) -> str:
-    """The last lines a dead rank wrote to its native stderr (the list of loaded extension modules
-    a crash report ends with left out, and the launcher's own frames below the learner's)."""
+def native_end(path: str) -> str:
+    """The end (64 KiB) of what a rank wrote to its native stderr, ``""`` when there is none."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
             f.seek(max(0, f.tell() - 65536))
-            text = f.read().decode(errors="replace")
+            return f.read().decode(errors="replace")
     except OSError:
         return ""
+
+
+def native_tail(path: str, lines: int = 40) -> str:
+    """The last lines a dead rank wrote to its native stderr (the list of loaded extension modules
+    a crash report ends with left out, and the launcher's own frames below the learner's)."""
+    text = native_end(path)
     kept, in_stack = [], False
     for line in text.splitlines():
         if line.startswith("Extension modules:"):
@@ -195,17 +201,24 @@ def abort_reason(native: str) -> str:
 _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
 
+#: the prefix torch's C++ log puts before a line: "[rank1]:[E1206 18:44:12.715298746
+#: ProcessGroupNCCL.cpp:616] "
+_LOG_PREFIX = re.compile(r"^(?:\[rank\d+\]:)?\[[IWEF]\d{4} [^\]]*\]\s*")
+
+
+def _timeout_hint(timeout_s: float) -> str:
+    return (f"(a collective did not complete within the group's timeout of {timeout_s:g} s: "
+            "probably another rank never called it, or called a different one; raise "
+            "Cluster(timeout=...) if the work is just slow)")
+
+
 def raised(rank: int, name: str, text: str, tb: str, frames: tuple = (),
            timeout_s: float | None = None) -> RankError:
     """The error for a rank that raised ``name: text`` (``timeout_s``: the group's timeout, when
     the exception was a collective's timeout)."""
     if timeout_s is not None:
-        backend_op = re.search(r"waiting \d+ms for (\w+) operation", text)  # gloo's words
-        err = CollectiveTimeout(
-            rank, text, tb, name, frames=frames, op=backend_op.group(1) if backend_op else "",
-            hint=f"(a collective did not complete within the group's timeout of {timeout_s:g} s: "
-            "probably another rank never called it, or called a different one; raise "
-            "Cluster(timeout=...) if the work is just slow)")
+        err = CollectiveTimeout(rank, text, tb, name, frames=frames, op=backend_op(text),
+                                hint=_timeout_hint(timeout_s))
         err.timeout_s = timeout_s
     else:
         err = RankError(rank, text, tb, name, frames=frames)
@@ -215,11 +228,30 @@ def raised(rank: int, name: str, text: str, tb: str, frames: tuple = (),
     return err
 
 
-def died(rank: int, exitcode: int | None, pid: int, native: str, rss: int | None) -> RankError:
+def died(rank: int, exitcode: int | None, pid: int, native: str, rss: int | None,
+         timeout_s: float | None = None, frames: tuple = (), stderr: str = "") -> RankError:
     """The error for a rank whose process ended (``exitcode`` negative: the signal), with what it
-    likely means and the end of its native stderr."""
+    likely means and the end of its native stderr (``native``: the lines shown; ``stderr``: the
+    text read for a timeout, ``native`` when not given).
+
+    A rank that NCCL's watchdog ended because a collective timed out (its stderr says so:
+    :func:`~minitrain.runtime.diagnostics.is_timeout`) comes back as a :class:`CollectiveTimeout`,
+    as gloo's timeout does, given the group's ``timeout_s``; ``frames``, where the rank's last
+    heartbeat saw it, say where it waited."""
     signum = -exitcode if exitcode is not None and exitcode < 0 else None
     how = f"was killed by signal {signum}" if signum else f"exited with code {exitcode}"
+    said = next((_LOG_PREFIX.sub("", line.strip()) for line in (stderr or native).splitlines()
+                 if is_timeout(line)), "")
+    if timeout_s is not None and said:
+        err = CollectiveTimeout(
+            rank, f"the process {how} (pid {pid}) after a collective timed out: {said}",
+            frames=frames, op=backend_op(said),
+            hint=_timeout_hint(timeout_s)
+            + f"\n--- what rank {rank} printed last (native stderr) ---\n{native}")
+        err.timeout_s = timeout_s
+        err.signal, err.native, err.abort_reason = signum, native, abort_reason(native)
+        err.priority, err.secondary = 1, True
+        return err
     hint = ""
     if signum == signal.SIGABRT:
         hint = ("Signal 6 (abort) in a rank is most often a collective mismatch: the ranks called "

@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from . import shipping
-from .diagnostics import frames_of
+from ..device import taint_from_env
+from .diagnostics import frames_of, is_timeout
 from .watch import heartbeat
 
 __all__ = ["worker_main", "stderr_file", "LOOPBACK"]
@@ -74,7 +75,7 @@ def _die_with_parent() -> None:
 
 
 def _is_timeout(exc: BaseException) -> bool:
-    return isinstance(exc, TimeoutError) or "timed out" in str(exc).lower()
+    return isinstance(exc, TimeoutError) or is_timeout(str(exc))
 
 
 def stderr_file(folder: str, rank: int) -> str:
@@ -135,7 +136,13 @@ def worker_main(rank: int, world_size: int, conn, opts: dict) -> None:
         sys.stderr = _Forward(send, "stderr", opts["tty"][1])
     try:
         torch.set_num_threads(opts["threads"])
+        taint_from_env()  # MINITRAIN_TAINT=1: the CPU test mode that finds device-less tensors
         if opts["backend"] == "nccl":
+            # A collective that outlives the group's timeout is ended by NCCL's watchdog, which
+            # ends this process (TORCH_NCCL_ASYNC_ERROR_HANDLING, default 3 in torch >= 2.5; 1
+            # would abort the communicator first, which can itself hang).  Its "Watchdog caught
+            # collective operation timeout" stays in this rank's stderr file, from which the
+            # parent reports a CollectiveTimeout, as for gloo (watch.died).
             torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.TCPStore(opts["host"], opts["port"], world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=opts["timeout"]))

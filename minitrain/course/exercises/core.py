@@ -74,7 +74,7 @@ def ranks(n: int, timeout: float = 5):
 
     key = (n, timeout)
     if key not in _RANKS:
-        _RANKS[key] = Cluster(n, timeout=timeout, threads=1, forward_output=False)
+        _RANKS[key] = Cluster(n, backend="gloo", timeout=timeout, threads=1, forward_output=False)
     return _RANKS[key]
 
 

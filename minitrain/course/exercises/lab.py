@@ -88,12 +88,16 @@ HANDLES_ADVICE = ("Every rank waits on the handle of an asynchronous send or rec
 # --------------------------------------------------------------------------------------------------
 
 
-def _loss(rank: int) -> torch.Tensor:
-    return torch.tensor([2.0 + 0.25 * rank + 0.125 * rank * rank])
+# Each input is made on ``device``: the rank's (group_device()) when a rank's program gets it, the
+# CPU when the checker works out on the host what the ranks should have returned.
 
 
-def _block(rank: int) -> torch.Tensor:
-    return torch.arange(4, dtype=torch.float32) + 100.0 * rank
+def _loss(rank: int, device) -> torch.Tensor:
+    return torch.tensor([2.0 + 0.25 * rank + 0.125 * rank * rank], device=device)
+
+
+def _block(rank: int, device) -> torch.Tensor:
+    return torch.arange(4, dtype=torch.float32, device=device) + 100.0 * rank
 
 
 _NAMES = ("loss", "tokens", "histogram")
@@ -158,26 +162,29 @@ class _Stats(dict):
         return (dict, (dict(self),))
 
 
-def _values(rank: int) -> dict:
-    return {"loss": torch.tensor([2.5 + rank]), "tokens": torch.tensor([1000.0 * (rank + 1)]),
-            "histogram": torch.arange(8, dtype=torch.float32) * 10 ** (rank % 3) + 7.0}
+def _values(rank: int, device) -> dict:
+    return {"loss": torch.tensor([2.5 + rank], device=device),
+            "tokens": torch.tensor([1000.0 * (rank + 1)], device=device),
+            "histogram": torch.arange(8, dtype=torch.float32, device=device) * 10 ** (rank % 3)
+            + 7.0}
 
 
-def _stats(rank: int, case: str) -> dict:
-    values = _values(rank)
+def _stats(rank: int, case: str, device) -> dict:
+    values = _values(rank, device)
     order = _ORDERS[rank % 4] if case == "differ" else _ORDERS[0]
     return _Stats([(k, values[k]) for k in order], _HASHES[rank % 2])
 
 
-def _shard(rank: int, case: str) -> torch.Tensor:
+def _shard(rank: int, case: str, device) -> torch.Tensor:
     """A rank's float16 gradient shard.  "fits": every square and every rank's sum of squares fit
-    in float16, their total over the ranks does not; "spike": one element's square overflows."""
+    in float16, their total over the ranks does not; "spike": one element's square overflows.
+    Drawn on the CPU (the same numbers on the host and in the rank), then moved to ``device``."""
     g = torch.Generator().manual_seed(100 + rank)
-    x = torch.randn(256, generator=g)
+    x = torch.randn(256, generator=g, device="cpu")
     x = x / x.norm() * 180.0  # this shard's sum of squares: 32,400 (< 65,504)
     if case == "spike":
         x[7 * rank + 3] = 300.0  # 300² = 90,000 > 65,504
-    return x.half()
+    return x.half().to(device)
 
 
 _PAIRS: dict = {}
@@ -196,10 +203,11 @@ def pairs():
     return _PAIRS[key]
 
 
-def _input(kind: str, rank: int, case: str):
-    return {"skipped": lambda: _loss(rank), "sendsend": lambda: _block(rank),
-            "order": lambda: _stats(rank, case), "group": lambda: torch.full((3,), 2.0 ** rank),
-            "fp16": lambda: _shard(rank, case)}[kind]()
+def _input(kind: str, rank: int, case: str, device):
+    return {"skipped": lambda: _loss(rank, device), "sendsend": lambda: _block(rank, device),
+            "order": lambda: _stats(rank, case, device),
+            "group": lambda: torch.full((3,), 2.0 ** rank, device=device),
+            "fp16": lambda: _shard(rank, case, device)}[kind]()
 
 
 def _plain(x):
@@ -231,9 +239,10 @@ def _on_rank(kind: str, fn, case: str = "", quiet: bool = True, observe: bool = 
 
     import torch.distributed as dist
 
+    from ...device import group_device
     from .guards import dist_calls
 
-    x = _input(kind, dist.get_rank(), case)
+    x = _input(kind, dist.get_rank(), case, group_device())
     groups = pairs() if kind == "group" else None
     with contextlib.ExitStack() as stack:
         if quiet:
@@ -349,7 +358,7 @@ def _skipped_on(fn, n: int) -> str | None:
         return _wrong(exc, fn, where, "A collective completes only when every rank of its group "
                       "calls it: take the all_reduce (and the division) out of the `if`, so every "
                       "rank runs them; only the print is rank 0's job")
-    losses = [_loss(r).item() for r in range(n)]
+    losses = [_loss(r, "cpu").item() for r in range(n)]
     mean, total = sum(losses) / n, sum(losses)
     values = {}
     for rank, got in enumerate(results):
@@ -443,7 +452,7 @@ def _check_send_send(fn) -> str | None:
         else:
             advice = ""
         return _wrong(exc, fn, where, advice)
-    blocks = [_block(r).tolist() for r in range(N)]
+    blocks = [_block(r, "cpu").tolist() for r in range(N)]
     for rank, got in enumerate(results):
         left, right = (rank - 1) % N, (rank + 1) % N
         sends = [c for c in calls[rank] if c["op"] == "send"]
@@ -496,7 +505,8 @@ def _check_send_send(fn) -> str | None:
 
 def _explain_sum(rank: int, name: str, value: float, case: str) -> str:
     """Which ranks' entries ``value`` (rank's wrong ``name``) is the sum of, if we can tell."""
-    options = [[(q, k, _values(q)[k].view(-1)[0].item()) for k in _NAMES] for q in range(N)]
+    options = [[(q, k, _values(q, "cpu")[k].view(-1)[0].item()) for k in _NAMES]
+               for q in range(N)]
     for combo in itertools.product(*options):
         if abs(sum(v for _, _, v in combo) - value) < 1e-3:
             return " + ".join(f"rank {q}'s '{k}'" for q, k, _ in combo)
@@ -537,7 +547,7 @@ def _check_order(fn) -> str | None:
                 return (f"{where}: rank {rank} returned {type(got).__name__}: return the dict of "
                         "statistics, each summed over the ranks")
             for name in _NAMES:
-                want = sum(_values(q)[name] for q in range(N)).tolist()
+                want = sum(_values(q, "cpu")[name] for q in range(N)).tolist()
                 have = got[name] if isinstance(got[name], list) else [got[name]]
                 if len(have) == len(want) and all(abs(a - b) < 1e-3 for a, b in zip(have, want)):
                     continue
@@ -625,7 +635,7 @@ def _check_fp16(fn) -> str | None:
         where = f"On {N} ranks"
         if exc is not None:
             return _wrong(exc, fn, where, "")
-        shards = [_shard(r, case).double() for r in range(N)]
+        shards = [_shard(r, case, "cpu").double() for r in range(N)]
         squares = [float((s * s).sum()) for s in shards]
         norm = math.sqrt(sum(squares))
         biggest = max(float(s.abs().max()) for s in shards)

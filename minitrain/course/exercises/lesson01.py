@@ -83,7 +83,7 @@ def _ring_rank(fn, sizes):
 
     comm = Comm()
     n, r = comm.size, comm.rank
-    x = torch.full((3 * n + 1,), float(2 ** r), dtype=torch.float64)
+    x = torch.full((3 * n + 1,), float(2 ** r), dtype=torch.float64, device=comm.device)
     got = fn(x, comm)
     got = x if got is None else got
     if not torch.is_tensor(got) or got.shape != x.shape:
@@ -92,8 +92,8 @@ def _ring_rank(fn, sizes):
     if story:
         return f"size {x.numel()}: {story}"
     for size in sizes:
-        gen = torch.Generator().manual_seed(1000 * size + r)
-        x = torch.randn(size, generator=gen, dtype=torch.float64)
+        gen = torch.Generator(device=comm.device).manual_seed(1000 * size + r)
+        x = torch.randn(size, generator=gen, dtype=torch.float64, device=comm.device)
         want = x.clone()
         dist.all_reduce(want)
         got = fn(x, comm)

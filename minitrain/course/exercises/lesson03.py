@@ -26,8 +26,8 @@ def _alone(fn) -> str | None:
     residual, k from 1 to n."""
     gen = torch.Generator().manual_seed(3)
     for n, k in ((10, 1), (100, 7), (1000, 100), (5, 5)):
-        grad = torch.randn(n, generator=gen)
-        residual = torch.randn(n, generator=gen) * 0.8
+        grad = torch.randn(n, generator=gen, device="cpu")
+        residual = torch.randn(n, generator=gen, device="cpu") * 0.8
         corrected = grad + residual
         want = set(corrected.abs().topk(k).indices.tolist())
         case = f"n={n}, k={k}"
@@ -66,7 +66,7 @@ def _alone(fn) -> str | None:
         new_residual = new_residual.reshape(-1).float()
         if new_residual.numel() != n:
             return f"{case}: new_residual has {new_residual.numel()} entries, expected n = {n}"
-        sent = torch.zeros(n).index_put_((idx,), values.float())
+        sent = torch.zeros(n, device="cpu").index_put_((idx,), values.float())
         if k < n and torch.count_nonzero(new_residual) == 0:
             return (f"{case}: new_residual is all zeros: everything you did not send is lost; "
                     "keep it for the next step (that is what error feedback means)")

@@ -68,10 +68,10 @@ _OPTIMIZERS = {"SGD with momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momen
                "Adam": lambda ps: torch.optim.Adam(ps, lr=0.1)}
 
 
-def _local_gradients(n: int, step: int) -> list:
-    """Every rank's own gradient at ``step`` (each rank can make all of them)."""
-    gen = torch.Generator().manual_seed(100 * step + 7)
-    return [torch.randn(_PSI, generator=gen) for _ in range(n)]
+def _local_gradients(n: int, step: int, device) -> list:
+    """Every rank's own gradient at ``step`` (each rank can make all of them), on ``device``."""
+    gen = torch.Generator(device=device).manual_seed(100 * step + 7)
+    return [torch.randn(_PSI, generator=gen, device=device) for _ in range(n)]
 
 
 def _zero1_rank(fn):
@@ -84,26 +84,27 @@ def _zero1_rank(fn):
 
     comm = Comm()
     n, r = comm.size, comm.rank
-    layout = FlatUnit([torch.empty(_PSI)], n)
+    layout = FlatUnit([torch.empty(_PSI, device=comm.device)], n)
     size = layout.shard_size
     lo, hi = r * size, (r + 1) * size
-    start = torch.randn(_PSI, generator=torch.Generator().manual_seed(5))
+    start = torch.randn(_PSI, generator=torch.Generator(device=comm.device).manual_seed(5),
+                        device=comm.device)
     seen = []  # every torch.distributed call of the learner's steps
     for opt_name, make in _OPTIMIZERS.items():
         # one process with the mean gradient; and what a rank would get from the sum, or its own
         ref = {k: nn.Parameter(start.clone()) for k in ("mean", "sum", "own")}
         ref_opt = {k: make([p]) for k, p in ref.items()}
-        flat = torch.zeros(layout.total)
+        flat = torch.zeros(layout.total, device=comm.device)
         flat[:_PSI] = start
         shard = flat[lo:hi]  # a view, as in the package: stepping it updates flat_params in place
         optimizer = make([shard])
         for step in range(3):
-            grads = _local_gradients(n, step)
+            grads = _local_gradients(n, step, comm.device)
             for k, g in (("mean", torch.stack(grads).mean(0)), ("sum", torch.stack(grads).sum(0)),
                          ("own", grads[r])):
                 ref[k].grad = g
                 ref_opt[k].step()
-            local = torch.zeros(layout.total)
+            local = torch.zeros(layout.total, device=comm.device)
             local[:_PSI] = grads[r]
             mark, before = len(comm.tracer.events), flat.clone()
             try:
@@ -225,7 +226,7 @@ class _Spy:
         want_full = want_grad = grad = None
         with c.tracer.paused():
             if moment.startswith("before"):
-                want_full = torch.empty(whole.numel(), dtype=whole.dtype)
+                want_full = torch.empty(whole.numel(), dtype=whole.dtype, device=whole.device)
                 c.all_gather(want_full, unit.shard.clone())
             if moment == "after backward":
                 grad = unit.grad.clone()
@@ -249,7 +250,7 @@ class _Spy:
             problem = self._verify(unit, moment, was, ops, want_full, grad, want_grad, n, calls)
         if problem is None:
             problem = _bypass(calls, c.rank)
-        flag = torch.tensor([0.0 if problem is None else 1.0])
+        flag = torch.tensor([0.0 if problem is None else 1.0], device=c.device)
         with c.tracer.paused():
             c.all_reduce(flag)
         if flag.item():

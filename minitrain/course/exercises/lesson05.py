@@ -220,7 +220,7 @@ def _stage_step_alone(fn, timeout: float):
         return 1 + 2 * m + grad
 
     def receive(grad: bool, m: int, src: int, at: str) -> torch.Tensor:
-        buf = torch.empty(xs[m].shape[0], cfg.seq_len, cfg.d_model)
+        buf = torch.empty(xs[m].shape[0], cfg.seq_len, cfg.d_model, device=comm.device)
         work = comm.irecv(buf, src, tag="stage_step check", channel=channel(grad, m))
         try:
             work.wait()
@@ -377,7 +377,7 @@ def _one_microbatch_activations(model, stage: int, P: int, batch: int, M: int) -
     x, y = ArithmeticData(model.seq_len, 0).batch(0, batch)
     xs, ys = torch.tensor_split(x, M), torch.tensor_split(y, M)
     inp = xs[0] if stage == 0 else torch.zeros(len(xs[0]), model.seq_len, model.d_model,
-                                               requires_grad=True)
+                                               device="cpu", requires_grad=True)
     meter = ActivationMeter(part)
     with meter.measure():
         out = part(inp)

@@ -14,18 +14,19 @@ from .core import exercise, on_clusters, raised
 _PER, _IN, _TOKENS = 4, 6, (3, 5)  # shard width, the other side of the layer, the input's leading dims
 
 
-def _full_layer(n: int, in_features: int, out_features: int):
-    """The same full nn.Linear, input and upstream gradient on every rank (seeded)."""
+def _full_layer(n: int, in_features: int, out_features: int, device):
+    """The same full nn.Linear, input and upstream gradient on every rank (seeded, drawn on the
+    CPU), on ``device``."""
     import torch.nn as nn
 
     gen = torch.Generator().manual_seed(6)
     full = nn.Linear(in_features, out_features)
     with torch.no_grad():
-        full.weight.copy_(torch.randn(full.weight.shape, generator=gen))
-        full.bias.copy_(torch.randn(full.bias.shape, generator=gen))
-    x = torch.randn(*_TOKENS, in_features, generator=gen)
-    upstream = torch.randn(*_TOKENS, out_features, generator=gen)
-    return full, x, upstream
+        full.weight.copy_(torch.randn(full.weight.shape, generator=gen, device="cpu"))
+        full.bias.copy_(torch.randn(full.bias.shape, generator=gen, device="cpu"))
+    x = torch.randn(*_TOKENS, in_features, generator=gen, device="cpu")
+    upstream = torch.randn(*_TOKENS, out_features, generator=gen, device="cpu")
+    return full.to(device), x.to(device), upstream.to(device)
 
 
 def _close(a, b) -> bool:
@@ -47,7 +48,8 @@ def _gradient_differs(name: str, got, ref, n: int, rows: slice) -> str:
     if tuple(got.shape) != tuple(ref.shape):
         return (f"the {name} gradient has shape {tuple(got.shape)}, expected {tuple(ref.shape)} "
                 f"({want}): {_GRADIENT_OF[name]}")
-    scale = (got * ref).sum() / (ref * ref).sum() if ref.abs().sum() > 0 else torch.tensor(0.0)
+    scale = ((got * ref).sum() / (ref * ref).sum() if ref.abs().sum() > 0
+             else torch.tensor(0.0, device=ref.device))
     if torch.allclose(got, scale * ref, rtol=1e-4, atol=1e-5) and abs(scale.item() - 1) > 1e-3:
         k = scale.item()
         times = (f"1/{round(1 / k)} of" if k > 0 and abs(1 / k - round(1 / k)) < 1e-3 and k < 1
@@ -69,7 +71,7 @@ def _column_parallel_rank(fn):
 
     comm = Comm()
     r, n = comm.rank, comm.size
-    full, x, upstream = _full_layer(n, _IN, _PER * n)
+    full, x, upstream = _full_layer(n, _IN, _PER * n, comm.device)
     ref_x = x.clone().requires_grad_()
     want = full(ref_x)
     (want * upstream).sum().backward()
@@ -139,7 +141,7 @@ def _row_parallel_rank(fn):
 
     comm = Comm()
     r, n = comm.rank, comm.size
-    full, x, upstream = _full_layer(n, _PER * n, _IN)
+    full, x, upstream = _full_layer(n, _PER * n, _IN, comm.device)
     ref_x = x.clone().requires_grad_()
     want = full(ref_x)
     (want * upstream).sum().backward()
@@ -281,16 +283,19 @@ _VOCAB = 13  # odd: over 2 ranks the vocabulary is padded by one column
 _PAD_LOGIT = 1e4  # what a padded column holds: it must change nothing
 
 
-def _vocab_case(n: int, r: int, large: bool):
-    """Full logits (3, 5, V), targets, and this rank's slice of the padded logits."""
+def _vocab_case(n: int, r: int, large: bool, device):
+    """Full logits (3, 5, V), targets, and this rank's slice of the padded logits (seeded, drawn
+    on the CPU), on ``device``."""
     from ...parallel.tensor import padded_size
 
     gen = torch.Generator().manual_seed(16 + large)
-    full = torch.randn(*_TOKENS, _VOCAB, generator=gen) * 3 + (95.0 if large else 0.0)
-    target = torch.randint(0, _VOCAB, _TOKENS, generator=gen)
+    full = torch.randn(*_TOKENS, _VOCAB, generator=gen, device="cpu") * 3 + (95.0 if large else 0.0)
+    target = torch.randint(0, _VOCAB, _TOKENS, generator=gen, device="cpu")
     per = padded_size(_VOCAB, n) // n
-    padded = torch.cat([full, torch.full((*_TOKENS, per * n - _VOCAB), _PAD_LOGIT)], dim=-1)
-    return full, target, per, padded[..., r * per:(r + 1) * per].clone()
+    pad = torch.full((*_TOKENS, per * n - _VOCAB), _PAD_LOGIT, device="cpu")
+    padded = torch.cat([full, pad], dim=-1)
+    local = padded[..., r * per:(r + 1) * per].clone()
+    return full.to(device), target.to(device), per, local.to(device)
 
 
 def _ce(logits, target):
@@ -308,16 +313,16 @@ def _loss_differs(r: int, got, want, full, target, padded_full, n: int, per: int
                 f"{per * n - _VOCAB} padding column(s) (ids {_VOCAB}..{per * n - 1}, holding a logit "
                 f"of {_PAD_LOGIT:g} here) included: leave the columns at or past vocab_size out of "
                 "the max and the sum of exponentials (their ids ≥ vocab_size are no token)")
-    own_max = []  # each rank's own max instead of the global one: the sums no longer add up
-    for k in range(n):
-        part = padded_full[..., k * per:(k + 1) * per]
-        cols = torch.arange(k * per, (k + 1) * per)
-        own_max.append(part.masked_fill(cols >= _VOCAB, float("-inf")).max(-1).values)
+    # each rank's slice of the logits (its padding columns at -inf) and each rank's own max
+    # instead of the global one: shifted by these, the ranks' sums no longer add up
+    parts = [padded_full[..., k * per:(k + 1) * per].masked_fill(
+        torch.arange(k * per, (k + 1) * per, device=padded_full.device) >= _VOCAB, float("-inf"))
+        for k in range(n)]
+    own_max = [part.max(-1).values for part in parts]
     owner_max = torch.stack(own_max).gather(0, (target // per).unsqueeze(0)).squeeze(0)
-    mixed = torch.log(sum(torch.exp(padded_full[..., k * per:(k + 1) * per].masked_fill(
-        torch.arange(k * per, (k + 1) * per) >= _VOCAB, float("-inf")) - own_max[k].unsqueeze(-1))
-        .sum(-1) for k in range(n))) - (full.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-                                        - owner_max)
+    mixed = (torch.log(sum(torch.exp(part - m.unsqueeze(-1)).sum(-1)
+                           for part, m in zip(parts, own_max)))
+             - (full.gather(-1, target.unsqueeze(-1)).squeeze(-1) - owner_max))
     if torch.allclose(got, mixed, rtol=1e-4, atol=1e-4):
         return (f"rank {r}: the loss differs from the full cross-entropy by up to {worst:.3g}, and "
                 "matches sums of exponentials each shifted by its own rank's max: the max must be "
@@ -337,12 +342,14 @@ def _vocab_ce_rank(fn):
     r, n = comm.rank, comm.size
     name = getattr(fn, "__name__", "your Function")
     for large in (False, True):
-        full, target, per, local = _vocab_case(n, r, large)
-        padded_full = torch.cat([full, torch.full((*_TOKENS, per * n - _VOCAB), _PAD_LOGIT)], -1)
+        full, target, per, local = _vocab_case(n, r, large, comm.device)
+        padded_full = torch.cat(
+            [full, torch.full((*_TOKENS, per * n - _VOCAB), _PAD_LOGIT, device=full.device)], -1)
         case = " (logits near 95)" if large else ""
         ref = full.clone().requires_grad_()
         want = _ce(ref, target)
-        upstream = torch.randn(_TOKENS, generator=torch.Generator().manual_seed(7))
+        upstream = torch.randn(_TOKENS, generator=torch.Generator().manual_seed(7),
+                               device="cpu").to(comm.device)
         (want * upstream).sum().backward()
         mine = local.clone().requires_grad_()
         comm.tracer.clear()
@@ -405,7 +412,7 @@ def _vocab_ce_rank(fn):
                     f"{tuple(grad.shape)} (this rank's slice)")
         if not torch.allclose(g, grad, rtol=1e-4, atol=1e-5):
             soft = grad.clone()
-            cols = torch.arange(r * per, (r + 1) * per)
+            cols = torch.arange(r * per, (r + 1) * per, device=comm.device)
             hit = (target.unsqueeze(-1) == cols)
             soft = soft + hit.to(soft.dtype) * upstream.unsqueeze(-1)  # softmax·upstream alone
             if torch.allclose(g, soft, rtol=1e-4, atol=1e-5):

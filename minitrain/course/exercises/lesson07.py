@@ -37,7 +37,8 @@ def _where(exc: BaseException, fn) -> str:
 def _weights(dtype, seed: int, centre: float, spread: float):
     """16-bit parameters and their fp32 masters (the exact weights, taken before the cast)."""
     g = torch.Generator().manual_seed(seed)
-    masters = [torch.randn(shape, generator=g) * spread + centre for shape in ((6, 8), (8,))]
+    masters = [torch.randn(shape, generator=g, device="cpu") * spread + centre
+               for shape in ((6, 8), (8,))]
     return [torch.nn.Parameter(m.to(dtype)) for m in masters], [m.clone() for m in masters]
 
 
@@ -54,7 +55,8 @@ _CASES = [
 def _grads(kind: str, shapes, scale, dtype, seed: int):
     g = torch.Generator().manual_seed(seed)
     size = 1e-8 if kind == "tiny" else 1e-2 if scale else 1.0
-    out = [(torch.randn(s, generator=g) * size * (scale or 1)).to(dtype) for s in shapes]
+    out = [(torch.randn(s, generator=g, device="cpu") * size * (scale or 1)).to(dtype)
+           for s in shapes]
     if kind in ("inf", "nan"):
         out[1][3] = float(kind)  # fp16 overflowed (inf), or inf - inf somewhere (NaN)
     return out
@@ -68,7 +70,8 @@ def _vanished(before, ref, dtype) -> str:
             i = int(moved.flatten().nonzero()[0])
             w, new = float(b.flatten()[i]), float(r.flatten()[i])
             w16 = float(b.flatten()[i].to(dtype))
-            ulp = float(torch.finfo(dtype).eps) * 2 ** torch.tensor(abs(w16)).log2().floor().item()
+            exponent = torch.tensor(abs(w16), device="cpu").log2().floor().item()
+            ulp = float(torch.finfo(dtype).eps) * 2 ** exponent
             return (f" — e.g. the fp32 step moves a weight from {w:.6f} to {new:.6f}, but in "
                     f"{str(dtype).replace('torch.', '')} both are {w16:.4f} (neighbours there are "
                     f"{ulp:.1e} apart), so an update that small vanishes")
@@ -249,8 +252,8 @@ def _run_block(block, call, rng_seed: int):
     from ...memory import ActivationMeter
 
     g = torch.Generator().manual_seed(5)
-    w = torch.randn(2, 8, 16, generator=g, requires_grad=True)
-    upstream = torch.randn(2, 8, 16, generator=g)
+    w = torch.randn(2, 8, 16, generator=g, device="cpu", requires_grad=True)
+    upstream = torch.randn(2, 8, 16, generator=g, device="cpu")
     block.zero_grad(set_to_none=True)
     meter = ActivationMeter(block)
     with torch.random.fork_rng(devices=[]):
@@ -356,7 +359,8 @@ def _block_saves(cfg) -> int:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         block = Block(m)
-        x = torch.randn(cfg.batch_size // cfg.world_size, m.seq_len, m.d_model, requires_grad=True)
+        x = torch.randn(cfg.batch_size // cfg.world_size, m.seq_len, m.d_model, device="cpu",
+                        requires_grad=True)
     meter = ActivationMeter(block)
     with meter.measure():
         block(x * 1.0)

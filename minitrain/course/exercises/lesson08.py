@@ -34,6 +34,8 @@ def _mesh_groups_rank(groups: dict) -> dict:
     all-reduce the rank numbers over this rank's group of each axis."""
     import torch.distributed as dist
 
+    from ...device import group_device
+
     out = {}
     for axis, axis_groups in groups.items():
         mine = None
@@ -41,7 +43,7 @@ def _mesh_groups_rank(groups: dict) -> dict:
             group = dist.new_group(g)
             if dist.get_rank() in g:
                 mine = group
-        t = torch.tensor([float(dist.get_rank())])
+        t = torch.tensor([float(dist.get_rank())], device=group_device(mine))
         dist.all_reduce(t, group=mine)
         out[axis] = t.item()
     return out

@@ -24,12 +24,13 @@ def _parts(causal: bool, large: bool = False):
 
     g = torch.Generator().manual_seed(9)
     dtype = torch.float32 if large else torch.float64
-    q, k, v = (torch.randn(2, t, 4, generator=g, dtype=torch.float64) for t in (6, 8, 8))
+    q, k, v = (torch.randn(2, t, 4, generator=g, dtype=torch.float64, device="cpu")
+               for t in (6, 8, 8))
     if large:
         q = q * 50.0
     q, k, v = (z.to(dtype) for z in (q, k, v))
-    pos_q = torch.arange(6) if causal else torch.full((6,), 99)
-    pos_k = torch.arange(8)
+    pos_q = torch.arange(6, device="cpu") if causal else torch.full((6,), 99, device="cpu")
+    pos_k = torch.arange(8, device="cpu")
     q, k, v = (z.requires_grad_() for z in (q, k, v))
     full = block_attention(q, k, v, pos_q, pos_k)
     a = block_attention(q, k[:, :4], v[:, :4], pos_q, pos_k[:4])
@@ -103,7 +104,7 @@ def _merge_alone(fn) -> str | None:
         if large:
             continue  # the float64 cases check the gradient
         upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(3),
-                               dtype=out.dtype)
+                               dtype=out.dtype, device="cpu")
         try:
             grads = torch.autograd.grad((out * upstream).sum(), leaves, allow_unused=True)
         except RuntimeError as exc:
@@ -165,10 +166,10 @@ def _dispatch_rank(fn):
     n, r = comm.size, comm.rank
     split = lambda src, dst: (3 * src + 2 * dst + src * dst) % 5 + (src == dst)  # noqa: E731
     ins, outs = [split(r, p) for p in range(n)], [split(p, r) for p in range(n)]
-    x = torch.arange(sum(ins) * 3, dtype=torch.float32).view(-1, 3) + 1000 * r
+    x = torch.arange(sum(ins) * 3, dtype=torch.float32, device=comm.device).view(-1, 3) + 1000 * r
     want = x.new_empty(sum(outs), 3)
     dist.all_to_all_single(want, x, outs, ins)
-    output = torch.full((sum(outs), 3), -1.0)
+    output = torch.full((sum(outs), 3), -1.0, device=comm.device)
     try:
         got = fn(output, x.clone(), list(outs), list(ins), comm)
     except Exception as exc:  # noqa: BLE001
@@ -231,7 +232,7 @@ _ROUTER_CASES = [(3, 8, 4, 2, 4), (2, 6, 3, 1, 2), (2, 5, 4, 2, None), (1, 12, 4
 
 def _router_logits(G: int, S: int, E: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(G, S, E, generator=g) * 1.5).requires_grad_()
+    return (torch.randn(G, S, E, generator=g, device="cpu") * 1.5).requires_grad_()
 
 
 def _keep_differs(keep, want_keep, experts, capacity, k: int) -> str:

@@ -16,6 +16,10 @@ import torch
 from minitrain import Cluster
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# every rank the suite starts runs in the taint mode (minitrain/device.py): a tensor the package
+# makes without a device that reaches a collective or meets a parameter fails the test, as it
+# would stop a run on GPUs; MINITRAIN_TAINT=0 turns it off
+os.environ.setdefault("MINITRAIN_TAINT", "1")
 # the functions a passing check keeps (your minitrain) go to a scratch folder, not the repository;
 # made here unless the environment names one, and then removed when the session ends
 _MINE = None

@@ -21,7 +21,7 @@ def collective_demo(op: str, width: int | None = None):
     comm = Comm()
     r, n = comm.rank, comm.size
     width = width or n
-    x = torch.arange(width, dtype=torch.float32) + 10 * r
+    x = torch.arange(width, dtype=torch.float32, device=comm.device) + 10 * r
     before = x.tolist()
     if op == "send/recv":
         if r == 0:
@@ -35,11 +35,11 @@ def collective_demo(op: str, width: int | None = None):
     elif op == "all_reduce":
         comm.all_reduce(x)
     elif op == "reduce_scatter":
-        out = torch.empty(width // n)
+        out = torch.empty(width // n, device=comm.device)
         comm.reduce_scatter(out, x)
         x = out
     elif op == "all_gather":
-        out = torch.empty(width * n)
+        out = torch.empty(width * n, device=comm.device)
         comm.all_gather(out, x)
         x = out
     else:

@@ -19,7 +19,7 @@ __all__ = ["record_ring", "ring_frames", "contributors", "frame_html", "RingWidg
 def _ring_rank(elements_per_chunk: int):
     comm = Comm()
     n = comm.size
-    x = torch.full((n * elements_per_chunk,), float(2 ** comm.rank))
+    x = torch.full((n * elements_per_chunk,), float(2 ** comm.rank), device=comm.device)
     record: list = []
     ring_all_reduce(x, comm, record=record)
     return record

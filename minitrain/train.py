@@ -31,6 +31,7 @@ from .strategies import (ConfigError, FreeRunning, Seams, Strategy, TrainConfig,
                          get_strategy)
 from .strategies.options import did_you_mean
 from .device import now
+from .runtime.profiling import StepProfile, profiled_step
 
 __all__ = ["run_rank", "train", "check_config", "fit", "Diverged", "add_projection",
            "check_projection_config"]
@@ -55,11 +56,29 @@ def check_config(cfg: TrainConfig, seams=None, *, lock: SaveDirLock | bool | Non
     for the run: see :func:`~minitrain.checkpoint.checks.check_checkpoint_config`."""
     check_strategy(cfg, seams)
     check_checkpoint_config(cfg, lock)
+    _check_profile(cfg)
     cores = os.cpu_count() or 1
     if cfg.world_size > 4 * cores and cfg.backend != "nccl":
         print(f"minitrain: {cfg.world_size} ranks on {cores} CPU cores ({cfg.world_size / cores:.0f} "
               f"per core): expect each step to take roughly {cfg.world_size / cores:.0f} times as long "
               "as with one rank per core", file=sys.stderr, flush=True)
+
+
+def _check_profile(cfg: TrainConfig) -> None:
+    """``--profile DIR``: a strategy whose ranks step together, and a folder (made if missing)."""
+    if not cfg.profile:
+        return
+    if issubclass(get_strategy(cfg.strategy), FreeRunning):
+        raise ConfigError(f"--profile profiles one step of ranks that step together; {cfg.strategy}'s "
+                          "ranks run free (no common step); profile ddp or zero1-3 instead")
+    if os.path.exists(cfg.profile) and not os.path.isdir(cfg.profile):
+        raise ConfigError(f"--profile {cfg.profile}: a file, not a folder; name a folder for the "
+                          "ranks' traces (made if missing)")
+    try:
+        os.makedirs(cfg.profile, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--profile {cfg.profile}: cannot make the folder ({exc.strerror}); name "
+                          "a folder you can write") from None
 
 
 def fit(strategy: Strategy, data, on_step=None, callbacks=()) -> tuple[list[float], list[float]]:
@@ -128,8 +147,14 @@ def run_rank(cfg: TrainConfig, on_step=None, return_state: bool = False, seams=N
         load_checkpoint(strategy, cfg.resume)  # before the tracer is cleared: not training traffic
     data = ArithmeticData(cfg.model.seq_len, cfg.seed)
     comm.tracer.clear()
+    callbacks = []
+    if cfg.profile:
+        callbacks.append(StepProfile(cfg.profile, comm.rank,
+                                     profiled_step(cfg.steps, strategy.start_step),
+                                     cuda=strategy.device.type == "cuda"))
     with Recording(strategy, on=record_events) as recorder:
-        losses, times = fit(strategy, data, on_step if comm.rank == 0 else None, [recorder])
+        losses, times = fit(strategy, data, on_step if comm.rank == 0 else None,
+                            [recorder, *callbacks])
     with comm.tracer.paused():  # gathering the result is not training traffic
         final = strategy.final_state()
     mine = {"comm": comm.tracer.summary(),

@@ -101,6 +101,9 @@ class TrainConfig:
                            False, group="checkpoints")
     allow_nonfinite: bool = _cli("keep training when the loss is NaN or infinite (by default the "
                                  "run stops there)", False)
+    profile: str | None = _cli("profile one step (the second) with torch.profiler and write each "
+                               "rank's trace to DIR/rank<r>.json: Chrome trace JSON, opened by "
+                               "Perfetto and chrome://tracing (lesson 02)", metavar="DIR")
 
     def __post_init__(self):
         cls = _REGISTRY.get(self.strategy) or _find(self.strategy)

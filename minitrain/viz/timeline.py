@@ -4,11 +4,16 @@ Each rank's DDP wrapper records, per step, when backward started and ended and w
 all-reduce started and completed (a ``DistributedDataParallel``'s ``timeline``, set to a list).
 ``timeline_rows`` (pure) turns that into bars relative to the step's start; ``plot_ddp_timeline``
 draws compute and communication per rank, so you see the buckets leave while backward still runs.
+``trace_rows`` and ``plot_trace`` draw the same step from a ``torch.profiler`` trace
+(:mod:`minitrain.runtime.profiling`): the backward's operators, and the all-reduces on the threads
+that ran them.
 """
 
 from __future__ import annotations
 
-__all__ = ["timeline_rows", "plot_ddp_timeline"]
+from ..runtime.profiling import ALL_REDUCE, BACKWARD, trace_spans
+
+__all__ = ["timeline_rows", "plot_ddp_timeline", "trace_rows", "plot_trace"]
 
 
 def timeline_rows(reports: list[dict], step: int = -1) -> list[dict]:
@@ -53,5 +58,54 @@ def plot_ddp_timeline(reports: list[dict], step: int = -1, ax=None, title: str |
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.set_title(title or "DDP: buckets are all-reduced while backward is still running",
                  fontsize=10 if title else None)
+    fig.tight_layout()
+    return fig
+
+
+def trace_rows(path: str) -> dict:
+    """A profiled DDP step's trace as bars in ms from its first backward operator: ``backward``
+    (the operators' spans, merged where they touch), ``launches`` (the rank's ``c10d::allreduce_``
+    calls) and ``work`` (the backend's all-reduces: gloo's run on threads of their own; on a GPU,
+    NCCL's kernels), each ``(start, end)``; and ``backward_span``, the first start and last end."""
+    ops = trace_spans(path, BACKWARD)
+    if not ops:
+        raise ValueError(f"{path}: no backward operators in the trace (was a training step "
+                         "profiled?)")
+    t0 = ops[0]["start"]
+    ms = lambda s: ((s["start"] - t0) * 1e3, (s["end"] - t0) * 1e3)  # noqa: E731
+    merged: list = []
+    for a, b in map(ms, ops):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    reduces = trace_spans(path, ALL_REDUCE)
+    launches = [ms(r) for r in reduces if r["name"].startswith("c10d::")]
+    work = [ms(r) for r in reduces if not r["name"].startswith("c10d::")]
+    return {"backward": merged, "launches": launches, "work": work,
+            "backward_span": (merged[0][0], max(b for _, b in merged))}
+
+
+def plot_trace(path: str, ax=None, title: str | None = None):
+    """The profiled step from its trace, on the time axis of :func:`plot_ddp_timeline` (ms since
+    backward started): the backward's operators, the all-reduce calls the rank made, and the
+    backend's all-reduce work."""
+    import matplotlib.pyplot as plt
+
+    rows = trace_rows(path)
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(10, 2.2))
+    else:
+        fig = ax.figure
+    spans = {"backward operators (main thread)": (rows["backward"], "#999999"),
+             "c10d::allreduce_ calls (main thread)": (rows["launches"], "tab:blue"),
+             "gloo:all_reduce work (gloo's threads)": (rows["work"], "tab:orange")}
+    for y, (label, (bars, color)) in enumerate(spans.items()):
+        for a, b in bars:
+            ax.barh(y, max(b - a, 0.02), left=a, height=0.5, color=color)
+    ax.set_yticks(range(len(spans)), list(spans))
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since backward started")
+    ax.set_title(title or "the same step in torch.profiler's trace", fontsize=10)
     fig.tight_layout()
     return fig

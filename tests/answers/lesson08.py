@@ -72,9 +72,9 @@ def step_time(model, hw, job, layout):
             "total": compute + bubble + tp + pp + dp}
 
 
-def _layouts(model, hw, job, fits=True):
+def _layouts(model, hw, job, fits=True, heads=True, usable=USABLE):
     for tp in range(1, hw.devices_per_node + 1):
-        if hw.devices_per_node % tp or model.heads % tp:
+        if hw.devices_per_node % tp or (heads and model.heads % tp):
             continue
         for pp in range(1, min(model.layers, hw.devices // tp) + 1):
             if (hw.devices // tp) % pp:
@@ -83,8 +83,7 @@ def _layouts(model, hw, job, fits=True):
             if job.global_batch % (dp * job.micro_batch):
                 continue
             layout = Layout(dp, pp, tp, zero=1 if dp > 1 else 0)
-            usable = USABLE * hw.device.memory_gb * 1e9
-            if not fits or layout_memory(model, hw, job, layout) <= usable:
+            if not fits or layout_memory(model, hw, job, layout) <= usable * hw.device.memory_gb * 1e9:
                 yield layout
 
 
@@ -150,6 +149,31 @@ def step_time_pipeline_exposed(model, hw, job, layout):
     return out
 
 
+def step_time_one_sequence_per_microbatch(model, hw, job, layout):
+    """The micro-batch size forgotten: one sequence per micro-batch, global / DP of them."""
+    out = step_time(model, hw, job, layout)
+    m_true = job.global_batch // (layout.dp * job.micro_batch)
+    m = job.global_batch // layout.dp
+    link = links(layout, hw)
+    bandwidth, alpha = link["tp"]
+    one = collective_seconds("all_reduce", 2 * job.seq_len * model.hidden, layout.tp, alpha,
+                             1 / bandwidth)
+    out["tp"] = m * math.ceil(model.layers / layout.pp) * 4 * one
+    out["compute"] = out["compute"] / m_true * m
+    out["bubble"] = out["compute"] * (layout.pp - 1) / m
+    out["total"] = sum(out[k] for k in ("compute", "bubble", "tp", "pp", "dp"))
+    return out
+
+
+def step_time_layers_rounded_down(model, hw, job, layout):
+    """L // PP layers per stage: the stage with the extra layers forgotten."""
+    out = step_time(model, hw, job, layout)
+    if model.layers % layout.pp:
+        out["tp"] *= (model.layers // layout.pp) / math.ceil(model.layers / layout.pp)
+    out["total"] = sum(out[k] for k in ("compute", "bubble", "tp", "pp", "dp"))
+    return out
+
+
 def step_time_only_total(model, hw, job, layout):
     return step_time(model, hw, job, layout)["total"]
 
@@ -175,6 +199,25 @@ def pick_words(model, hw, job):
 def pick_ignoring_memory(model, hw, job):
     return min(_layouts(model, hw, job, fits=False),
                key=lambda lay: step_time(model, hw, job, lay)["total"])
+
+
+def pick_ignoring_heads(model, hw, job):
+    """Every TP degree that divides the node, whether or not it splits the heads."""
+    return min(_layouts(model, hw, job, heads=False),
+               key=lambda lay: step_time(model, hw, job, lay)["total"])
+
+
+def pick_without_margin(model, hw, job):
+    """Layouts that fill the whole device count as fitting (no room for fragmentation)."""
+    return min(_layouts(model, hw, job, usable=1.0),
+               key=lambda lay: step_time(model, hw, job, lay)["total"])
+
+
+def pick_least_communication(model, hw, job):
+    """The layout that communicates least (the bubble left out of the price)."""
+    return min(_layouts(model, hw, job),
+               key=lambda lay: step_time(model, hw, job, lay)["total"]
+               - step_time(model, hw, job, lay)["bubble"])
 
 
 def pick_the_lessons_answer(model, hw, job):
@@ -205,6 +248,11 @@ ANSWERS = {"mesh_groups": Answers(mesh_groups, [
         ((step_time_bubble_fraction, pick_layout), "your bubble term is"),
         ((step_time_two_all_reduces, pick_layout), "your tp term is"),
         ((step_time_pipeline_exposed, pick_layout), "your pp term is"),
+        ((step_time_one_sequence_per_microbatch, pick_layout), "micro-batches of 2"),
+        ((step_time_layers_rounded_down, pick_layout), "60 layers, 52 heads"),
+        ((step_time, pick_ignoring_heads), "heads do not split"),
+        ((step_time, pick_without_margin), "which cannot run: out of memory"),
+        ((step_time, pick_least_communication), "Yours loses most on bubble"),
         ((step_time_only_total, pick_layout), "return a dict of seconds"),
         ((step_time_strings, pick_layout), "not a number of seconds"),
         ((step_time, pick_ignoring_memory), "which cannot run: out of memory"),

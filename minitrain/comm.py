@@ -23,7 +23,7 @@ from functools import cached_property
 import torch
 import torch.distributed as dist
 
-from .device import group_device, now, taint_of
+from .device import HostTensorError, group_device, now, taint_of
 
 #: The environment variable that sends every point-to-point message with tag 0 (see
 #: :meth:`Comm.wire_tag`).
@@ -319,7 +319,6 @@ class Comm:
                     f".to(comm.device) first)")
             where = taint_of(t)
             if where is not None:
-                from .device import HostTensorError
                 raise HostTensorError(
                     f"{op} on group {self.name!r}: the tensor was made without a device ({where}); "
                     "on a GPU it would be a CPU tensor handed to NCCL; give its factory "

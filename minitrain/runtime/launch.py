@@ -114,7 +114,7 @@ def _close_all() -> None:
 class Cluster:
     """A persistent group of ``world_size`` ranks, each a process in one torch.distributed group.
 
-    >>> with Cluster(2) as c:                      # doctest: +SKIP
+    >>> with Cluster(2, backend="gloo") as c:      # doctest: +SKIP
     ...     c.run(lambda: dist.get_rank())
     [0, 1]
 

@@ -180,13 +180,13 @@ def step_time_cases() -> list[tuple]:
     """(job key, Layout) the learner's step_time is checked on: every term non-zero somewhere,
     TP and DP on NVLink and across nodes, DP and PP hidden and not (a pipeline's sends show only
     where a stage's compute is short and the link slow: one layer per stage over Ethernet), a
-    micro-batch of 2 sequences, and stages that do not split the layers evenly (60 over 8)."""
+    micro-batch of 2 sequences, and stages that do not split the layers evenly (60 over 16)."""
     from ...planning.chooser import Layout
 
     return [("70b", Layout(2, 8, 4, 1)), ("70b", Layout(1, 8, 8)), ("70b", Layout(8, 8, 1, 1)),
             ("70b", Layout(2, 8, 4, 1, outer="dp")), ("eth", Layout(16, 1, 1, 1)),
             ("eth", Layout(2, 8, 1, 1)), ("eth", Layout(1, 16, 1)), ("a100", Layout(2, 2, 2, 1)),
-            ("760m", Layout(1, 24, 1)), ("33b", Layout(2, 8, 4, 1))]
+            ("760m", Layout(1, 24, 1)), ("33b", Layout(2, 16, 2, 1))]
 
 
 def _seconds(value) -> float | None:

@@ -215,6 +215,17 @@ class Tracer:
 _inside = threading.local()
 
 
+@contextmanager
+def _one_call():
+    """While a Comm call runs what it calls on torch.distributed (counted per thread in
+    ``_inside.depth``)."""
+    _inside.depth = getattr(_inside, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _inside.depth -= 1
+
+
 class _TracedWork:
     """Wraps an async ``Work`` handle, waited on once however often ``wait()`` is called; the
     event is recorded then.
@@ -347,17 +358,18 @@ class Comm:
         self._check(op, *tensors)
         done = self._record(op, nbytes, peer=peer, root=root, async_op=async_op, tag=tag,
                             channel=channel, sent=sent)
-        _inside.depth = getattr(_inside, "depth", 0) + 1  # what the calls below do is this event
-        try:
+        with _one_call():
             work = call()
-        finally:
-            _inside.depth -= 1
         if async_op:
-            returned = now()
-            return _TracedWork(work, lambda end, ws, we: done(end, ws, we, returned),
-                               host_future=self.device.type == "cpu")
+            return self._handle(work, done, now())
         done(now())
         return None
+
+    def _handle(self, work, done, returned: float) -> "_TracedWork":
+        """An asynchronous call's handle, which records the call's event once waited on (its
+        completion time from the work's future where the backend's future tells it: gloo)."""
+        return _TracedWork(work, lambda end, ws, we: done(end, ws, we, returned),
+                           host_future=self.device.type == "cpu")
 
     # -- point to point -----------------------------------------------------------------------------
 
@@ -389,15 +401,10 @@ class Comm:
                                   self.global_rank(peer), self.group, self.wire_tag(channel)))
             dones.append(self._record(kind, _nbytes(t), peer=peer, async_op=True, tag=tag,
                                       channel=channel))
-        _inside.depth = getattr(_inside, "depth", 0) + 1
-        try:
+        with _one_call():
             works = dist.batch_isend_irecv(ops)
-        finally:
-            _inside.depth -= 1
         returned = now()
-        host = self.device.type == "cpu"
-        return [_TracedWork(w, (lambda d: lambda end, ws, we: d(end, ws, we, returned))(d),
-                            host_future=host) for w, d in zip(works, dones)]
+        return [self._handle(w, d, returned) for w, d in zip(works, dones)]
 
     def send(self, tensor: torch.Tensor, dst: int, tag: str = "", channel: int = 0) -> None:
         """Blocking send to group rank ``dst``.  ``channel`` is the wire tag (see

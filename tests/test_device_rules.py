@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 from pathlib import Path
 
@@ -25,10 +26,11 @@ from minitrain.model import PRESETS
 ROOT = Path(__file__).resolve().parents[1] / "minitrain"
 
 #: where every tensor must be made on a device: the techniques, the strategies, the communicator,
-#: the core's vocabulary, the one loop, the widgets' rank functions and the calibration of this
-#: machine
+#: the core's vocabulary, the one loop, the widgets' and the exercise checkers' rank functions
+#: (``comm.device`` in a rank, ``device="cpu"`` for what stays on the host) and the calibration
+#: of this machine
 DEVICE_SCOPE = ["parallel", "strategies", "comm.py", "device.py", "train.py", "model.py", "data.py",
-                "memory.py", "precision.py", "viz",
+                "memory.py", "precision.py", "viz", "course/exercises",
                 "planning/costmodel.py", "planning/clusters.py", "planning/kernels.py"]
 
 
@@ -73,6 +75,14 @@ def test_the_factory_scan_finds_a_bare_factory(tmp_path):
     p.write_text("import torch\nx = torch.zeros(3)\ny = torch.ones(2, device='cpu')\n"
                  "z = torch.empty_like(y)\nw = torch.ones(2, **kw)\n")
     assert bare_factories([p]) == [f"{p}:2"]
+    p.write_text("import torch\n"
+                 "a = torch.zeros(3)\n"
+                 "b = torch.ones(3, device=comm.device)\n"
+                 "c = torch.zeros_like(b)\n"
+                 "d = b.new_zeros(2)\n"
+                 "e = torch.tensor([1.0], dtype=torch.float64)\n"
+                 "f = torch.randn(2, generator=g, device='cpu')\n")
+    assert bare_factories([p]) == [f"{p}:2", f"{p}:6"]
 
 
 def module_tables(path: Path) -> tuple[set, list[str]]:
@@ -288,19 +298,22 @@ def test_the_package_exchanges_messages_only_through_comm_exchange():
     assert not found, f"point-to-point calls outside Comm.exchange: {', '.join(found)}"
 
 
-def _tag0_runs(cfgs):
+@contextlib.contextmanager
+def _every_tag_zero(on: bool = True):
+    """On a rank: every message of the block sent with tag 0 (Comm.wire_tag)."""
     from minitrain.comm import P2P_TAG0_ENV
-    from minitrain.train import run_rank
-    os.environ[P2P_TAG0_ENV] = "1"
+    if on:
+        os.environ[P2P_TAG0_ENV] = "1"
     try:
-        return [getattr(run_rank(cfg), "losses", None) for cfg in cfgs]
+        yield
     finally:
-        del os.environ[P2P_TAG0_ENV]
+        os.environ.pop(P2P_TAG0_ENV, None)
 
 
-def _plain_runs(cfgs):
+def _runs(cfgs, tag0: bool):
     from minitrain.train import run_rank
-    return [getattr(run_rank(cfg), "losses", None) for cfg in cfgs]
+    with _every_tag_zero(tag0):
+        return [getattr(run_rank(cfg), "losses", None) for cfg in cfgs]
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -318,26 +331,23 @@ def test_point_to_point_runs_with_every_tag_zero(clusters, n):
             "schedule": "interleaved", "microbatches": 4, "chunks": 2}, **base))
     for cfg in cfgs:
         check_config(cfg)
-    tagged = clusters(n).run(_plain_runs, cfgs)[0]
-    zero = clusters(n).run(_tag0_runs, cfgs)[0]
+    tagged = clusters(n).run(_runs, cfgs, False)[0]
+    zero = clusters(n).run(_runs, cfgs, True)[0]
     assert zero == tagged
 
 
 def _ring_tag0(sizes):
-    from minitrain.comm import P2P_TAG0_ENV, Comm, ring_all_reduce
+    from minitrain.comm import Comm, ring_all_reduce
     comm = Comm()
-    os.environ[P2P_TAG0_ENV] = "1"
-    try:
-        out = []
+    out = []
+    with _every_tag_zero():
         for size, pieces in sizes:
             g = torch.Generator().manual_seed(comm.rank)
             x = torch.randn(size, generator=g, device="cpu")
             want = x.clone()
             comm.all_reduce(want)
             out.append(torch.allclose(ring_all_reduce(x, comm, pieces=pieces), want, atol=1e-5))
-        return out
-    finally:
-        del os.environ[P2P_TAG0_ENV]
+    return out
 
 
 def test_the_ring_all_reduce_runs_with_every_tag_zero(clusters):
@@ -347,8 +357,10 @@ def test_the_ring_all_reduce_runs_with_every_tag_zero(clusters):
 
 # -- 4. one clock ---------------------------------------------------------------------------------------
 
-#: where a time is a measurement (the widgets' own timers pace their redrawing: not measured work)
-CLOCK_SCOPE = [p for p in DEVICE_SCOPE if p != "viz"] + ["runtime/benchmarking.py"]
+#: where a time is a measurement (the widgets' timers pace their redrawing and the checkers' bound
+#: a check's time: not measured work)
+CLOCK_SCOPE = [p for p in DEVICE_SCOPE if p not in ("viz", "course/exercises")] + [
+    "runtime/benchmarking.py"]
 
 
 def test_one_clock():

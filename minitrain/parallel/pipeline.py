@@ -11,7 +11,6 @@ chunks per rank, virtual stage s runs on rank s % P.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -314,7 +313,7 @@ class PipelineExecutor:
         self.saved, self.local, self.sends, self.outgoing, self.losses = {}, {}, [], [], []
         run = {"F": self._forward, "B": self._backward, "I": self._backward, "W": self._weights}
         self.t0 = t0 = self._common_t0()
-        self.timeline, self.messages, self.sending = [], [], 0.0
+        self.timeline, self.messages = [], []
         posted = self._post(self.row[0] if self.row else None)
         for i, a in enumerate(self.row):
             ready = now()

@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -193,7 +194,13 @@ attempt("solutions", lambda: pathlib.Path({str(ROOT / 'solutions')!r}, {planted!
 attempt("package", lambda: open(lesson00.__file__, "a").write(
     "\\n_check_zero_bytes.__code__ = (lambda fn: None).__code__\\n"))
 attempt("gradebook", lambda: open({str(out)!r}, "a").write("planted,row\\n"))
-attempt("teacher's port", lambda: socket.create_connection(("127.0.0.1", {port}), timeout=3).close())
+def reach_teacher():  # the teacher's listener greets whoever reaches it; another port does not
+    with socket.create_connection(("127.0.0.1", {port}), timeout=3) as s:
+        s.settimeout(3)
+        if not s.recv(16).startswith(b"teacher"):
+            raise LookupError("a port of the sandbox's own, not the teacher's")
+
+attempt("teacher's port", reach_teacher)
 lines = open("/proc/net/dev").read().splitlines()[2:]
 report.append(f"interfaces {{sorted(l.split(':')[0].strip() for l in lines)}}")
 raise RuntimeError("vandal: " + ", ".join(report))"""
@@ -279,6 +286,19 @@ def graded(tmp_path_factory):
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
+    reached = []  # every connection the teacher's listener accepted
+
+    def greet():
+        while True:
+            try:
+                conn, peer = listener.accept()
+            except OSError:  # closed
+                return
+            reached.append(peer)
+            with conn:
+                conn.sendall(b"teacher\n")
+
+    threading.Thread(target=greet, daemon=True).start()
     planted = f"planted-{MARK}.txt"
     package_file = ROOT / "minitrain" / "course" / "exercises" / "lesson00.py"
     package_before = package_file.read_bytes()
@@ -337,7 +357,7 @@ def graded(tmp_path_factory):
         yield {"code": grader.returncode, "pid": grader.pid, "stderr": err, "out": out,
                "folder": folder, "before": before, "elapsed": elapsed, "text": text_at_end,
                "alive": alive_at_end, "planted": planted, "package_before": package_before,
-               "package_file": package_file}
+               "package_file": package_file, "reached": reached}
     finally:
         listener.close()
         if package_file.read_bytes() != package_before:  # an unsealed grader let the vandal in
@@ -424,9 +444,13 @@ def test_what_a_judged_function_leaves_behind_cannot_forge_the_next_verdict(rows
     assert graded["alive"] == []
 
 
-def test_a_notebook_has_no_network_not_even_the_teachers_loopback(rows):
+def test_a_notebook_has_no_network_not_even_the_teachers_loopback(rows, graded):
     row = rows["00_a_vandal.ipynb"]
-    assert "teacher's port: ConnectionRefusedError, interfaces ['lo']" in row["errors"], row
+    # refused, or (where a port the sandbox's own kernel listens on has the teacher's number) not
+    # greeted by the teacher; either way the teacher's listener accepted nothing
+    assert re.search(r"teacher's port: (ConnectionRefusedError|LookupError), interfaces \['lo'\]",
+                     row["errors"]), row
+    assert graded["reached"] == []
     assert row["zero_bytes_per_device"] == "pass"
 
 
@@ -601,8 +625,6 @@ def test_ctrl_c_during_a_boxs_cleanup_arrives_after_it_even_with_another_thread_
     """A Ctrl-C held while a box starts or is cleaned up arrives when that is done. Blocking the
     signal instead sent it to another thread (tqdm's monitor), where CPython did not pass it on: the
     interrupted-run test once graded the whole class after its Ctrl-C."""
-    import threading
-
     from minitrain.course.sandbox import _uninterrupted
 
     stop = threading.Event()

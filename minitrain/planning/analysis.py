@@ -77,6 +77,11 @@ def shard_layout(params, world_size: int) -> ShardLayout:
                        [(n, o, o + k) for n, o, k in zip(names, unit.offsets, unit.numels)])
 
 
+#: the unit of a ZeRO-3 timeline's compute that belongs to no unit (hooks, the loss, the
+#: optimizer), as :func:`minitrain.planning.projection.fsdp_timeline` adds it
+OTHER_COMPUTE = -1
+
+
 def merge_intervals(intervals) -> list[tuple[float, float]]:
     """Sorted, non-overlapping union of ``(start, end)`` intervals."""
     out: list[list[float]] = []

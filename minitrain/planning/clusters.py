@@ -229,14 +229,18 @@ ETH25 = Link("25 Gb/s Ethernet, TCP", 0.6 * 3.125 * GB, 2.7e-6, 6.6e-6,
              "25 Gb/s = 3.125 GB/s line rate; NCCL over TCP reached no more than 60 % of wire "
              "speed (NVIDIA/nccl #209); NCCL latency model: 2.7 µs per network step")
 
-DGX_HOST = Host(2048, 25 * GB, 1e9,
-                "DGX A100 (640 GB) and DGX H100 user guides: 2 TB of system memory per node; "
-                "25 GB/s per GPU to the host: PCIe 4.0 x16's 32 GB/s at the ~80 % links reach "
-                "(Bekman); the CPU's Adam at 10⁹ parameters/s per GPU's share: an assumption")
+_ADAM = "the CPU's Adam at 10⁹ parameters/s per GPU's share: an assumption"
+DGX_A100_HOST = Host(2048, 0.8 * 32 * GB, 1e9,
+                     "DGX A100 user guide: 2 TB of system memory per node; each A100 on PCIe 4.0 "
+                     "x16 to the host, 32 GB/s at the ~80 % links reach (Bekman); " + _ADAM)
+DGX_H100_HOST = Host(2048, 0.8 * 64 * GB, 1e9,
+                     "DGX H100 user guide: 2 TB of system memory per node; each H100 on PCIe 5.0 "
+                     "x16 to the host, 64 GB/s at the ~80 % links reach (Bekman); " + _ADAM)
 
 
 def _dgx(key: str, title: str, device: Device, intra: Link, inter: Link, nodes: int) -> ClusterSpec:
-    return ClusterSpec(key, title, device, 8, nodes, intra, inter, host=DGX_HOST)
+    host = DGX_H100_HOST if device is H100 else DGX_A100_HOST
+    return ClusterSpec(key, title, device, 8, nodes, intra, inter, host=host)
 
 
 PRESETS: dict[str, ClusterSpec] = {

@@ -12,7 +12,7 @@ import html
 from dataclasses import asdict, replace
 
 from ..planning.chooser import SCENARIOS, ModelSpec, Recommendation, Workload, choose
-from ..planning.clusters import (DGX_HOST, ETH25, H100, HDR, NDR, NVLINK3, NVLINK4, PCIE4,
+from ..planning.clusters import (DGX_H100_HOST, ETH25, H100, HDR, NDR, NVLINK3, NVLINK4, PCIE4,
                                  ClusterSpec)
 from ..memory import GB
 from . import LABEL
@@ -130,7 +130,7 @@ class ChooserWidget:
         hw = ClusterSpec("custom", f"{self.nodes.value} x {self.per_node.value} {device.name}",
                          device, self.per_node.value, self.nodes.value,
                          LINKS["intra"][self.intra.value], LINKS["inter"][self.inter.value],
-                         host=DGX_HOST)
+                         host=DGX_H100_HOST)
         job = Workload(seq_len=self.seq.value, global_batch=self.batch.value,
                        micro_batch=self.micro.value)
         return ModelSpec(**asdict(MODELS[self.model.value])), hw, job

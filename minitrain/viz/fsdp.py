@@ -9,7 +9,7 @@ unit's gather runs under the current unit's compute.
 
 from __future__ import annotations
 
-from ..planning.analysis import hidden_fraction
+from ..planning.analysis import OTHER_COMPUTE, hidden_fraction
 
 __all__ = ["unit_timeline_rows", "plot_fsdp_timeline"]
 
@@ -38,6 +38,7 @@ def plot_fsdp_timeline(timelines: list[list[dict]], unit_names: dict[int, str] |
     rows = unit_timeline_rows(timelines)
     fig, ax = plt.subplots(figsize=(11, 1.2 + 1.3 * len(rows)))
     colors = plt.get_cmap("tab10")
+    colour = lambda u: "0.75" if u == OTHER_COMPUTE else colors(u % 10)  # noqa: E731
     labels = []
     for row in rows:
         base = row["rank"] * 4
@@ -47,14 +48,14 @@ def plot_fsdp_timeline(timelines: list[list[dict]], unit_names: dict[int, str] |
                 continue
             y = base + LANES[b["kind"]]
             ax.barh(y, max(b["end"] - b["start"], 0.02), left=b["start"], height=0.7,
-                    color=colors(b["unit"] % 10), hatch="//" if b["backward"] else None,
+                    color=colour(b["unit"]), hatch="//" if b["backward"] else None,
                     edgecolor="white" if b["backward"] else None)
         hidden = "-" if row["hidden"] is None else f"{row['hidden']:.0%}"
         labels += [(base + k, f"rank {row['rank']} {kind}" + (f" ({hidden} hidden)" if k == 0 else ""))
                    for kind, k in LANES.items()]
     units = sorted({b["unit"] for row in rows for b in row["bars"] if b["kind"] != "free"})
-    names = unit_names or {}
-    ax.legend(handles=[Patch(color=colors(u % 10), label=names.get(u, f"unit {u}")) for u in units],
+    names = {OTHER_COMPUTE: "other compute (hooks, loss, optimizer)", **(unit_names or {})}
+    ax.legend(handles=[Patch(color=colour(u), label=names.get(u, f"unit {u}")) for u in units],
               title="unit", fontsize=8, title_fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0),
               frameon=False)
     ax.set_yticks([y for y, _ in labels], [t for _, t in labels], fontsize=8)

@@ -19,6 +19,7 @@ from minitrain import train
 from minitrain.planning import clusters as clusters_module
 from minitrain.planning.clusters import PRESETS, calibrate_here, describe, get_cluster
 from minitrain.planning.kernels import STACKS, gemm_seconds, rank_compute
+from minitrain.planning.recorded import windows
 from minitrain.cli import format_clusters, main
 from minitrain.model import GPTConfig, PRESETS as MODELS, training_flops
 from minitrain.record import Layout
@@ -712,6 +713,22 @@ def test_even_gives_a_pipelines_equal_micro_batches_equal_time(clusters):
                 if e["op"] == "compute" and e["phase"] == "forward"]
     assert len(forwards) == 4 and max(forwards) == pytest.approx(min(forwards), rel=1e-6)
     assert q.compute_s == pytest.approx(p.compute_s, rel=1e-6)  # the same FLOPs, shared out
+
+
+def test_a_zero_bubble_pipelines_w_passes_are_recorded_and_priced(clusters):
+    """ZB-H1's W passes (weight gradients outside autograd) are recorded as their own intervals,
+    given their share of the backward's FLOPs, and re-timed: the same compute as 1F1B's, a
+    smaller bubble (its W fills 1F1B's idle time)."""
+    runs = {s: train(strategy="pipeline", world_size=2, steps=2, batch_size=8, cluster=clusters(2),
+                     options={"schedule": s, "microbatches": 4}, record_events=True)
+            for s in ("1f1b", "zb-h1")}
+    for r in range(2):
+        spans = windows(runs["zb-h1"].events[r]["marks"])[-1][3]
+        assert len(spans["weights"]) == 4 and len(spans["backward"]) == 4
+        assert not windows(runs["1f1b"].events[r]["marks"])[-1][3]["weights"]
+    p = {s: project(run, "dgx-h100", "1.3b", even=True) for s, run in runs.items()}
+    assert p["zb-h1"].compute_s == pytest.approx(p["1f1b"].compute_s, rel=1e-3)
+    assert p["zb-h1"].bubble_s + p["zb-h1"].idle_s < 0.7 * (p["1f1b"].bubble_s + p["1f1b"].idle_s)
 
 
 def test_the_ddp_timeline_is_redrawn_on_the_cluster(clusters):

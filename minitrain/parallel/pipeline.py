@@ -291,7 +291,8 @@ class PipelineExecutor:
         if a.kind == "B":
             self.held.pop((m, a.stage))
 
-    def _weights(self, a: Action, _) -> None:
+    def weights_pass(self, a: Action, _) -> None:
+        """A W action: the weight gradients its I pass left for later (ZB-H1)."""
         for layer in self.stages[a.stage].split_linears():
             layer.weight_grad(a.microbatch)
         self.held.pop((a.microbatch, a.stage))
@@ -311,7 +312,7 @@ class PipelineExecutor:
         self.batch = x.shape[0]
         self.shapes = [self.activation_shape(len(t), x.shape[1]) for t in self.xs]
         self.saved, self.local, self.sends, self.outgoing, self.losses = {}, {}, [], [], []
-        run = {"F": self._forward, "B": self._backward, "I": self._backward, "W": self._weights}
+        run = {"F": self._forward, "B": self._backward, "I": self._backward, "W": self.weights_pass}
         self.t0 = t0 = self._common_t0()
         self.timeline, self.messages = [], []
         posted = self._post(self.row[0] if self.row else None)

@@ -25,12 +25,14 @@ __all__ = ["windows", "program", "step_programs", "drop_unmatched", "smooth", "c
 
 
 def windows(marks: list) -> list[tuple]:
-    """[(step, start, end, {"optimizer": [(start, end), ...], "forward": [...], "backward": [...]})]
-    from a rank's marks (the intervals of its optimizer steps, forwards and backwards)."""
-    out, start, open_, spans = [], None, {}, {"optimizer": [], "forward": [], "backward": []}
+    """[(step, start, end, {"optimizer": [(start, end), ...], "forward": [...], "backward": [...],
+    "weights": [...]})] from a rank's marks (the intervals of its optimizer steps, forwards,
+    backwards and a zero-bubble pipeline's W passes)."""
+    kinds = ("optimizer", "forward", "backward", "weights")
+    out, start, open_, spans = [], None, {}, {k: [] for k in kinds}
     for t, kind, value in marks:
         if kind == "step":
-            start, spans = (value, t), {"optimizer": [], "forward": [], "backward": []}
+            start, spans = (value, t), {k: [] for k in kinds}
         elif kind == "step_end" and start is not None:
             out.append((start[0], start[1], t, spans))
             start = None
@@ -151,23 +153,25 @@ def smooth(all_programs: list[dict]) -> None:
 
 
 def even(result, step_index: int, programs: dict) -> None:
-    """Give each forward (and each backward) interval of a rank's step the median weight of its
-    kind's intervals on that rank, split over the interval's compute spans as measured — equal
-    micro-batches do equal work, whatever this machine's noise made them take.  The backward's
-    FLOPs go to the backward intervals only: the bookkeeping between actions (Python here; on a
-    GPU it runs ahead of the kernels) takes none.  For GPipe and 1F1B (a ZB-H1 backward is two
-    passes of different work; an interleaved rank's chunks differ by the embedding or the head)."""
+    """Give each forward (each backward, each W pass) interval of a rank's step the median weight
+    of its kind's intervals on that rank, split over the interval's compute spans as measured —
+    equal micro-batches do equal work, whatever this machine's noise made them take.  The
+    backward's FLOPs go to the backward and W intervals only, in the proportion of their kinds'
+    medians: the bookkeeping between actions (Python here; on a GPU it runs ahead of the kernels)
+    takes none.  For GPipe, 1F1B and ZB-H1 (an interleaved rank's chunks differ by the embedding
+    or the head)."""
     def overlap(op, a, b):
         return max(0.0, min(b, op.measured[1]) - max(a, op.measured[0]))
 
+    phase_of = {"forward": "forward", "backward": "model", "weights": "model"}
     for r, prog in programs.items():
         _, t0, _, spans = windows(result.events[r]["marks"])[step_index]
-        kinds = {kind: [(a - t0, b - t0) for a, b in spans.get(kind, [])]
-                 for kind in ("forward", "backward")}
-        phase = {"forward": "forward", "backward": "model"}
         weights = {id(op): op.share for op in prog if op.kind == "compute"}
-        for kind, intervals in kinds.items():
-            ops = [op for op in prog if op.kind == "compute" and op.phase == phase[kind]]
+        evened: dict = {}  # phase -> {op: its new weight}
+        evened_any = set()
+        for kind, phase in phase_of.items():
+            intervals = [(a - t0, b - t0) for a, b in spans.get(kind, [])]
+            ops = [op for op in prog if op.kind == "compute" and op.phase == phase]
             share = {}  # op -> [(interval, its weight inside the interval)]
             for op in ops:
                 d = op.measured[1] - op.measured[0]
@@ -176,11 +180,19 @@ def even(result, step_index: int, programs: dict) -> None:
             totals = [sum(w for op in ops for j, w in share[id(op)] if j == i)
                       for i in range(len(intervals))]
             filled = [t for t in totals if t > 0]
-            if len(filled) < 2:
-                continue
-            typical = statistics.median(filled)
+            into = evened.setdefault(phase, {})
+            if len(filled) >= 2:
+                evened_any.add(phase)
             for op in ops:
-                op.weight = sum(typical * w / totals[i] for i, w in share[id(op)] if totals[i] > 0)
+                if len(filled) < 2:  # too few to even: as measured
+                    new = sum(w for _, w in share[id(op)])
+                else:
+                    typical = statistics.median(filled)
+                    new = sum(typical * w / totals[i] for i, w in share[id(op)] if totals[i] > 0)
+                into[id(op)] = into.get(id(op), 0.0) + new
+        for op in prog:  # a phase none of whose kinds could be evened stays as measured
+            if op.kind == "compute" and op.phase in evened_any:
+                op.weight = evened[op.phase][id(op)]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -65,6 +65,8 @@ def recording(strategy):
       ``"backward"`` to ``"backward_end"``;
     * an optimizer step: the step of the strategy's ``torch.optim`` optimizer (inside ZeRO's
       step, the shard's), ``"optimizer"`` to ``"optimizer_end"``;
+    * a zero-bubble pipeline's W pass (its weight gradients, computed outside autograd by the
+      pipeline executor's ``weights_pass``), ``"weights"`` to ``"weights_end"``;
     * the calls made through ``comm.untraced``, in ``tracer.untraced``.
 
     The hooks are on the strategy's modules and optimizer only, and are removed on exit."""
@@ -108,6 +110,16 @@ def recording(strategy):
     if optimizer is not None:
         handles.append(optimizer.register_step_pre_hook(lambda *_: tracer.mark("optimizer")))
         handles.append(optimizer.register_step_post_hook(lambda *_: tracer.mark("optimizer_end")))
+    executor = getattr(strategy, "executor", None)
+    weights_pass = getattr(executor, "weights_pass", None)
+    if weights_pass is not None:
+        def marked(*args):
+            tracer.mark("weights")
+            try:
+                return weights_pass(*args)
+            finally:
+                tracer.mark("weights_end")
+        executor.weights_pass = marked
     was, tracer.recording = tracer.recording, True
     try:
         yield tracer
@@ -115,6 +127,8 @@ def recording(strategy):
         tracer.recording = was
         for h in handles:
             h.remove()
+        if weights_pass is not None:
+            executor.weights_pass = weights_pass
 
 
 class Recording:

@@ -60,15 +60,19 @@
     machine's typical speed, not at its quietest moment); the ranks' rates are averaged.  Run
     it on an otherwise idle machine: its steps are timed here, and (b) runs last for that reason.
 
-    python benchmarks/projection_bench.py [--steps 10] [--only a|b|c|d]
+    python benchmarks/projection_bench.py [--steps 10] [--only a|b|c|d] [--write]
 
-(b) records PUBLISHED_STEPS steps a run whatever --steps says.
+(b) records PUBLISHED_STEPS steps a run whatever --steps says.  With --write, (b)'s ratios and their
+summary go to minitrain/planning/data/published_check.json, the file the projection's uncertainty
+band is read from (minitrain.planning.projection.published_band).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
+import json
 import os
 import statistics
 import sys
@@ -318,10 +322,11 @@ def _layout(row) -> str:
     return "x".join(parts) + f" mb{row['micro_batch']}"
 
 
-def published(get, steps: int) -> tuple[list[float], list]:
+def published(get, steps: int, table: list | None = None) -> tuple[list[float], list]:
     """Project every row of benchmarks/published_runs.py that a strategy can run; one line per
     row.  Returns projected / published throughput per projected row, and the (key, error) of
-    each row whose projection raised."""
+    each row whose projection raised; each projected row's record (key, group, GPUs, stack,
+    ratio) is appended to ``table`` when one is given."""
     print("\n(b) published measurements, projected: ratio = projected / published throughput "
           f"(each within {ROW_LIMIT:.0%}, median within {MEDIAN_LIMIT:.0%})")
     print(f"    {'row':34s} {'source':22s} {'GPUs':>5s} {'layout':22s} {'stack':24s} "
@@ -347,6 +352,9 @@ def published(get, steps: int) -> tuple[list[float], list]:
         ratio = pub_step / p.step_time_s
         ratios.append(ratio)
         groups.add(row["independent_group"])
+        if table is not None:
+            table.append({"key": row["key"], "independent_group": row["independent_group"],
+                          "gpus": row["gpus"], "stack": stack.name, "ratio": ratio})
         projected = _projected_figure(row, unit, p.step_time_s)
         source = row["independent_group"].split(" (")[0].split(",")[0][:22]
         print(f"    {row['key']:34s} {source:22s} {row['gpus']:5d} {_layout(row):22s} "
@@ -365,6 +373,45 @@ def published(get, steps: int) -> tuple[list[float], list]:
               f"from {len(groups)} independent groups; median |error| "
               f"{statistics.median(errors):.1%}, worst {max(errors):.1%}")
     return ratios, failed
+
+
+#: where --write puts (b)'s results: the package reads its uncertainty band from there
+BAND_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "minitrain", "planning", "data", "published_check.json")
+
+
+def write_band(table: list, failed: list, command: str, path: str = BAND_FILE) -> None:
+    """(b)'s projected rows and their spread, as JSON: ratio = published / projected step time,
+    one per row; the summary counts rows and independent groups and gives the ratios' median,
+    min and max and the median |ratio - 1|, names the rows whose projection raised, and gives
+    the date, torch's version and the command."""
+    import torch
+
+    ratios = [r["ratio"] for r in table]
+    doc = {
+        "what": "benchmarks/projection_bench.py (b): published step time / projected step time "
+                "for each published run the projection re-timed",
+        "rows": table,
+        "summary": {
+            "rows": len(table),
+            "groups": len({r["independent_group"] for r in table}),
+            "median_ratio": statistics.median(ratios),
+            "min_ratio": min(ratios),
+            "max_ratio": max(ratios),
+            "median_abs_error": statistics.median(abs(r - 1) for r in ratios),
+            "failed": [key for key, _ in failed],
+            "date": datetime.date.today().isoformat(),
+            "torch": torch.__version__,
+            "command": command,
+        },
+    }
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+    print(f"(b) wrote {len(table)} rows to {os.path.relpath(path)}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -443,7 +490,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--only", choices=["a", "b", "c", "d"], default=None)
+    parser.add_argument("--write", action="store_true",
+                        help="write (b)'s ratios to minitrain/planning/data/published_check.json "
+                             "(the projection's uncertainty band)")
     args = parser.parse_args(argv)
+    if args.write and args.only not in (None, "b"):
+        parser.error("--write saves (b)'s results: run it with --only b (or without --only)")
     get, live = _clusters()
 
     def close_all():
@@ -466,7 +518,13 @@ def main(argv=None) -> int:
             out["c"] = one_model(get, args.steps)
             close_all()
         if args.only in (None, "b"):
-            out["b"], failed = published(get, args.steps)
+            table = []
+            out["b"], failed = published(get, args.steps, table)
+            if args.write and table:
+                command = " ".join(["OMP_NUM_THREADS=" + os.environ["OMP_NUM_THREADS"], "python",
+                                    "benchmarks/projection_bench.py",
+                                    *(argv if argv is not None else sys.argv[1:])])
+                write_band(table, failed, command)
     finally:
         close_all()
     limits = {"a": 0.15, "b": ROW_LIMIT, "c": 0.20, "d": 0.20}

@@ -40,11 +40,14 @@ views lessons draw (:func:`ddp_timeline`, :func:`pipeline_timeline`, :func:`warp
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import numbers
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from .clusters import ClusterSpec, get_cluster, parse
 from .kernels import Stack, for_working_set, gemm_seconds, rank_compute, stack_named, state_bytes
@@ -53,6 +56,7 @@ from ..model import GPTConfig
 from ..record import Layout
 from .recorded import drop_unmatched, fit_run, message_times, smooth, step_programs, windows
 from .recorded import even as even_out
+from .analysis import OTHER_COMPUTE, merge_intervals
 from .replay import Instance, Op, ReplayError, breakdown, replay, timelines
 from .scaling import MODEL_SIZES, RankWork, Scaler, itemsize, rank_memory, rank_work, target_model
 
@@ -60,7 +64,7 @@ __all__ = ["MODEL_SIZES", "target_model", "check_projection", "project", "Projec
            "Op", "Instance", "ReplayError", "rank_work", "RankWork", "Scaler", "format_projection",
            "breakdown", "warp", "ddp_timeline", "pipeline_timeline", "fsdp_timeline",
            "fit_run", "message_times", "even_work", "checked_degrees", "check_axes", "check_layout",
-           "mesh_sizes", "KINDS"]
+           "mesh_sizes", "KINDS", "Band", "published_band", "BAND_FILE", "BAND_COMMAND"]
 
 #: The kinds a projected step's time is told in (they add up to the step time)
 KINDS = ("gemm", "attention", "memory", "optimizer", "launch", "exposed_comm", "bubble", "idle")
@@ -140,6 +144,64 @@ def even_work(summary) -> bool:
 
 
 # --------------------------------------------------------------------------------------------------
+# The uncertainty a projected number carries
+# --------------------------------------------------------------------------------------------------
+
+#: published runs re-timed by the projection, with their measured step times
+#: (``benchmarks/projection_bench.py`` part (b)); the band is read from here
+BAND_FILE = Path(__file__).parent / "data" / "published_check.json"
+#: the command that writes :data:`BAND_FILE`, run from the repository's root
+BAND_COMMAND = "OMP_NUM_THREADS=1 python benchmarks/projection_bench.py --only b --write"
+
+
+@dataclass(frozen=True)
+class Band:
+    """How far published step times fell from their projections: each published run's
+    ``published / projected`` step time; ``low`` and ``high`` are the smallest and largest of
+    those ratios (what a projected step time is multiplied by to give the range the published
+    runs spanned), ``median`` their median, ``median_error`` the median ``|ratio - 1|``;
+    ``rows`` published runs from ``groups`` independent groups.  Measured, never fitted: it
+    changes no projected value."""
+
+    low: float
+    high: float
+    median: float
+    median_error: float
+    rows: int
+    groups: int
+    date: str
+    source: str
+
+
+def published_band() -> Band:
+    """The spread :data:`BAND_FILE` records (read once); a FileNotFoundError naming
+    :data:`BAND_COMMAND` when the file is not there."""
+    return _read_band(BAND_FILE)
+
+
+@functools.cache
+def _read_band(path: Path) -> Band:
+    try:
+        doc = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"the projection's uncertainty band is read from {path}, which is missing; make it "
+            f"from the repository's root with: {BAND_COMMAND}") from None
+    s = doc["summary"]
+    return Band(low=s["min_ratio"], high=s["max_ratio"], median=s["median_ratio"],
+                median_error=s["median_abs_error"], rows=s["rows"], groups=s["groups"],
+                date=s["date"],
+                source=(f"benchmarks/projection_bench.py (b): {s['rows']} published runs from "
+                        f"{s['groups']} independent groups, {s['date']}"))
+
+
+def _figure(x: float) -> str:
+    """``x`` to about three significant figures, without an exponent."""
+    digits = max(0, 2 - math.floor(math.log10(abs(x)))) if x else 0
+    return f"{x:,.{digits}f}"
+
+
+# --------------------------------------------------------------------------------------------------
 # The projection of a run
 # --------------------------------------------------------------------------------------------------
 
@@ -191,10 +253,49 @@ class Projection:
     time_by_kind: dict = None  # seconds of the step by kind (KINDS): they add up to the step time
     devices: int = 0  # the devices the projection stands for (the mesh's)
     global_batch: int = 0  # sequences per step over all replicas
+    accelerator: bool = False  # projected on an accelerator preset (the band applies)
 
     @property
     def memory_per_device_gb(self) -> list[float]:
         return [m["total"] / 1e9 for m in self.memory]
+
+    @property
+    def band(self) -> Band | None:
+        """The published runs' spread (:func:`published_band`) where it applies, else None."""
+        return published_band() if self.accelerator else None
+
+    @property
+    def step_time_range_s(self) -> tuple[float, float] | None:
+        """(low, high) seconds: the step time times the smallest and the largest published /
+        projected ratio of the published runs; None off accelerators."""
+        band = self.band
+        return None if band is None else (self.step_time_s * band.low,
+                                          self.step_time_s * band.high)
+
+    @property
+    def mfu_range(self) -> tuple[float, float] | None:
+        """(low, high) MFU over the same range of step times; None off accelerators or without
+        an MFU."""
+        band = self.band
+        if band is None or self.mfu is None:
+            return None
+        return self.mfu / band.high, self.mfu / band.low
+
+    def range_text(self, unit: str = "ms") -> str:
+        """The step time and its uncertainty in words, in ``unit`` ("ms" or "s"), e.g. "382 ms
+        (uncertainty 398–629 ms: 14 published runs from 4 groups took 1.04–1.65× their projected
+        step time)"; the step time alone off accelerators.  The range need not contain the
+        projected value: it is where the published runs fell, on whichever side that was."""
+        scale = {"ms": 1e3, "s": 1.0}.get(unit)
+        if scale is None:
+            raise ValueError(f"unit is 'ms' or 's', got {unit!r}")
+        text = f"{_figure(self.step_time_s * scale)} {unit}"
+        band, span = self.band, self.step_time_range_s
+        if band is None:
+            return text
+        return (f"{text} (uncertainty {_figure(span[0] * scale)}–{_figure(span[1] * scale)} "
+                f"{unit}: {band.rows} published runs from {band.groups} groups took "
+                f"{band.low:.2f}–{band.high:.2f}× their projected step time)")
 
     def to_dict(self) -> dict:
         """The fields a run's JSON summary carries (``minitrain train --project ... --json``): no
@@ -204,6 +305,8 @@ class Projection:
         out["memory_per_device_gb"] = self.memory_per_device_gb
         out.update(stack=self.stack, time_by_kind=self.time_by_kind, devices=self.devices,
                    global_batch=self.global_batch)
+        span = self.step_time_range_s
+        out["step_time_range_s"] = list(span) if span else None
         return out
 
 
@@ -498,7 +601,8 @@ def _projection(summary, pricing: _Pricing, model, target: GPTConfig, replays: l
         replay=median, even=even, stack=pricing.stack.name if pricing.kernels else "",
         time_by_kind=_time_by_kind(parts, pricing.kernels),
         devices=math.prod(sizes.values()),
-        global_batch=round(summary.batch_size * sizes["dp"] / lay.dp))
+        global_batch=round(summary.batch_size * sizes["dp"] / lay.dp),
+        accelerator=spec.accelerator)
 
 
 def _time_by_kind(parts: dict, kernels: dict | None) -> dict:
@@ -542,7 +646,10 @@ def fsdp_timeline(result, projection: Projection) -> list[list[dict]]:
     reduce-scatter, per rank) of the projected step, re-timed: the form
     :func:`minitrain.viz.fsdp.plot_fsdp_timeline` draws.  A unit's k-th gather (reduce-scatter)
     runs from when the replay issued its k-th ``params-unitK`` all-gather (``grad-unitK``
-    reduce-scatter) to when that completed; compute spans and frees are warped (:func:`warp`)."""
+    reduce-scatter) to when that completed; compute spans and frees are warped (:func:`warp`).
+    The replay's compute outside every unit's (hooks, the loss, the optimizer) is added as unit
+    ``OTHER_COMPUTE``, so the drawn step computes what the replay does and a gather's hidden
+    share in it is the replay's."""
     out = []
     start_step = result.summary.start_step
     for rank, rep in enumerate(result.summary.report):
@@ -563,6 +670,18 @@ def fsdp_timeline(result, projection: Projection) -> list[list[dict]]:
             else:
                 rows.append({**e, "start": warp(projection, rank, e["start"]),
                              "end": warp(projection, rank, e["end"])})
+        units = merge_intervals((e["start"], e["end"]) for e in rows if e["kind"] == "compute")
+        replayed = merge_intervals((e["start"], e["end"]) for e in projection.timeline[rank]
+                                   if e["op"] == "compute")
+        for a, b in replayed:  # each replayed compute span, less the units' spans inside it
+            for x, y in units:
+                if a < min(b, x) - 1e-12:
+                    rows.append({"unit": OTHER_COMPUTE, "kind": "compute", "start": a,
+                                 "end": min(b, x), "backward": False})
+                a = max(a, y)
+            if a < b - 1e-12:
+                rows.append({"unit": OTHER_COMPUTE, "kind": "compute", "start": a, "end": b,
+                             "backward": False})
         out.append(rows)
     return out
 
@@ -616,6 +735,8 @@ def format_projection(p: Projection) -> str:
              f"{p.mfu:.1%}, {mem:,.1f} GB per device"
              + ("" if p.fits in (None, True) else " — does not fit") +
              f"; measured here {p.measured_step_s * 1e3:,.2f} ms"]
+    if p.band is not None:
+        lines.append(f"  step time with its uncertainty: {p.range_text()}")
     if p.time_by_kind:
         kinds = ", ".join(f"{k.replace('_', ' ')} {t * 1e3:,.2f}" for k, t in p.time_by_kind.items())
         lines.append(f"  where the step's time goes (ms): {kinds}")

@@ -22,9 +22,12 @@ the measurement beside it: the measured step's timeline on top, the projected on
 form the run's lesson draws — DDP's backward and bucket all-reduces (:mod:`.timeline`, for a run with
 ``options={"timeline": True}``), a pipeline's Gantt chart (:mod:`.pipeline`), or, for any other
 lockstep strategy (ZeRO, tensor, 3D, context, expert), each rank's compute and communication
-streams —; a bar of the projected step's parts (compute, exposed communication, bubble, idle); and a
-summary naming the cluster and the model size: the step time beside the measured one, the share of
-communication hidden, MFU, the memory per device and whether it fits, and the preset's sources.
+streams —; a bar of the projected step's parts (compute, exposed communication, bubble, idle), with
+an error bar beside it spanning the step time's uncertainty on an accelerator preset (where published
+runs fell against their projections: :func:`minitrain.planning.projection.published_band`); and
+a summary naming the cluster and the model size: the step time and its uncertainty beside the
+measured one, the share of communication hidden, MFU, the memory per device and whether it fits, and
+the preset's sources.
 A run that cannot be projected (no recorded events, a free-running parameter server, a model size
 the layout cannot take) gets a sentence saying why, in place of the charts.
 
@@ -43,7 +46,7 @@ import math
 from . import LABEL
 
 __all__ = ["CLUSTERS", "SIZES", "devices", "projection_view", "stream_rows", "step_parts", "summary_html",
-           "projection_figure", "ProjectionWidget"]
+           "uncertainty", "projection_figure", "ProjectionWidget"]
 
 #: the cluster presets the widget offers, in its order (this machine's are added when calibrated)
 CLUSTERS = ("dgx-h100", "dgx-a100", "ib-h100", "ib-a100", "eth-25g")
@@ -191,6 +194,21 @@ def kind_bar_html(parts: list[dict]) -> str:
             f'font-size:0;border:1px solid #ccc">{bar}</div><small>{legend}</small></div>')
 
 
+def uncertainty(projection) -> dict | None:
+    """The projected step time's uncertainty as drawn: ``low_ms``, ``high_ms`` (the range the
+    published runs spanned against their projections: :attr:`Projection.step_time_range_s`) and
+    ``label`` (the range) and ``note`` (where it comes from); None where no band applies (this
+    machine)."""
+    span, band = projection.step_time_range_s, projection.band
+    if span is None:
+        return None
+    low, high = span
+    return {"low_ms": low * 1e3, "high_ms": high * 1e3,
+            "label": f"uncertainty {_ms(low)}–{_ms(high)}",
+            "note": f"{band.rows} published runs took {band.low:.2f}–{band.high:.2f}× their "
+                    "projected step"}
+
+
 def projection_view(result, cluster: str = "dgx-h100", model="1.3b", *,
                     degrees: dict | None = None, even: bool | None = None,
                     precision: str | None = None, compute: str | None = None,
@@ -281,12 +299,18 @@ def summary_html(view: dict) -> str:
                   + " and ".join(f"{AXES.get(a, esc(a))} of {v}" for a, v in p.degrees.items())
                   + ")")
     sources = "".join(f"<li>{esc(s)}</li>" for s in p.sources)
+    span = p.step_time_range_s
     return (
         '<div class="mt-projection-summary" style="font-family:sans-serif;line-height:1.45">'
         f'<b>Projected</b> on <b>{esc(p.cluster_title)}</b> (<code>{esc(p.cluster)}</code>) '
         f'as <b>{esc(p.model)}</b>, {esc(p.precision)}, on <span class="mt-projection-devices">'
         f'{where}</span>: '
-        f'<b class="mt-projection-step">{_ms(p.step_time_s)} per step</b> — beside '
+        f'<b class="mt-projection-step">{_ms(p.step_time_s)} per step</b>'
+        + (f' <span class="mt-projection-range">(uncertainty {_ms(span[0])}–{_ms(span[1])}: '
+           f'{p.band.rows} published runs from {p.band.groups} groups took '
+           f'{p.band.low:.2f}–{p.band.high:.2f}× their projected step time)</span>' if span
+           else "") +
+        f' — beside '
         f'<b class="mt-projection-measured">{_ms(view["measured_step_ms"] / 1e3)}</b> measured here '
         f'for the same step (this machine, the run\'s own model).<br>'
         f'Parts: {parts}; {hidden}{mfu}; memory: {memory}.'
@@ -398,9 +422,16 @@ def projection_figure(view: dict):
                     hatch="///" if part["name"] == "bubble" else None,
                     label=f"{part['name']} {part['share']:.0%}")
         left += width
-    bottom.set_xlim(0, max(left, 1e-9))
+    band = uncertainty(p)
+    if band is not None:  # the step time's uncertainty, from its low end to its high end
+        middle = (band["low_ms"] + band["high_ms"]) / 2
+        half = (band["high_ms"] - band["low_ms"]) / 2
+        bottom.errorbar(middle, 0, xerr=half, fmt="none", ecolor="#222222", elinewidth=1.2,
+                        capsize=5, label=band["label"])
+    bottom.set_xlim(0, max(left, band["high_ms"] * 1.02 if band else 0.0, 1e-9))
     bottom.set_yticks([])
-    bottom.set_xlabel("ms of the projected step", fontsize=8)
+    bottom.set_xlabel("ms of the projected step" + (f"; its uncertainty (|—|): {band['note']}"
+                                                    if band else ""), fontsize=8)
     bottom.tick_params(labelsize=8)
     bottom.set_title("the projected step's parts", fontsize=10)
     bottom.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)

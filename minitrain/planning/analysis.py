@@ -22,7 +22,8 @@ from ..parallel.flat import FlatUnit
 from ..parallel.schedules import Action, as_action
 
 __all__ = ["overlap_fraction", "ShardLayout", "shard_layout", "merge_intervals", "hidden_fraction",
-           "bubble_fraction", "bubble_formula", "peak_in_flight"]
+           "bubble_fraction", "bubble_formula", "peak_in_flight", "PROJECTED_TIE", "tied_with_best",
+           "order_with_ties"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -148,3 +149,32 @@ def peak_in_flight(table_or_timeline) -> dict[int, int]:
             peak = max(peak, held)
         peaks[r] = peak
     return peaks
+
+
+# --------------------------------------------------------------------------------------------------
+# Naming a winner among projected times
+# --------------------------------------------------------------------------------------------------
+
+#: Projected times closer than this share are a tie.  A replay gives every step of a run the same
+#: time, so no spread of steps separates two projections; but its prices (the kernels' rates, the
+#: links' α and bandwidth) are not known to within a per cent, so a smaller difference says
+#: nothing about which layout or setting would be faster.
+PROJECTED_TIE = 0.01
+
+
+def tied_with_best(times: dict, tol: float = PROJECTED_TIE, largest: bool = False) -> list:
+    """The keys of ``times`` within ``tol`` of the smallest (``largest``: the largest) value, in
+    the order of their values: one key when a single winner stands out, more when they tie."""
+    best = max(times.values()) if largest else min(times.values())
+    near = [k for k, t in times.items() if abs(t - best) <= tol * abs(best)]
+    return sorted(near, key=times.get, reverse=largest)
+
+
+def order_with_ties(times: dict, name=str, tol: float = PROJECTED_TIE) -> str:
+    """The keys of ``times`` from the smallest value up, joined by " < ", or " ≈ " where a key's
+    value is within ``tol`` of the one before it (``name`` words a key)."""
+    order = sorted(times, key=times.get)
+    out = name(order[0]) if order else ""
+    for a, b in zip(order, order[1:]):
+        out += (" ≈ " if times[b] - times[a] <= tol * abs(times[a]) else " < ") + name(b)
+    return out

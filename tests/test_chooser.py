@@ -115,8 +115,8 @@ def test_zero2_and_zero3_pay_per_micro_batch_dp_once_per_step():
 
 @pytest.mark.parametrize("layout, rule", [
     (Layout(tp=16), "TP across nodes"),
-    (Layout(pp=2, dp=8, zero=2), "ZeRO-2 with TP/PP"),
-    (Layout(tp=2, dp=8, zero=3), "ZeRO-3 with TP/PP"),
+    (Layout(pp=2, dp=8, zero=2), "ZeRO-2 with TP/PP: strategy 3d shards only"),
+    (Layout(tp=2, dp=8, zero=3), "ZeRO-3 with TP/PP: strategy 3d shards only"),
     (Layout(pp=16), "more stages than layers"),
     (Layout(dp=16), "batch does not split"),
 ])
@@ -124,6 +124,24 @@ def test_rules_reject_with_the_reason(layout, rule):
     model = ModelSpec(1.5e9, 12, 1600, 16)  # 16 heads, 12 layers
     c = evaluate(model, h100_nodes(2), Workload(global_batch=24), layout)
     assert not c.feasible and c.rejected.startswith(rule), c.rejected
+
+
+def test_without_the_runnable_rule_zero_beside_tp_and_pp_is_priced_not_refused():
+    """only_runnable=False: ZeRO-2/3 beside TP or PP is weighed by the memory and time model,
+    which charges ZeRO-2 a reduce-scatter and ZeRO-3 three collectives every micro-batch."""
+    model = ModelSpec(1.5e9, 12, 1600, 16)
+    job = Workload(global_batch=24)
+    for layout in (Layout(pp=2, dp=8, zero=2), Layout(tp=2, dp=8, zero=3)):
+        c = evaluate(model, h100_nodes(2), job, layout, only_runnable=False)
+        assert c.rejected is None and c.time["total"] > 0
+    one = evaluate(model, h100_nodes(2), job, Layout(pp=2, dp=8, zero=1), only_runnable=False)
+    three = evaluate(model, h100_nodes(2), job, Layout(pp=2, dp=8, zero=3), only_runnable=False)
+    assert three.comm["dp"] > one.comm["dp"]  # the weights gathered again for every micro-batch
+    # the GPT-3 row on fast links: with the rule, PP × TP × DP; without it the model's own pick
+    _, gpt3, hw, job3, _, _ = next(r for r in SCENARIO_TABLE if r[0].endswith("PP+TP+DP"))
+    assert choose(gpt3, hw, job3).layout.zero <= 1
+    free = choose(gpt3, hw, job3, only_runnable=False)
+    assert free.layout is not None and free.best.rejected is None
 
 
 def test_heads_that_do_not_split_are_rejected():

@@ -48,8 +48,10 @@ prices each with the course's models, and rejects or ranks it — and the table 
 The rules, and why (each rejected layout says which one it broke):
 
 * TP only inside a node: its four all-reduces per layer and micro-batch sit on the critical path;
-* ZeRO-2/3 only without TP and PP (the Hugging Face guide: combined with PP and TP, ZeRO shards
-  only the optimizer states): they would re-shard gradients or weights for every micro-batch;
+* ZeRO-2/3 only without TP and PP — what this package runs (strategy ``3d`` shards only the
+  optimizer states, ZeRO-1), which is also the Hugging Face guide's advice; since a rule cannot be
+  evidence for itself, ``choose(..., only_runnable=False)`` drops it and lets the memory and time
+  model (ZeRO-2/3 re-sharding every micro-batch) decide, so one can see which picks rest on it;
 * a layout must fit in the device's memory (and, for offload, the optimizer states in the host's);
 * when not even the largest layer's training state fits one device, only TP (each layer split) or
   ZeRO-3 (one layer's weights gathered at a time) will do: layouts that keep every whole layer on
@@ -534,8 +536,10 @@ def _comm_and_time(model: ModelSpec, hw: ClusterSpec, job: Workload, layout: Lay
     return comm, time
 
 
-def _rule_broken(model: ModelSpec, hw: ClusterSpec, layout: Layout) -> str | None:
-    """The first placement rule ``layout`` breaks, or None."""
+def _rule_broken(model: ModelSpec, hw: ClusterSpec, layout: Layout,
+                 only_runnable: bool = True) -> str | None:
+    """The first placement rule ``layout`` breaks, or None; ``only_runnable``: also what no
+    strategy of this package runs (ZeRO-2/3 beside TP or PP)."""
     if layout.offload and hw.host is None:
         return f"no host to offload to: {hw.title} names no host memory"
     if layout.tp > 1 and hw.devices_per_node % layout.tp:
@@ -546,19 +550,20 @@ def _rule_broken(model: ModelSpec, hw: ClusterSpec, layout: Layout) -> str | Non
         return f"heads do not split: {model.heads} heads over TP {layout.tp}"
     if layout.pp > model.layers:
         return f"more stages than layers: PP {layout.pp} > {model.layers} layers"
-    if layout.zero >= 2 and (layout.tp > 1 or layout.pp > 1):
-        return (f"ZeRO-{layout.zero} with TP/PP: it would re-shard "
-                f"{'gradients' if layout.zero == 2 else 'weights and gradients'} every micro-batch "
-                "(with TP or PP shard only the optimizer states, ZeRO-1)")
+    if only_runnable and layout.zero >= 2 and (layout.tp > 1 or layout.pp > 1):
+        return (f"ZeRO-{layout.zero} with TP/PP: strategy 3d shards only the optimizer states "
+                "over its data-parallel ranks (ZeRO-1); ZeRO-2/3 beside TP or PP (FSDP with TP, "
+                "as torchtitan runs it) is not built in this package")
     return None
 
 
 def evaluate(model: ModelSpec, hw: ClusterSpec, job: Workload, layout: Layout,
-             stack: Stack | str | None = None) -> Candidate:
+             stack: Stack | str | None = None, only_runnable: bool = True) -> Candidate:
     """Price one layout: memory, communication and time per step, or why it is rejected; the
-    compute under ``stack`` (:func:`microbatch_seconds`; default the device's stack)."""
+    compute under ``stack`` (:func:`microbatch_seconds`; default the device's stack);
+    ``only_runnable=False`` prices layouts no strategy here runs too (ZeRO-2/3 beside TP/PP)."""
     cand = Candidate(layout)
-    broken = _rule_broken(model, hw, layout)
+    broken = _rule_broken(model, hw, layout, only_runnable)
     m = _micro_batches(layout, job)
     if broken is None and m is None:
         broken = (f"batch does not split: global batch {job.global_batch} over DP {layout.dp} in "
@@ -661,7 +666,7 @@ def _offload_last(cands: list[Candidate]) -> None:
 
 
 def choose(model: ModelSpec, hw: ClusterSpec, job: Workload = Workload(),
-           stack: Stack | str | None = None) -> Recommendation:
+           stack: Stack | str | None = None, only_runnable: bool = True) -> Recommendation:
     """Recommend a layout for training ``model`` on ``hw`` with ``job``, and say why; compute is
     priced with the kernels of ``stack`` (a :class:`~minitrain.planning.kernels.Stack` or a name
     of ``kernels.STACKS``; default the device's).
@@ -670,16 +675,21 @@ def choose(model: ModelSpec, hw: ClusterSpec, job: Workload = Workload(),
     are too large — a long sequence — context parallelism over ``cp`` devices of a node is tried
     (each holds seq_len/cp tokens: the problem becomes the same one on nodes of
     devices_per_node/cp devices, with sequences of seq_len/cp); a mixture of experts gets an
-    expert-parallel degree ``ep``.  Both say why in ``reasons``."""
-    rec = _choose(model, hw, job, stack)
+    expert-parallel degree ``ep``.  Both say why in ``reasons``.
+
+    ``only_runnable`` (default): only layouts this package's strategies run; False also weighs
+    ZeRO-2/3 beside TP or PP, priced by the same memory and time model (re-sharding every
+    micro-batch), to see whether a pick rests on what the package cannot run."""
+    rec = _choose(model, hw, job, stack, only_runnable)
     if rec.layout is None:
-        rec = _with_context_parallel(model, hw, job, rec, stack)
+        rec = _with_context_parallel(model, hw, job, rec, stack, only_runnable)
     if model.experts > 1 and rec.layout is not None:
         _with_expert_parallel(model, hw, job, rec)
     return rec
 
 
-def _with_context_parallel(model, hw, job, rec: Recommendation, stack=None) -> Recommendation:
+def _with_context_parallel(model, hw, job, rec: Recommendation, stack=None,
+                           only_runnable: bool = True) -> Recommendation:
     """The smallest cp (dividing the node and the sequence) with which a layout fits, or ``rec``."""
     smallest = min((c for c in rec.candidates if c.memory), key=lambda c: c.memory["total"],
                    default=None)
@@ -690,7 +700,7 @@ def _with_context_parallel(model, hw, job, rec: Recommendation, stack=None) -> R
             continue
         sub_hw = replace(hw, devices_per_node=hw.devices_per_node // cp)
         sub_job = Workload(job.seq_len // cp, job.global_batch, job.micro_batch, job.recipe)
-        sub = _choose(model, sub_hw, sub_job, stack)
+        sub = _choose(model, sub_hw, sub_job, stack, only_runnable)
         if sub.layout is None:
             continue
         lay, m = sub.layout, sub.best.comm["microbatches"]
@@ -754,10 +764,11 @@ def _whole_layers_rejected(cands: list[Candidate]) -> None:
                           "with TP, or gather one layer at a time with ZeRO-3")
 
 
-def _choose(model: ModelSpec, hw: ClusterSpec, job: Workload, stack=None) -> Recommendation:
+def _choose(model: ModelSpec, hw: ClusterSpec, job: Workload, stack=None,
+            only_runnable: bool = True) -> Recommendation:
     _check_inputs(model, hw, job)
     stack = _stack(stack, hw)
-    cands = [evaluate(model, hw, job, lay, stack) for lay in layouts(hw)]
+    cands = [evaluate(model, hw, job, lay, stack, only_runnable) for lay in layouts(hw)]
     _offload_last(cands)
     key = scenario(model, hw, job, stack)
     if key == "one-node-layer-too-big":

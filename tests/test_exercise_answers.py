@@ -55,3 +55,20 @@ def test_a_wrong_answer_gets_its_message(name, fn, fragment):
     assert found is not None, f"{_name(fn)} passed the check of {name}"
     assert fragment in found, f"{_name(fn)}: {found!r} does not say {fragment!r}"
     assert took < 15, f"{_name(fn)}: the check took {took:.1f} s (at most 15 s)"
+
+
+def test_a_verdict_does_not_depend_on_the_checks_before_it():
+    """A lab answer that makes its own group (dist.new_group inside the function) is told so after
+    every other lab check has run in this process on the same ranks (solutions, wrong answers,
+    deadlocks and all), and again when checked a second time."""
+    from answers import lab
+
+    for name, a in lab.ANSWERS.items():
+        assert problem(name, a.solution) is None, name
+        for fn, _ in a.wrong:
+            if fn is not lab.tp_sum_new_group:
+                assert problem(name, fn) is not None, f"{name}: {_name(fn)}"
+    for attempt in ("after the other lab checks", "checked again"):
+        found = problem("lab_wrong_group", lab.tp_sum_new_group)
+        assert found is not None, f"tp_sum_new_group passed, {attempt}"
+        assert lab.NEW_GROUP_SAYS in found, f"{attempt}: {found!r}"

@@ -94,6 +94,42 @@ def test_bucket_hooks_that_never_launch_or_never_wait_are_named():
     assert all(b.work.waited for b in buckets)
 
 
+def test_a_bucket_launched_without_keeping_its_handle_is_named_as_such():
+    """A grad_ready that starts the collective through its comm (which notes ``launched_at``) but
+    leaves bucket.work None is told the handle was not kept, not that nothing was launched; an
+    end_of_backward that waits for every handle and then lets it go passes."""
+    class _Comm:
+        launched_at = None
+
+        def all_reduce(self, tensor, async_op=False):
+            self.launched_at = 1.0
+            return _Work()
+
+    def drop(bucket, i, grad, comm):
+        comm.all_reduce(bucket.buffer, async_op=True)
+
+    def keep(bucket, i, grad, comm):
+        bucket.work = comm.all_reduce(bucket.buffer, async_op=True)
+
+    def wait_and_clear(buckets):
+        for b in buckets:
+            b.work.wait()
+            b.work = None
+
+    grad_ready, end = plug("bucket_hooks", (drop, lambda buckets: None))
+    buckets = _buckets()
+    for b in buckets:
+        grad_ready(b, 0, torch.zeros(2), _Comm())
+    with pytest.raises(RuntimeError, match="bucket 0's all-reduce was launched during backward, "
+                                           "but its handle was not kept in bucket.work"):
+        end(buckets)
+    grad_ready, end = plug("bucket_hooks", (keep, wait_and_clear))
+    buckets = _buckets()
+    for b in buckets:
+        grad_ready(b, 0, torch.zeros(2), _Comm())
+    end(buckets)  # every handle waited for, then let go: no error
+
+
 def test_zero2_hooks_are_guarded_as_reduce_scatters_and_mean_loss_is_quiet(capsys):
     grad_ready, end = plug("zero2_hooks", (lambda b, i, g, c: None, lambda buckets: None))
     buckets = _buckets()

@@ -201,6 +201,13 @@ def tp_sum_broadcast(partial, groups):  # the right group, the wrong collective
     return partial
 
 
+def tp_sum_new_group(partial, groups):  # makes its pair's group itself, on the pair's ranks only
+    rank = dist.get_rank()
+    pair = dist.new_group([2 * (rank // 2), 2 * (rank // 2) + 1])
+    dist.all_reduce(partial, group=pair)
+    return partial
+
+
 # -- 5. float16 overflow ----------------------------------------------------------------------------
 
 
@@ -242,6 +249,12 @@ def grad_norm_reduces_in_half(grad):
     return squares.float().sqrt().item()
 
 
+#: what tp_sum_new_group is told, wherever it is checked (tests/test_exercise_answers.py)
+NEW_GROUP_SAYS = ("your tp_sum_new_group called dist.new_group inside the function (line 3 of your "
+                  "tp_sum_new_group: pair = dist.new_group([2 * (rank // 2), 2 * (rank // 2) + "
+                  "1])): rank 0 asked for ranks 0, 1; rank 1 asked for ranks 0, 1; rank 2 asked "
+                  "for ranks 2, 3; rank 3 asked for ranks 2, 3")
+
 ANSWERS = {
     "lab_skipped_collective": Answers(mean_loss, [
         (mean_loss_broken, "rank 0 waited in all_reduce (line 3 of your mean_loss_broken"),
@@ -271,6 +284,7 @@ ANSWERS = {
         (tp_sum_on_the_world, "the sum over all 4 ranks (the whole world)"),
         (tp_sum_first_group, "which it is not a member of"),
         (tp_sum_broadcast, "a broadcast does not sum"),
+        (tp_sum_new_group, NEW_GROUP_SAYS),
     ]),
     "lab_fp16_overflow": Answers(grad_norm, [
         (grad_norm_broken, "the all_reduce's float16 sum overflowed"),

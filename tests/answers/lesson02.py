@@ -152,12 +152,58 @@ def grad_ready_on_the_last_view(bucket, i, grad, comm):
         bucket.work = comm.all_reduce(bucket.buffer, async_op=True)
 
 
+def sync_divides_before_the_wait(model, comm):
+    """Starts each all-reduce asynchronously and divides before its sum has arrived."""
+    for p in model.parameters():
+        work = comm.all_reduce(p.grad, async_op=True)
+        p.grad /= comm.size
+        work.wait()
+
+
+def grad_ready_drops_the_handle(bucket, i, grad, comm):
+    """Launches the all-reduce but keeps no handle: bucket.work stays None."""
+    torch.mul(grad, 1.0 / comm.size, out=bucket.views[i])
+    bucket.ready.add(i)
+    if len(bucket.ready) == len(bucket.views):
+        comm.all_reduce(bucket.buffer, async_op=True)
+
+
+def grad_ready_own_handle(bucket, i, grad, comm):
+    """Keeps the handle, in an attribute of its own instead of bucket.work."""
+    torch.mul(grad, 1.0 / comm.size, out=bucket.views[i])
+    bucket.ready.add(i)
+    if len(bucket.ready) == len(bucket.views):
+        bucket.handle = comm.all_reduce(bucket.buffer, async_op=True)
+
+
+def end_of_backward_own_handle(buckets):
+    for bucket in buckets:
+        bucket.handle.wait()
+
+
+def end_of_backward_divides_before_the_wait(buckets):
+    n = dist.get_world_size()
+    for bucket in buckets:
+        bucket.buffer /= n
+        bucket.work.wait()
+
+
+def end_of_backward_waits_then_clears(buckets):
+    """Right: waits for every handle, then lets it go."""
+    for bucket in buckets:
+        bucket.work.wait()
+        bucket.work = None
+
+
 ANSWERS = {
     "sync_gradients": Answers(sync_right, [
         (sync_summed, "divide by comm.size"),
         (sync_first_only, "differs from the full batch's gradient"),
         (sync_local, "no all_reduce went through comm"),
         (sync_rank_0_only, "(line 5 of your sync_rank_0_only: comm.all_reduce(p.grad))"),
+        (sync_divides_before_the_wait,
+         "embed.tok.weight.grad was divided by N = 2 (div_) while its all-reduce was still "
+         "in flight"),
     ]),
     "bucket_hooks": Answers((grad_ready, end_of_backward), [
         ((grad_ready_no_divide, end_of_backward), "the gradients are N = 2 times the mean"),
@@ -174,5 +220,20 @@ ANSWERS = {
         ((grad_ready_only_rank_0_launches, end_of_backward_if_launched),
          "rank 0 waits in a handle's wait() (the collective or message it waits for never "
          "completed) (line 4 of your end_of_backward_if_launched: bucket.work.wait())"),
+        ((grad_ready_drops_the_handle, end_of_backward),
+         "bucket 0's all-reduce was launched in grad_ready, but its handle was not kept in "
+         "bucket.work"),
+        ((grad_ready_drops_the_handle, end_of_backward_if_launched),
+         "its handle was not kept in bucket.work (None when end_of_backward started), so nobody "
+         "can wait for it"),
+        ((grad_ready_own_handle, end_of_backward_own_handle),
+         "its handle was not kept in bucket.work"),
+        ((grad_ready_no_divide, end_of_backward_divides_before_the_wait),
+         "bucket.buffer was divided by N = 2 (div_) while the bucket's all-reduce was still "
+         "in flight"),
     ]),
 }
+
+
+#: right answers other than the solution, which must pass too
+ALSO_RIGHT = {"bucket_hooks": [(grad_ready, end_of_backward_waits_then_clears)]}

@@ -25,6 +25,14 @@ def zero1_without_dividing(flat_params, flat_grads, shard, optimizer, comm):
     comm.all_gather(flat_params, shard.detach().clone())
 
 
+def zero1_arguments_swapped(flat_params, flat_grads, shard, optimizer, comm):
+    grad = torch.empty_like(shard)
+    comm.reduce_scatter(flat_grads, grad)
+    shard.grad = grad / comm.size
+    optimizer.step()
+    comm.all_gather(flat_params, shard.detach().clone())
+
+
 def zero1_own_slice(flat_params, flat_grads, shard, optimizer, comm):
     size, r = shard.numel(), comm.rank
     shard.grad = flat_grads[r * size:(r + 1) * size].clone()
@@ -308,6 +316,37 @@ def z2_on_the_last_view(bucket, i, grad, comm):
         bucket.work = comm.reduce_scatter(bucket.grad_shard, bucket.buffer, async_op=True)
 
 
+def z2_arguments_swapped(bucket, i, grad, comm):
+    """reduce_scatter(input, output): the whole bucket passed as the output, the shard as input."""
+    torch.mul(grad, 1.0 / comm.size, out=bucket.views[i])
+    bucket.ready.add(i)
+    if len(bucket.ready) == len(bucket.views):
+        bucket.work = comm.reduce_scatter(bucket.buffer, bucket.grad_shard, async_op=True)
+
+
+def z2_filled_undivided(bucket, i, grad, comm):
+    bucket.views[i].copy_(grad)
+    bucket.ready.add(i)
+    if len(bucket.ready) == len(bucket.views):
+        bucket.work = comm.reduce_scatter(bucket.grad_shard, bucket.buffer, async_op=True)
+
+
+def z2_divides_before_the_wait(buckets):
+    """Divides each shard by N, then waits: the sum has not arrived when it divides."""
+    n = __import__("torch.distributed").distributed.get_world_size()
+    for bucket in buckets:
+        bucket.grad_shard.div_(n)
+        bucket.work.wait()
+
+
+def z2_drops_the_handle(bucket, i, grad, comm):
+    """Launches the reduce-scatter but keeps no handle in bucket.work."""
+    torch.mul(grad, 1.0 / comm.size, out=bucket.views[i])
+    bucket.ready.add(i)
+    if len(bucket.ready) == len(bucket.views):
+        comm.reduce_scatter(bucket.grad_shard, bucket.buffer, async_op=True)
+
+
 ANSWERS = {
     "zero1_step": Answers(zero1_step, [
         (zero1_without_dividing, "divide by N"),
@@ -318,6 +357,8 @@ ANSWERS = {
         (zero1_without_stepping, "flat_params did not change"),
         (zero1_all_reduce_behind_the_tracer, "directly through torch.distributed (the tracer never saw it)"),
         (zero1_reduce_scatter_behind_the_tracer, "called torch.distributed's reduce_scatter_tensor directly"),
+        (zero1_arguments_swapped, "got an output of 38 elements and an input of 19: the output is "
+                                  "N = 2 times the input, so the two arguments look swapped"),
     ]),
     "zero2_hooks": Answers((z2_grad_ready, z2_end_of_backward), [
         ((z2_all_reduce_then_slice, z2_end_taking_the_slice), "each bucket needs one reduce-scatter, not an all-reduce"),
@@ -328,6 +369,15 @@ ANSWERS = {
         ((z2_grad_ready, z2_end_dividing_again), "divided by N = 2 once more"),
         ((z2_only_rank_0_scatters, z2_end_of_backward_if_launched),
          "(line 4 of your z2_end_of_backward_if_launched: bucket.work.wait())"),
+        ((z2_arguments_swapped, z2_end_of_backward),
+         "got an output of 4608 elements and an input of 2304: the output is N = 2 times the "
+         "input, so the two arguments look swapped — the output (first) is this rank's 1/N "
+         "shard, bucket.grad_shard; the input (second) the whole tensor, bucket.buffer"),
+        ((z2_filled_undivided, z2_divides_before_the_wait),
+         "bucket.grad_shard was divided by N = 2 (div_) while the bucket's reduce-scatter was "
+         "still in flight (after the launch, before bucket.work.wait())"),
+        ((z2_drops_the_handle, z2_end_of_backward),
+         "reduce-scatter was launched in grad_ready, but its handle was not kept in bucket.work"),
     ]),
     "zero3_hook": Answers(zero3_hook, [
         (zero3_never_free, "held"),

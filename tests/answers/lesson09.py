@@ -162,6 +162,19 @@ def capacity_counted_over_all_groups(logits, k, capacity):
     return experts, gates, keep, aux
 
 
+def gates_under_no_grad(logits, k, capacity):  # the gates made where autograd does not look
+    experts, _, keep, aux = router(logits, k, capacity)
+    with torch.no_grad():
+        top = torch.softmax(logits.float(), -1).gather(-1, experts)
+        gates = top / top.sum(-1, keepdim=True)
+    return experts, gates, keep, aux
+
+
+def gates_detached(logits, k, capacity):
+    experts, gates, keep, aux = router(logits, k, capacity)
+    return experts, gates.detach(), keep, aux
+
+
 ANSWERS["moe_router"] = Answers(router, [
     (token_order_queue, "an expert's queue takes every token's first choice, in token order, before "
                         "any second choice"),
@@ -170,4 +183,7 @@ ANSWERS["moe_router"] = Answers(router, [
     (aux_over_all_groups, "that is the loss over all groups pooled together"),
     (capacity_ignored, "where its capacity is 4"),
     (capacity_counted_over_all_groups, "kept only"),
+    (gates_under_no_grad, "the gates have the right values but carry no gradient to the router: "
+                          "the gates do not require grad"),
+    (gates_detached, "carry no gradient to the router"),
 ])

@@ -9,6 +9,7 @@ waited in what, at which line of the learner's program) plus what to change.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 
@@ -229,11 +230,74 @@ def _observed(calls, x) -> list[dict]:
             for c in calls if c.op != "barrier"]
 
 
+#: the torch.distributed functions that make process groups
+_GROUP_MAKERS = ("new_group", "new_subgroups", "new_subgroups_by_enumeration")
+
+
+class _NoGroupMade(Exception):
+    """A group the check cannot stand in for was asked for (it makes none)."""
+
+
+def _group_count() -> int | None:
+    """How many process groups this process has made (torch's own count), where torch says."""
+    from torch.distributed import distributed_c10d
+
+    return getattr(getattr(distributed_c10d, "_world", None), "group_count", None)
+
+
+@contextlib.contextmanager
+def _no_new_groups(made: list, groups):
+    """While the block runs, a call of ``torch.distributed.new_group`` (or ``new_subgroups...``)
+    makes no group: it is noted in ``made`` (which function, the ranks asked for, the caller's
+    line) and answered with a group that exists — ``groups``' pair of those ranks, or the whole
+    world — so that no rank waits in it and no check leaves a group behind for the next.  Other
+    ranks lists raise :class:`_NoGroupMade`."""
+    import linecache
+    import sys
+
+    import torch.distributed as dist
+
+    saved = {name: getattr(dist, name) for name in _GROUP_MAKERS if hasattr(dist, name)}
+
+    def stand_in(name):
+        def call(*args, **kwargs):
+            ranks = kwargs.get("ranks", args[0] if args and name == "new_group" else None)
+            try:
+                asked = sorted(int(r) for r in ranks) if ranks is not None else None
+            except TypeError:
+                asked = None
+            frame = sys._getframe(1)
+            code = frame.f_code
+            made.append(dict(function=name, ranks=asked, caller=code.co_name,
+                             line=frame.f_lineno - code.co_firstlineno + 1,
+                             code=linecache.getline(code.co_filename, frame.f_lineno).strip()))
+            world = list(range(dist.get_world_size()))
+            if name == "new_group":
+                for g in groups or ():
+                    try:
+                        if dist.get_process_group_ranks(g) == (asked or world):
+                            return g
+                    except (RuntimeError, ValueError, KeyError, AttributeError):
+                        continue  # a pair this rank is not in
+                if asked is None or asked == world:
+                    return dist.group.WORLD
+            raise _NoGroupMade(name)
+        return call
+
+    for name in saved:
+        setattr(dist, name, stand_in(name))
+    try:
+        yield made
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
 def _on_rank(kind: str, fn, case: str = "", quiet: bool = True, observe: bool = False):
     """On each rank: the learner's program on this rank's input; what it returned (plain values)
-    and, with ``observe``, what it did (:func:`_observed`).  ``quiet``: what the program prints,
-    and torch's warnings, are dropped (a check cell prints only its verdict)."""
-    import contextlib
+    and, with ``observe`` (a check), what it did (:func:`_observed`) and which groups it asked to
+    make (:func:`_no_new_groups`: none is made).  ``quiet``: what the program prints, and torch's
+    warnings, are dropped (a check cell prints only its verdict)."""
     import io
     import warnings
 
@@ -244,6 +308,9 @@ def _on_rank(kind: str, fn, case: str = "", quiet: bool = True, observe: bool = 
 
     x = _input(kind, dist.get_rank(), case, group_device())
     groups = pairs() if kind == "group" else None
+    made: list = []
+    count = _group_count()
+    out = None
     with contextlib.ExitStack() as stack:
         if quiet:
             stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
@@ -251,22 +318,69 @@ def _on_rank(kind: str, fn, case: str = "", quiet: bool = True, observe: bool = 
             stack.enter_context(warnings.catch_warnings())
             warnings.simplefilter("ignore")
         calls = stack.enter_context(dist_calls()) if observe else []
-        out = fn(x, groups) if kind == "group" else fn(x)
-    return (_plain(out), _observed(calls, x)) if observe else _plain(out)
+        if observe:
+            stack.enter_context(_no_new_groups(made, groups))
+        try:
+            out = fn(x, groups) if kind == "group" else fn(x)
+        except _NoGroupMade:
+            pass
+    if observe and count is not None and _group_count() != count:
+        made.append(dict(function="new_group", ranks=None, caller=None, line=None, code="",
+                         real=True))  # through a name bound before the check replaced it
+    return (_plain(out), _observed(calls, x), made) if observe else _plain(out)
+
+
+class MadeGroups:
+    """What :func:`_run` gives as the failure when the learner's program asked torch.distributed
+    to make process groups: ``made`` (rank -> the calls :func:`_no_new_groups` noted)."""
+
+    def __init__(self, kind: str, made: dict):
+        self.kind, self.made = kind, made
+
+    def words(self, fn, where: str) -> str:
+        first = next(m for calls in self.made.values() for m in calls)
+        name = getattr(fn, "__name__", "your function")
+        line = (f" (line {first['line']} of your {first['caller']}: {first['code']})"
+                if first["line"] is not None and first["code"] else "")
+        asked = "; ".join(
+            f"rank {r} asked for {_ranks(m['ranks'])}" if m["ranks"] is not None else
+            f"rank {r} made a group" for r, calls in sorted(self.made.items()) for m in calls[:1])
+        use = ("the pairs' groups are made already: pass groups[rank // 2]" if self.kind == "group"
+               else "this program needs no group of its own: call the collective without one")
+        real = any(m.get("real") for calls in self.made.values() for m in calls)
+        done = ("Its ranks are started afresh for the next check" if real else
+                "The check made none")
+        return (f"{where}, your {name} called dist.{first['function']} inside the function{line}: "
+                f"{asked}. Making a group is a collective over the whole world — every rank must "
+                "call new_group for every group, with the same ranks, in the same order — so "
+                "ranks that ask for different groups wait for each other, or get a group that "
+                "depends on which groups this process made before; groups are made once, before "
+                f"the program runs, not at every call. {done}; {use}")
 
 
 def _run(kind: str, fn, n: int, case: str = ""):
-    """(results by rank, what each rank did, None) or (None, None, the rank failure)."""
+    """(results by rank, what each rank did, None) or (None, None, the rank failure, or
+    :class:`MadeGroups` when the program asked to make process groups)."""
     from ...runtime.launch import RankError
+    from .core import _RANKS
 
     try:
         out = ranks(n).run(_on_rank, kind, fn, case, True, True, timeout=60)
     except (RankError, TimeoutError) as exc:
         return None, None, exc
-    return [r for r, _ in out], [c for _, c in out], None
+    made = {rank: m for rank, (_, _, m) in enumerate(out) if m}
+    if made:
+        if any(c.get("real") for m in made.values() for c in m):  # a group was made: fresh ranks
+            stale = _RANKS.pop((n, 5), None)                      # for the next check
+            if stale is not None:
+                stale.close()
+        return None, None, MadeGroups(kind, made)
+    return [r for r, _, _ in out], [c for _, c, _ in out], None
 
 
 def _wrong(exc, fn, where: str, advice: str) -> str:
+    if isinstance(exc, MadeGroups):
+        return exc.words(fn, where)
     if isinstance(exc, TimeoutError):
         return f"{where} it did not finish within 60 s (a rank waiting for a message?)"
     return f"{diagnosis(exc, fn, where)}. {advice}" if advice else diagnosis(exc, fn, where)

@@ -11,7 +11,7 @@ import time
 import torch
 
 from .core import exercise, on_clusters, parts, raised
-from .guards import WatchingComm, bypassed, dist_calls
+from .guards import InPlaceNames, WatchingComm, bypassed, dist_calls
 from .inside import Row, inside, sent_per_rank
 
 
@@ -51,9 +51,19 @@ def _sync_rank(fn):
     model = GPT(_model(), seed=7)
     model(shard(x, r, n), shard(y, r, n)).backward()
     try:
-        fn(model, comm)
+        with dist_calls() as calls, InPlaceNames():
+            fn(model, comm)
     except Exception as exc:  # noqa: BLE001 - the learner's code may raise anything
         return raised(f"rank {r}: {getattr(fn, '__name__', 'your function')}(model, comm)", exc, fn)
+    names = {p.grad.data_ptr(): name for name, p in model.named_parameters() if p.grad is not None}
+    for c in calls:
+        for k, how in (c.touched or {}).items():
+            what = f"{names[c.tensors[k].data_ptr()]}.grad" \
+                if c.tensors[k].data_ptr() in names else "a tensor"
+            return (f"rank {r}: {what} was {how} while its {c.op.replace('_', '-')} was still "
+                    "in flight (after comm.all_reduce(..., async_op=True), before the handle's "
+                    "wait()): the all-reduce reads and writes it until wait() returns, so a "
+                    "change made before then is lost or half-summed; wait first, then divide")
     if not comm.tracer.summary().get("all_reduce"):
         return ("no all_reduce went through comm: each rank still holds only its own gradients; "
                 "call comm.all_reduce(p.grad) for each parameter")
@@ -104,6 +114,7 @@ def _hooks_rank(fn, kind: str = "all_reduce", bucket_mb: float | None = None):
     from ...parallel.zero import Zero2Optimizer
 
     grad_ready, end_of_backward = fn
+    names = InPlaceNames()  # how the learner's hooks write their tensors, for the messages
     launches, delivered, ends = [], {}, {}
     holder, reorder, held, arrived = {}, [False], {}, {}
 
@@ -122,16 +133,20 @@ def _hooks_rank(fn, kind: str = "all_reduce", bucket_mb: float | None = None):
             for j, g in held.pop(bucket.index)[::-1]:
                 arrived.setdefault(bucket.index, []).append(j)
                 delivered.setdefault(bucket.index, set()).add(j)
-                grad_ready(bucket, j, g, comm)
+                with names:
+                    grad_ready(bucket, j, g, comm)
             return None
         arrived.setdefault(bucket.index, []).append(i)
         delivered.setdefault(bucket.index, set()).add(i)
-        return grad_ready(bucket, i, grad, comm)
+        with names:
+            return grad_ready(bucket, i, grad, comm)
 
     def my_end_of_backward(buckets):
         ends["start"] = time.perf_counter()
+        ends["works"] = {b.index: b.work for b in buckets}  # the handles grad_ready kept
         try:
-            return end_of_backward(buckets)
+            with names:
+                return end_of_backward(buckets)
         finally:
             ends["end"] = time.perf_counter()
 
@@ -296,6 +311,16 @@ def _hooks_problem(fn, where, slots, launches, delivered, ends, error, arrived=N
         return (f"{where}: bucket {never[0]} ({total[never[0]]} parameters) was never launched "
                 f"({len(never)} of {len(slots)} buckets were not): every bucket's {w['word']} must "
                 f"start, once its last gradient is in{_again(where)}")
+    kept = ends.get("works", {})
+    unkept = [launch["slot"] for launch in launches
+              if launch["async_op"] and "works" in ends and launch["time"] < ends["start"]
+              and kept.get(launch["slot"]) is None]
+    if unkept:
+        return (f"{where}: bucket {unkept[0]}'s {w['word']} was launched in grad_ready, but its "
+                "handle was not kept in bucket.work (None when end_of_backward started), so "
+                "nobody can wait for it and end_of_backward cannot know when the sum has "
+                f"arrived: keep it, bucket.work = {w['call']}, and wait for it in "
+                "end_of_backward")
     if "start" not in ends:
         return raised(f"{where}: backward with your hooks", error, fn) if error is not None else \
             f"{where}: end_of_backward was not called (backward failed)"
@@ -328,6 +353,14 @@ def _hooks_problem(fn, where, slots, launches, delivered, ends, error, arrived=N
                     "waited for: end_of_backward returned while it could still be running, "
                     "and the optimizer would read a half-summed buffer; wait for every "
                     "bucket's handle before end_of_backward returns")
+    for launch in launches:
+        for name, how in launch.get("touched", {}).items():
+            return (f"{where}: bucket {launch['slot']}: {name} was {how} while the bucket's "
+                    f"{w['word']} was still in flight (after the launch, before "
+                    f"bucket.work.wait()): the {w['word']} reads and writes it until the wait "
+                    "returns, so a division (or any change) made before then is lost or "
+                    "half-summed; wait for bucket.work before you divide — or divide each "
+                    "gradient as it goes into its bucket, before the launch")
     if error is not None:
         return raised(f"{where}: backward with your hooks", error, fn)
     return None

@@ -79,10 +79,10 @@ def _zero1_rank(fn):
     the optimizer on the whole vector in one process with the mean gradient."""
     import torch.nn as nn
 
-    from ...comm import Comm
     from ...parallel.flat import FlatUnit
+    from .guards import ShapeCheckedComm
 
-    comm = Comm()
+    comm = ShapeCheckedComm()
     n, r = comm.size, comm.rank
     layout = FlatUnit([torch.empty(_PSI, device=comm.device)], n)
     size = layout.shard_size

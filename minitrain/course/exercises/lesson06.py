@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .core import exercise, on_clusters, raised
+from .guards import dist_calls
 
 _PER, _IN, _TOKENS = 4, 6, (3, 5)  # shard width, the other side of the layer, the input's leading dims
 
@@ -333,6 +334,32 @@ def _loss_differs(r: int, got, want, full, target, padded_full, n: int, per: int
             "log Σ_j exp(z_j − m) − (z_target − m), every sum over all ranks' columns")
 
 
+#: what an all-reduce's op makes of the ranks' maxes
+_OF_THE_MAXES = {"SUM": "sum", "AVG": "average", "MIN": "smallest", "PRODUCT": "product"}
+
+
+def _max_not_maxed(reduced: list, local, start: int, positions: int) -> str | None:
+    """When one of forward's all-reduces (``reduced``, from :func:`.guards.dist_calls` with their
+    inputs kept) carried this rank's own max logit per position with another op than MAX: what the
+    ranks then shift by, in words."""
+    columns = torch.arange(start, start + local.shape[-1], device=local.device)
+    own = [local.masked_fill(columns >= _VOCAB, float("-inf")).max(-1).values, local.max(-1).values]
+    for c in reduced:
+        if c.reduce_op == "MAX" or not c.inputs or c.inputs[0].numel() % positions:
+            continue
+        rows = c.inputs[0].detach().double().reshape(-1, positions)
+        if any(torch.allclose(row, m.reshape(-1).double(), rtol=1e-6, atol=1e-6)
+               for row in rows for m in own):
+            what = _OF_THE_MAXES.get(c.reduce_op, f"{c.reduce_op}-reduction")
+            why = (" (with logits near 95, the sum is near N·95 and exp(z − m) underflows to 0)"
+                   if c.reduce_op == "SUM" else "")
+            return (f"forward all-reduced this rank's max logit at each position with "
+                    f"op={c.reduce_op}, so every rank shifts by the {what} of the ranks' maxes, "
+                    f"not by the largest logit{why}: all-reduce the max with "
+                    "op=dist.ReduceOp.MAX")
+    return None
+
+
 def _vocab_ce_rank(fn):
     """On each rank: the learner's Function on its slice of the (padded) logits, against the full
     cross-entropy: values, gradient of its slice, and what it sent."""
@@ -354,7 +381,8 @@ def _vocab_ce_rank(fn):
         mine = local.clone().requires_grad_()
         comm.tracer.clear()
         try:
-            got = fn.apply(mine, target, r * per, _VOCAB, comm)
+            with dist_calls(keep_inputs=True) as calls:
+                got = fn.apply(mine, target, r * per, _VOCAB, comm)
         except Exception as exc:  # noqa: BLE001 - the learner's code may raise anything
             from ...runtime.worker import _is_timeout
             if _is_timeout(exc):
@@ -371,18 +399,36 @@ def _vocab_ce_rank(fn):
                     "averages)")
         other = sorted({e.op for e in forward} - {"all_reduce"})
         positions = target.numel()
-        numbers = sum(e.bytes for e in forward) / 4 / positions
         if other:
-            return (f"forward made {', '.join(other)} ({numbers:g} numbers per position): the "
+            sent = sum(e.bytes for e in forward) / positions
+            return (f"forward made {', '.join(other)} ({sent:g} bytes per position): the "
                     f"logits never travel — each rank holds {per} of the {_VOCAB} per position; "
                     "three numbers per position are all-reduced (the max, the target's logit, the "
                     "sum of exponentials)")
         if not forward:
             return ("forward communicated nothing: each rank holds only its slice of the "
                     "vocabulary, so the max and the sums over the vocabulary need all-reduces")
+        reduced = [c for c in calls if c.op == "all_reduce" and c.tensors]
+        numbers = sum(c.numel for c in reduced) / positions
+        nbytes = sum(c.nbytes for c in reduced) / positions
+        kinds = ", ".join(sorted({str(c.tensors[0].dtype).replace("torch.", "")
+                                  for c in reduced}))
         if numbers > 3:
-            return (f"forward all-reduced {numbers:g} numbers per position: the loss needs 3 (the "
-                    "max, the target's logit and the sum of exponentials), whatever the vocabulary")
+            return (f"forward all-reduced {numbers:g} numbers per position ({kinds}): the loss "
+                    "needs 3 (the max, the target's logit and the sum of exponentials), whatever "
+                    "the vocabulary")
+        if nbytes > 4 * numbers:
+            wide = [c for c in reduced if c.tensors[0].element_size() > 4]
+            many = sum(c.numel for c in wide) / positions
+            dtype = str(wide[0].tensors[0].dtype).replace("torch.", "")
+            return (f"forward all-reduced {numbers:g} numbers per position, "
+                    f"{'all ' if many == numbers else ''}{many:g} of them in {dtype}: "
+                    f"{nbytes:g} bytes per position where float32 carries them in "
+                    f"{4 * numbers:g} — the max, the target's logit and the sum of exponentials "
+                    "need no more than float32: compute them from logits.float()")
+        summed = _max_not_maxed(reduced, local, r * per, positions)
+        if summed:
+            return f"rank {r}{case}: {summed}"
         if not got.is_floating_point():
             return (f"rank {r}: forward returned {got.dtype}: the loss is a floating-point number at "
                     "every position")

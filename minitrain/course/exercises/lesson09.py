@@ -313,9 +313,11 @@ def _router_alone(fn) -> str | None:
         if not torch.equal(keep, want[2]):
             return f"{call}: " + _keep_differs(keep, want[2], want[0], cap, k)
         if not aux.requires_grad:
-            return (f"{call}: aux_loss carries no gradient to the logits: P_e, the mean router "
-                    "probability, comes from the softmax and must stay differentiable (only f_e, "
-                    "the fraction of assignments, is a count)")
+            nor = (", nor do the gates (were the logits detached, or the router run under "
+                   "torch.no_grad()?)" if not gates.requires_grad else "")
+            return (f"{call}: aux_loss carries no gradient to the logits{nor}: P_e, the mean "
+                    "router probability, comes from the softmax and must stay differentiable "
+                    "(only f_e, the fraction of assignments, is a count)")
         if not torch.allclose(aux.detach().float(), want[3].detach(), rtol=1e-4, atol=1e-6):
             probs = torch.softmax(ref_logits.detach().float(), -1)
             chosen = torch.nn.functional.one_hot(want[0], E)
@@ -327,12 +329,44 @@ def _router_alone(fn) -> str | None:
             return (f"{call}: aux_loss is {aux.item():.6f}, E·Σ_e f_e·P_e per group averaged over "
                     f"the groups gives {want[3].item():.6f}{hint} (f_e: the fraction of the group's "
                     "k·S assignments routed to e, before capacity; P_e: e's mean probability)")
-        g_mine = torch.autograd.grad(aux, logits, allow_unused=True)[0]
-        g_want = torch.autograd.grad(want[3], ref_logits)[0]
+        g_mine = torch.autograd.grad(aux, logits, allow_unused=True, retain_graph=True)[0]
+        g_want = torch.autograd.grad(want[3], ref_logits, retain_graph=True)[0]
         if g_mine is None or not torch.allclose(g_mine, g_want, rtol=1e-3, atol=1e-6):
             return (f"{call}: aux_loss has the right value but not the right gradient: f_e is a "
                     "count (no gradient), P_e the mean of the softmax probabilities (the gradient "
                     "flows through it)")
+        found = _gates_gradient(gates, want[1], logits, ref_logits, seed)
+        if found:
+            return f"{call}: {found}"
+    return None
+
+
+def _gates_gradient(gates, want_gates, logits, ref_logits, seed: int) -> str | None:
+    """The gates' gradient to the router (through the logits, which the router's weights make)
+    against the package's router's, for an upstream gradient drawn per case: the expert outputs
+    are weighted by the gates, which is how the router learns."""
+    upstream = torch.randn(tuple(want_gates.shape), generator=torch.Generator().manual_seed(
+        50 + seed), device="cpu")
+    g_want = torch.autograd.grad((want_gates * upstream).sum(), ref_logits)[0]
+    if not g_want.abs().max() > 1e-8:  # k = 1: every gate is 1, whatever the logits
+        return None
+    g_mine = None
+    if gates.requires_grad:
+        g_mine = torch.autograd.grad((gates.float() * upstream).sum(), logits,
+                                     allow_unused=True)[0]
+    if g_mine is None or not g_mine.any():
+        how = ("the gates do not require grad (computed under torch.no_grad(), or detached)"
+               if not gates.requires_grad else "their gradient to the logits is zero")
+        return (f"the gates have the right values but carry no gradient to the router: {how}; "
+                "each expert's output is weighted by its gate, and that weight is how the "
+                "router's weights learn — compute the gates from the softmax, differentiably "
+                "(only the choice of experts and keep are counts)")
+    if not torch.allclose(g_mine, g_want, rtol=1e-3, atol=1e-6):
+        worst = (g_mine - g_want).abs().max().item()
+        return (f"the gates have the right values, but their gradient to the logits differs "
+                f"from the renormalised probabilities' by up to {worst:.3g}: the gates must be "
+                "the chosen experts' softmax probabilities divided by their sum, each step "
+                "differentiable")
     return None
 
 

@@ -172,6 +172,12 @@ class Band:
     date: str
     source: str
 
+    def words(self, what: str = "step time") -> str:
+        """The spread in words: "14 published runs from 4 groups took 1.04–1.65× their projected
+        step time"."""
+        return (f"{self.rows} published runs from {self.groups} groups took "
+                f"{self.low:.2f}–{self.high:.2f}× their projected {what}")
+
 
 def published_band() -> Band:
     """The spread :data:`BAND_FILE` records (read once); a FileNotFoundError naming
@@ -294,8 +300,7 @@ class Projection:
         if band is None:
             return text
         return (f"{text} (uncertainty {_figure(span[0] * scale)}–{_figure(span[1] * scale)} "
-                f"{unit}: {band.rows} published runs from {band.groups} groups took "
-                f"{band.low:.2f}–{band.high:.2f}× their projected step time)")
+                f"{unit}: {band.words()})")
 
     def to_dict(self) -> dict:
         """The fields a run's JSON summary carries (``minitrain train --project ... --json``): no

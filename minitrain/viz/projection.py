@@ -205,8 +205,7 @@ def uncertainty(projection) -> dict | None:
     low, high = span
     return {"low_ms": low * 1e3, "high_ms": high * 1e3,
             "label": f"uncertainty {_ms(low)}–{_ms(high)}",
-            "note": f"{band.rows} published runs took {band.low:.2f}–{band.high:.2f}× their "
-                    "projected step"}
+            "note": band.words("step")}
 
 
 def projection_view(result, cluster: str = "dgx-h100", model="1.3b", *,
@@ -307,9 +306,7 @@ def summary_html(view: dict) -> str:
         f'{where}</span>: '
         f'<b class="mt-projection-step">{_ms(p.step_time_s)} per step</b>'
         + (f' <span class="mt-projection-range">(uncertainty {_ms(span[0])}–{_ms(span[1])}: '
-           f'{p.band.rows} published runs from {p.band.groups} groups took '
-           f'{p.band.low:.2f}–{p.band.high:.2f}× their projected step time)</span>' if span
-           else "") +
+           f'{esc(p.band.words())})</span>' if span else "") +
         f' — beside '
         f'<b class="mt-projection-measured">{_ms(view["measured_step_ms"] / 1e3)}</b> measured here '
         f'for the same step (this machine, the run\'s own model).<br>'

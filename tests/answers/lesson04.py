@@ -304,7 +304,7 @@ def z2_end_dividing_again(buckets):
     """Waits, then divides each shard by N once more (grad_ready already did).  gloo copies a
     reduce-scatter's result into the output at every wait() of torch's handle: a second wait
     anywhere would put the right shard back on CPUs, and not on GPUs."""
-    n = __import__("torch.distributed").distributed.get_world_size()
+    n = torch.distributed.get_world_size()
     for bucket in buckets:
         bucket.work.wait()
         bucket.grad_shard.div_(n)

@@ -78,6 +78,14 @@ def ranks(n: int, timeout: float = 5):
     return _RANKS[key]
 
 
+def discard(n: int, timeout: float = 5) -> None:
+    """Stop the running cluster of ``n`` ranks (if any), so the next check starts it afresh: one a
+    check may have left mid-message, or with a process group the check did not make."""
+    stale = _RANKS.pop((n, timeout), None)
+    if stale is not None:
+        stale.close()
+
+
 def release() -> None:
     """Stop the checkers' ranks (they are also stopped when the kernel exits)."""
     while _RANKS:
@@ -98,9 +106,7 @@ def on_clusters(rank_fn, fn, sizes=(2, 3, 4), *args, trouble=rank_trouble) -> st
         except TimeoutError:
             return f"with {n} ranks it did not finish within 60 s (a rank waiting for a message?)"
         if problems:  # a rank may have left the group mid-message: the next check starts afresh
-            stale = _RANKS.pop((n, 5), None)
-            if stale is not None:
-                stale.close()
+            discard(n)
             return f"with {n} ranks, {problems[0]}"
     return None
 

@@ -362,7 +362,7 @@ def _run(kind: str, fn, n: int, case: str = ""):
     """(results by rank, what each rank did, None) or (None, None, the rank failure, or
     :class:`MadeGroups` when the program asked to make process groups)."""
     from ...runtime.launch import RankError
-    from .core import _RANKS
+    from .core import discard
 
     try:
         out = ranks(n).run(_on_rank, kind, fn, case, True, True, timeout=60)
@@ -371,9 +371,7 @@ def _run(kind: str, fn, n: int, case: str = ""):
     made = {rank: m for rank, (_, _, m) in enumerate(out) if m}
     if made:
         if any(c.get("real") for m in made.values() for c in m):  # a group was made: fresh ranks
-            stale = _RANKS.pop((n, 5), None)                      # for the next check
-            if stale is not None:
-                stale.close()
+            discard(n)                                            # for the next check
         return None, None, MadeGroups(kind, made)
     return [r for r, _, _ in out], [c for _, c, _ in out], None
 
